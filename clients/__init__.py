@@ -1,0 +1,1 @@
+"""Client programs for uibus: a typed asyncio client library and the `uibus` CLI."""

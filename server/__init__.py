@@ -1,0 +1,1 @@
+"""uibus: one gRPC service for coding-agent user interfaces."""

@@ -1,0 +1,47 @@
+"""`uibus serve`: run the service until SIGTERM/SIGINT, then shut down gracefully and exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from server import logs
+from server.config import Config
+
+
+async def serve(config: Config) -> None:
+    from server.app import App
+
+    app = App(config)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await app.stop()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("serve", help="run the uibus server")
+    Config.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    try:
+        config = Config.from_args(ns)
+    except ValueError as exc:
+        print(f"uibus serve: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m server", description="Run the uibus server.")
+    Config.add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,1 @@
+"""gRPC servicers. Each depends on the bus and the store, never the other way round."""

@@ -1,0 +1,45 @@
+"""What every servicer needs: the shared runtime, and the one way to open a bus stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from server.bus import Bus, BusClosed, SubscriptionLimit
+from server.config import Config
+from server.store import Store
+
+
+@dataclass
+class Runtime:
+    """The process-wide parts services share; built once by server.app."""
+
+    config: Config
+    bus: Bus
+    store: Store
+
+
+async def stream_topic(bus: Bus, context: grpc.aio.ServicerContext, session: str, kind: str,
+                       target: str = "", first: tuple[Any, ...] = ()) -> AsyncIterator[Any]:
+    """Yields `first`, then every event of the topic until the stream ends.
+
+    The subscription is registered here and removed in the `finally` beside it, which runs on
+    client cancel, disconnect, deadline and shutdown alike.
+    """
+    try:
+        sub = bus.subscribe(session, kind, target)
+    except SubscriptionLimit as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    except BusClosed as exc:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    try:
+        for item in first:
+            yield item
+        async for item in sub:
+            yield item
+    finally:
+        bus.unsubscribe(sub)
+
