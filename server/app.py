@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -29,10 +29,52 @@ from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
 
-Installer = Callable[[grpc.aio.Server, Runtime], list[str]]
 
 
-def _install_ui(server: grpc.aio.Server, rt: Runtime) -> list[str]:
+class Registry:
+    """Stands in for the grpc.aio server while services install, and remembers their handlers.
+
+    The HTTP side (gRPC-Web, neuro-san HTTP API) dispatches to the very same method handlers
+    in-process through `lookup`, so both transports share servicers, validation and behaviour.
+    """
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+        self._generic: list[grpc.GenericRpcHandler] = []
+        self._methods: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._generic.extend(handlers)
+        self.server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        for name, handler in handlers.items():
+            self._methods[f"/{service}/{name}"] = handler
+        self.server.add_registered_method_handlers(service, handlers)
+
+    def lookup(self, method: str, metadata: Sequence[tuple[str, str | bytes]] = ()) -> grpc.RpcMethodHandler | None:
+        """The handler gRPC would run for `method` (a `/package.Service/Method` path)."""
+        handler = self._methods.get(method)
+        if handler is not None:
+            return handler
+        details = _CallDetails(method, tuple(metadata))
+        for generic in self._generic:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+
+class _CallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+Installer = Callable[[Registry, Runtime], list[str]]
+
+
+def _install_ui(server: Registry, rt: Runtime) -> list[str]:
     ui_pb2_grpc.add_UiServiceServicer_to_server(ui.UiService(rt), server)
     host_pb2_grpc.add_HostServiceServicer_to_server(host.HostService(rt), server)
     return [ui_pb2.DESCRIPTOR.services_by_name["UiService"].full_name,
@@ -59,11 +101,12 @@ class App:
                 ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ],
         )
+        self.registry = Registry(self.server)
         self.service_names: list[str] = []
         for install in INSTALLERS:
-            self.service_names += install(self.server, self.rt)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.service_names += reflection.enable(self.server, [*self.service_names, HEALTH])
+            self.service_names += install(self.registry, self.rt)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.registry)  # type: ignore[arg-type]
+        self.service_names += reflection.enable(self.registry, [*self.service_names, HEALTH])  # type: ignore[arg-type]
         self.port = 0
         self._stopping = False
 
@@ -93,6 +136,8 @@ class App:
         if self.config.drain_seconds > 0:
             await asyncio.sleep(self.config.drain_seconds)
         self.bus.close()
+        for hook in self.rt.on_shutdown:
+            hook()
         await self.server.stop(grace)
         await self.store.close()
         log.info("stopped")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -20,6 +20,9 @@ class Runtime:
     config: Config
     bus: Bus
     store: Store
+    # Called once when shutdown starts (after health turns NOT_SERVING, with the bus closed), so
+    # services with their own long-running calls can end them cleanly within the grace period.
+    on_shutdown: list[Callable[[], None]] = field(default_factory=list)
 
 
 async def stream_topic(bus: Bus, context: grpc.aio.ServicerContext, session: str, kind: str,
