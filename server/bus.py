@@ -202,6 +202,10 @@ class Bus:
             return c.subscriptions if c else 0
         return sum(len(s) for s in self._topics.get((session, kind or ""), {}).values())
 
+    def subscriptions(self, session: str, kind: str) -> list[Subscription]:
+        """The open subscriptions of one topic (every target), for inspection."""
+        return [sub for subs in self._topics.get((session, kind), {}).values() for sub in subs]
+
     def close(self) -> None:
         """Graceful-shutdown switch: refuse new subscriptions and end every open stream."""
         self._closed = True
