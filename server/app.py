@@ -23,6 +23,8 @@ from server.config import Config
 from server.services import host, ui
 from server.services.common import Runtime
 from server.store import Store, open_store
+from server.web.metrics import Metrics, MetricsInterceptor
+from server.web.server import HttpServer, start_http
 from uibus_pb.cline import ui_pb2, ui_pb2_grpc
 from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
 
@@ -92,7 +94,10 @@ class App:
         self.store = store or open_store(config.store, config.redis_url)
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        self.metrics = Metrics(self.bus)
+        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
+        if config.auth_token:
+            interceptors.append(BearerTokenInterceptor(config.auth_token))
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -108,7 +113,14 @@ class App:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.registry)  # type: ignore[arg-type]
         self.service_names += reflection.enable(self.registry, [*self.service_names, HEALTH])  # type: ignore[arg-type]
         self.port = 0
+        self.http: HttpServer | None = None
+        self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
         self._stopping = False
+
+    @property
+    def stopping(self) -> bool:
+        """True from the moment shutdown starts (readiness probes fail from then on)."""
+        return self._stopping
 
     async def start(self) -> None:
         cfg = self.config
@@ -120,10 +132,13 @@ class App:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
+        if cfg.http_port:
+            self.http = await start_http(self)
+            self.http_port = self.http.port
         for name in ["", *self.service_names, HEALTH]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "tls": bool(cfg.tls_cert),
-                                              "store": cfg.redis_url or cfg.store}})
+        log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "http": self.http_port,
+                                              "tls": bool(cfg.tls_cert), "store": cfg.redis_url or cfg.store}})
 
     async def stop(self, grace: float | None = None) -> None:
         """The graceful-shutdown switch; safe to call more than once."""
@@ -138,7 +153,10 @@ class App:
         self.bus.close()
         for hook in self.rt.on_shutdown:
             hook()
-        await self.server.stop(grace)
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace), self.http.stop())
+        else:
+            await self.server.stop(grace)
         await self.store.close()
         log.info("stopped")
 

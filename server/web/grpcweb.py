@@ -1,0 +1,296 @@
+"""gRPC-Web (`application/grpc-web[+proto]` and `application/grpc-web-text`) over HTTP/1.1.
+
+Each call runs the same grpc method handler the native server runs, in-process, with an
+`HttpServicerContext`. Response messages are framed and flushed as they are produced; the status
+goes in a trailer frame, or in the headers when nothing was sent (trailers-only, so an empty
+stream or an early error needs no body). A `grpc-timeout` becomes a deadline, and a client that
+goes away cancels the handler so its `finally` (e.g. the bus unsubscribe) runs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import re
+import struct
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+from urllib.parse import quote
+
+import grpc
+
+from server.web.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    bearer_ok,
+    read_body,
+    until_disconnect,
+)
+from server.web.context import HttpServicerContext, Metadata
+from server.web.invoke import responses
+
+Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
+Observe = Callable[[str, str, float, str], None]
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # as server.auth: probes carry no token
+_TRAILER_FLAG = 0x80
+_END = object()
+HEADERS_AFTER = 0.05  # seconds a stream may take to produce or end before its headers go out
+_HEADER = struct.Struct(">BI")
+_TIMEOUT = re.compile(r"(\d{1,8})([HMSmun])")
+_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+# Request headers that are HTTP/transport plumbing, not call metadata.
+_NOT_METADATA = frozenset({
+    "host", "connection", "content-length", "content-type", "accept", "accept-encoding", "accept-language",
+    "origin", "referer", "user-agent", "x-grpc-web", "x-user-agent", "grpc-timeout", "te", "cookie",
+    "cache-control", "pragma", "priority", "keep-alive", "transfer-encoding", "upgrade",
+})
+_B64_SEGMENT = re.compile(rb"[A-Za-z0-9+/]*={0,2}")
+
+
+def is_grpc_web(content_type: str) -> bool:
+    return content_type.startswith("application/grpc-web")
+
+
+def parse_timeout(value: str) -> float | None:
+    """Seconds of a `grpc-timeout` header (e.g. `250m`), None when absent; ValueError when bad."""
+    if not value:
+        return None
+    m = _TIMEOUT.fullmatch(value.strip())
+    if not m:
+        raise ValueError(f"grpc-timeout {value!r} is not 1-8 digits followed by one of H M S m u n")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def metadata_of(scope: Scope) -> Metadata:
+    """Request headers as gRPC invocation metadata (`-bin` values base64-decoded)."""
+    out: list[tuple[str, str | bytes]] = []
+    for raw_key, raw_value in scope["headers"]:
+        key = raw_key.decode("latin-1").lower()
+        if key in _NOT_METADATA or key.startswith(("sec-", "access-control-", ":")):
+            continue
+        if key.endswith("-bin"):
+            try:
+                out.append((key, base64.b64decode(raw_value + b"=" * (-len(raw_value) % 4))))
+            except (binascii.Error, ValueError):
+                continue
+        else:
+            out.append((key, raw_value.decode("latin-1")))
+    return tuple(out)
+
+
+def decode_text(body: bytes) -> bytes:
+    """grpc-web-text body: base64, possibly several padded chunks one after another."""
+    body = b"".join(body.split())
+    out = []
+    for seg in _B64_SEGMENT.findall(body):
+        if seg:
+            out.append(base64.b64decode(seg + b"=" * (-len(seg) % 4)))
+    if sum(len(s) for s in _B64_SEGMENT.findall(body)) != len(body):
+        raise ValueError("grpc-web-text body is not base64")
+    return b"".join(out)
+
+
+def split_frames(data: bytes) -> list[bytes]:
+    """The message payloads of a framed body; ValueError when the framing is broken."""
+    frames = []
+    pos = 0
+    while pos < len(data):
+        if len(data) - pos < 5:
+            raise ValueError("truncated gRPC-Web frame header")
+        flag, length = _HEADER.unpack_from(data, pos)
+        pos += 5
+        if len(data) - pos < length:
+            raise ValueError(f"gRPC-Web frame says {length} bytes but {len(data) - pos} follow")
+        if flag & 0x01:
+            raise ValueError("compressed gRPC-Web frames are not supported (send grpc-encoding identity)")
+        if not flag & _TRAILER_FLAG:
+            frames.append(data[pos:pos + length])
+        pos += length
+    return frames
+
+
+def _meta_headers(pairs: Metadata) -> Headers:
+    out = []
+    for key, value in pairs:
+        if key.endswith("-bin"):
+            value = base64.b64encode(value if isinstance(value, bytes) else value.encode()).decode()
+        out.append((key.lower().encode("latin-1"), str(value).encode("latin-1", "replace")))
+    return out
+
+
+def _status_headers(code: grpc.StatusCode, details: str) -> Headers:
+    headers = [(b"grpc-status", str(code.value[0]).encode())]
+    if details:
+        headers.append((b"grpc-message", quote(details, safe=" !#$&'()*+,/:;=?@[]~").encode()))
+    return headers
+
+
+class _Response:
+    """One gRPC-Web response: headers once, then frames, then the trailers."""
+
+    __slots__ = ("content_type", "ctx", "send", "started", "text")
+
+    def __init__(self, send: Send, text: bool, ctx: HttpServicerContext) -> None:
+        self.send = send
+        self.text = text
+        self.ctx = ctx
+        self.started = False
+        self.content_type = b"application/grpc-web-text+proto" if text else b"application/grpc-web+proto"
+
+    async def start(self, extra: Headers = ()) -> None:  # type: ignore[assignment]
+        self.started = True
+        self.ctx.initial_metadata_sent = True
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+            *_meta_headers(self.ctx.initial_metadata), *extra]})
+
+    def _frame(self, flag: int, payload: bytes) -> bytes:
+        frame = _HEADER.pack(flag, len(payload)) + payload
+        return base64.b64encode(frame) if self.text else frame
+
+    async def message(self, payload: bytes) -> None:
+        if not self.started:
+            await self.start()
+        await self.send({"type": "http.response.body", "body": self._frame(0, payload), "more_body": True})
+
+    async def finish(self, code: grpc.StatusCode, details: str) -> None:
+        status = _status_headers(code, details) + _meta_headers(self.ctx.trailing)
+        if not self.started:  # trailers-only: the status travels in the headers
+            await self.start(status)
+            await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        block = b"".join(k + b": " + v + b"\r\n" for k, v in status)
+        await self.send({"type": "http.response.body", "body": self._frame(_TRAILER_FLAG, block), "more_body": False})
+
+
+class GrpcWeb:
+    """The ASGI app that answers every gRPC-Web POST."""
+
+    def __init__(self, lookup: Lookup, auth_token: str = "", max_message_bytes: int = 4 * 1024 * 1024,
+                 observe: Observe | None = None) -> None:
+        self.lookup = lookup
+        self.auth_token = auth_token
+        self.max_body = max_message_bytes + 5 * 16  # a few frame headers on top of one message
+        self.observe = observe
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
+        text = content_type.startswith("application/grpc-web-text")
+        metadata = metadata_of(scope)
+        client = scope.get("client")
+        peer = f"ipv4:{client[0]}:{client[1]}" if client else "unknown"
+        ctx = HttpServicerContext(metadata, peer)
+        resp = _Response(send, text, ctx)
+        started = time.perf_counter()
+
+        async def refuse(code: grpc.StatusCode, details: str) -> None:
+            ctx.finish()
+            await resp.finish(code, details)
+
+        if scope["method"] != "POST":
+            await refuse(grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")
+            return
+        try:
+            timeout = parse_timeout(next((v for k, v in scope["headers"] if k == b"grpc-timeout"), b"").decode())
+            body = await read_body(receive, self.max_body)
+            if text:
+                body = decode_text(body)
+            frames = split_frames(body)
+        except ClientGone:
+            return
+        except BodyTooLarge as exc:
+            await refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            return
+        except ValueError as exc:
+            await refuse(grpc.StatusCode.INTERNAL, str(exc))
+            return
+        handler = self.lookup(path, metadata)
+        if handler is None:
+            await refuse(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
+            return
+        if self.auth_token and not path.startswith(OPEN_METHODS) and not bearer_ok(
+                self.auth_token, dict(metadata).get("authorization")):
+            await refuse(grpc.StatusCode.UNAUTHENTICATED,
+                         "missing or wrong bearer token (header `authorization: Bearer <token>`)")
+            return
+        try:
+            requests = [handler.request_deserializer(f) if handler.request_deserializer else f for f in frames]
+        except Exception as exc:
+            await refuse(grpc.StatusCode.INTERNAL, f"could not parse the request message: {exc}")
+            return
+        if handler.request_streaming:
+            request: Any = _aiter(requests)
+        elif len(requests) == 1:
+            request = requests[0]
+        else:
+            await refuse(grpc.StatusCode.UNIMPLEMENTED if requests else grpc.StatusCode.INTERNAL,
+                         f"a unary request needs exactly one message, got {len(requests)}")
+            return
+        ctx._deadline = None if timeout is None else time.monotonic() + timeout
+        ctx.on_initial_metadata = resp.start
+
+        abandoned = True
+        try:
+            abandoned = await until_disconnect(self._run(handler, request, ctx, resp, timeout), receive)
+        finally:
+            if abandoned:  # the browser aborted, or the server task itself is being cancelled
+                ctx.finish(cancelled=True)
+        if self.observe is not None:
+            code = grpc.StatusCode.CANCELLED if abandoned else ctx.status()[0]
+            self.observe(path, code.name, time.perf_counter() - started, "grpc-web")
+
+    async def _run(self, handler: grpc.RpcMethodHandler, request: Any, ctx: HttpServicerContext,
+                   resp: _Response, timeout: float | None) -> None:
+        serialize = handler.response_serializer
+        try:
+            async with asyncio.timeout(timeout):
+                async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
+                    message = await self._first(stream, resp) if handler.response_streaming else \
+                        await anext(stream, _END)
+                    while message is not _END:
+                        await resp.message(serialize(message) if serialize else message)
+                        message = await anext(stream, _END)
+        except TimeoutError:
+            ctx.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            ctx.set_details("Deadline Exceeded")
+            ctx.finish(cancelled=True)
+        except Exception as exc:  # serializer failure: the handler produced a wrong type
+            ctx.set_code(grpc.StatusCode.INTERNAL)
+            ctx.set_details(f"could not serialize the response: {exc}")
+        code, details = ctx.status()
+        await resp.finish(code, details)
+        ctx.finish()
+
+    @staticmethod
+    async def _first(stream: AsyncIterator[Any], resp: _Response) -> Any:
+        """The first message of a stream; headers go out if it does not come at once.
+
+        A stream that ends or fails straight away still gets a trailers-only response, while a
+        live subscription that waits for events tells the client at once that it is open.
+        """
+        first = asyncio.ensure_future(anext(stream, _END))
+        try:
+            done, _ = await asyncio.wait((first,), timeout=HEADERS_AFTER)
+            if not done and not resp.started:
+                await resp.start()
+            return await first
+        finally:
+            if not first.done():  # cancelled meanwhile: the generator must be idle before aclose
+                first.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await first
+
+
+async def _aiter(items: list[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
