@@ -120,6 +120,7 @@ SERVICE_MODULES = (
     "uibus_pb.cline.ui_pb2",
     "uibus_pb.uibus.v1.host_pb2",
     "uibus_pb.uibus.v1.extension_ui_pb2",
+    "uibus_pb.uibus.v1.codebolt_pb2",
     "uibus_pb.neuro_san.api.grpc.agent_pb2",
     "uibus_pb.neuro_san.api.grpc.concierge_pb2",
 )

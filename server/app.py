@@ -19,6 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from server import reflection, topics
 from server.auth import BearerTokenInterceptor
 from server.bus import Bus
+from server.codebolt import service as codebolt_service
 from server.config import Config
 from server.services import agent, extension_ui, host, ui
 from server.services.common import Runtime
@@ -87,6 +88,7 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 INSTALLERS: list[Installer] = [_install_ui]
 INSTALLERS.append(agent.install)  # neuro-san AgentService per agent + ConciergeService
 INSTALLERS.append(extension_ui.install)
+INSTALLERS.append(codebolt_service.install)  # CodeBoltService + the /agent-to-app WebSocket
 
 
 class App:

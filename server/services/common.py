@@ -23,6 +23,8 @@ class Runtime:
     # Called once when shutdown starts (after health turns NOT_SERVING, with the bus closed), so
     # services with their own long-running calls can end them cleanly within the grace period.
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
+    # ASGI apps that services put on the HTTP port, by path prefix (e.g. the CodeBolt WebSocket).
+    http_mounts: dict[str, Any] = field(default_factory=dict)
 
 
 async def stream_topic(bus: Bus, context: grpc.aio.ServicerContext, session: str, kind: str,

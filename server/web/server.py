@@ -68,6 +68,7 @@ async def start_http(app: App) -> HttpServer:
     cfg = app.config
     routes = Routes(app.registry.lookup, app.metrics, webview_html, lambda: app.stopping, cfg.auth_token,
                     cfg.max_message_bytes)
+    routes.mounts.update(app.rt.http_mounts)
     server = HttpServer(build(routes, cfg.cors_origins), cfg.host, cfg.http_port, cfg.grace_seconds)
     server.routes = routes  # type: ignore[attr-defined]
     await server.start()

@@ -1,0 +1,283 @@
+"""What the served CodeBolt actions do, on the shared session store and bus.
+
+* chatEvent: messages go to the session's chat history (the chat service's `server.chat_history`,
+  so neuro-san chat and CodeBolt share one conversation) and to subscribeToPartialMessage as
+  finished ClineMessages; confirmations, notices and process status go through
+  ExtensionUiService, so any extension-UI client answers them; waitforReply waits for the next
+  `CodeBoltService.SendUserMessage` of the session.
+* stateEvent / memoryEvent: one store key per entry (`codebolt/agent/<key>`,
+  `codebolt/project/<key>`, `codebolt/memory/<key>`), so a write never reads-modifies-writes and
+  two agents writing different keys cannot lose each other's update.
+
+Each action returns a `Reply`; the connection (server.codebolt.gateway) sends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from server import chat_history, topics
+from server.bus import Subscription
+from server.codebolt.inprocess import CallFailed, InProcess
+from server.codebolt.protocol import Request
+from server.services.common import Runtime
+from uibus_pb.cline import ui_pb2
+from uibus_pb.uibus.v1 import extension_ui_pb2 as xpb
+
+SOURCE = "codebolt"
+MAX_TEXT = 64 * 1024
+MAX_KEY = 256
+MAX_KEYS = 1000  # entries per state/memory namespace and session
+DEFAULT_BUTTONS = ("Yes", "No")
+HISTORY_DEFAULT = 1000
+STATUS_KEY = "codebolt"
+_STATUS_TEXT = {"processStarted": "running", "processStoped": "stopped", "processFinished": "finished"}
+_EXT = "/uibus.v1.ExtensionUiService/"
+AGENT_PREFIX = "codebolt/agent/"
+PROJECT_PREFIX = "codebolt/project/"
+MEMORY_PREFIX = "codebolt/memory/"
+
+
+@dataclass(slots=True)
+class Reply:
+    success: bool
+    data: Any = None
+    error: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)  # codeboltjs-facing top-level fields
+    reply_type: str = ""  # overrides the request's reply type (feedbackResponse)
+
+
+def fail(error: str) -> Reply:
+    return Reply(False, error=error)
+
+
+class BadRequest(ValueError):
+    """A field of the action's payload is missing or of the wrong kind."""
+
+
+@dataclass(slots=True)
+class Context:
+    rt: Runtime
+    calls: InProcess
+    session: str
+
+
+_ts_last = 0
+
+
+def next_ts() -> int:
+    """Unix ms, strictly increasing in this process: a webview replaces messages with equal ts."""
+    global _ts_last
+    _ts_last = max(int(time.time() * 1000), _ts_last + 1)
+    return _ts_last
+
+
+def _text(fields: dict[str, Any], *names: str, required: bool = True) -> str:
+    for name in names:
+        value = fields.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(f"`{name}` must be a string, got {type(value).__name__}")
+        if len(value) > MAX_TEXT:
+            raise BadRequest(f"`{name}` is {len(value)} characters long; the limit is {MAX_TEXT}")
+        if value or not required:
+            return value
+    if required:
+        raise BadRequest(f"`{names[0]}` is required (a non-empty string)")
+    return ""
+
+
+def _key(fields: dict[str, Any]) -> str:
+    key = fields.get("key")
+    if not isinstance(key, str) or not key:
+        raise BadRequest("`key` is required (a non-empty string)")
+    if len(key) > MAX_KEY:
+        raise BadRequest(f"`key` is {len(key)} characters long; the limit is {MAX_KEY}")
+    return key
+
+
+def say(rt: Runtime, session: str, ts: int, text: str, kind: int) -> int:
+    """Publishes a finished ClineMessage (SAY `kind`) to the session's webviews."""
+    msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=kind, text=text, partial=False)  # type: ignore[arg-type]
+    return rt.bus.publish(session, topics.PARTIAL_MESSAGE, msg, key=ts)
+
+
+async def post_agent_message(ctx: Context, text: str) -> dict[str, Any]:
+    ts = next_ts()
+    await chat_history.append(ctx.rt.store, ctx.session, "assistant", text, agent=SOURCE, source=SOURCE, ts=ts)
+    return {"ts": ts, "subscribers": say(ctx.rt, ctx.session, ts, text, ui_pb2.TEXT)}
+
+
+# ---- chatEvent: immediate ----
+
+async def send_message(ctx: Context, req: Request) -> Reply:
+    return Reply(True, await post_agent_message(ctx, _text(req.fields, "message", "text", "content")))
+
+
+async def get_chat_history(ctx: Context, req: Request) -> Reply:
+    limit = req.fields.get("limit", HISTORY_DEFAULT)
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= chat_history.MAX_HISTORY:
+        raise BadRequest(f"`limit` must be an integer within 1..{chat_history.MAX_HISTORY}")
+    return Reply(True, await chat_history.read(ctx.rt.store, ctx.session, last=limit))
+
+
+async def notification(ctx: Context, req: Request) -> Reply:
+    text = _text(req.fields, "message", "text")
+    reply = await ctx.calls.unary(_EXT + "Notify", xpb.NotifyRequest(message=text, notify_type=xpb.NOTIFY_TYPE_INFO),
+                                  ctx.session)
+    return Reply(True, {"id": reply.id, "subscribers": reply.subscribers})
+
+
+async def process_status(ctx: Context, req: Request) -> Reply:
+    text = _STATUS_TEXT[req.action]
+    reply = await ctx.calls.unary(_EXT + "SetStatus", xpb.SetStatusRequest(key=STATUS_KEY, text=text), ctx.session)
+    return Reply(True, {"status": text, "subscribers": reply.subscribers})
+
+
+# ---- chatEvent: waiting (run as tasks; `sub` is the user-message subscription, taken up front) ----
+
+def _user_reply(text: str, ts: int) -> dict[str, Any]:
+    """The codeboltjs UserMessage fields of a waitFormessageResponse."""
+    return {"message": {"userMessage": text, "mentionedFiles": [], "mentionedMCPs": [], "mentionedAgents": []},
+            "sender": {"senderType": "user", "senderInfo": {}}, "messageId": str(ts)}
+
+
+async def wait_for_reply(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
+    assert sub is not None
+    prompt = _text(req.fields, "message", "text", required=False)
+    if prompt:
+        await post_agent_message(ctx, prompt)
+    user = await anext(sub)
+    return Reply(True, user, extra=_user_reply(user["text"], user["ts"]))
+
+
+async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
+    """A select dialog with the buttons as options; with `withFeedback`, a user message that
+    arrives first answers instead (feedbackResponse) and the dialog closes for every UI."""
+    text = _text(req.fields, "message", "text", "question")
+    buttons = req.fields.get("buttons") or list(DEFAULT_BUTTONS)
+    if not isinstance(buttons, list) or not all(isinstance(b, str) and b for b in buttons):
+        raise BadRequest("`buttons` must be a list of non-empty strings")
+    request = xpb.SelectRequest(title=text, options=buttons)
+    timeout = req.fields.get("timeoutMs")
+    if timeout is not None:
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
+            raise BadRequest("`timeoutMs` must be a positive integer (milliseconds)")
+        request.timeout_ms = timeout
+    dialog = asyncio.ensure_future(ctx.calls.unary(_EXT + "Select", request, ctx.session))
+    feedback = asyncio.ensure_future(anext(sub)) if sub is not None else None
+    try:
+        await asyncio.wait([t for t in (dialog, feedback) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (dialog, feedback):
+            if task is not None and not task.done():
+                task.cancel()
+        await asyncio.gather(*(t for t in (dialog, feedback) if t is not None), return_exceptions=True)
+    if feedback is not None and not feedback.cancelled() and feedback.exception() is None:
+        user = feedback.result()
+        return Reply(True, {"feedback": user["text"], "ts": user["ts"]}, reply_type="feedbackResponse",
+                     extra={"message": {"feedbackMessage": user["text"]}})
+    if dialog.cancelled():  # the user-message subscription ended first: the bus closed for shutdown
+        return fail("uibus is shutting down")
+    try:
+        result = dialog.result()
+    except CallFailed as exc:
+        return fail(f"confirmation dialog failed: {exc}")
+    if result.outcome == xpb.DIALOG_OUTCOME_ANSWERED:
+        return Reply(True, {"button": result.value, "dialogId": result.id},
+                     extra={"message": {"feedbackMessage": result.value}})
+    how = "dismissed by the user" if result.outcome == xpb.DIALOG_OUTCOME_CANCELLED else \
+        f"not answered within {request.timeout_ms} ms"
+    return Reply(False, {"dialogId": result.id}, error=f"confirmation dialog {result.id} was {how}")
+
+
+# ---- stateEvent / memoryEvent ----
+
+def _entry(fields: dict[str, Any]) -> dict[str, Any]:
+    """codeboltjs nests {key, value} in `payload`; the AsyncAPI form puts them in `message`."""
+    payload = fields.get("payload")
+    return payload if isinstance(payload, dict) else fields
+
+
+async def _put(ctx: Context, prefix: str, fields: dict[str, Any]) -> str:
+    key = _key(fields)
+    if "value" not in fields:
+        raise BadRequest("`value` is required (any JSON value; null deletes the key)")
+    value = fields["value"]
+    store = ctx.rt.store
+    if value is not None and await store.get(ctx.session, prefix + key) is None:
+        if len(await store.scan(ctx.session, prefix)) >= MAX_KEYS:
+            raise BadRequest(f"this session already keeps {MAX_KEYS} keys under {prefix!r}; delete one first")
+    await store.put(ctx.session, prefix + key, value)
+    return key
+
+
+async def _all(ctx: Context, prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in (await ctx.rt.store.scan(ctx.session, prefix)).items()}
+
+
+async def add_agent_state(ctx: Context, req: Request) -> Reply:
+    key = await _put(ctx, AGENT_PREFIX, _entry(req.fields))
+    return Reply(True, {"key": key}, extra={"payload": {"success": True}})
+
+
+async def get_agent_state(ctx: Context, req: Request) -> Reply:
+    state = await _all(ctx, AGENT_PREFIX)
+    return Reply(True, state, extra={"payload": state})
+
+
+async def update_project_state(ctx: Context, req: Request) -> Reply:
+    key = await _put(ctx, PROJECT_PREFIX, _entry(req.fields))
+    return Reply(True, {"key": key}, extra={"payload": {"success": True}})
+
+
+async def get_project_state(ctx: Context, req: Request) -> Reply:
+    state = await _all(ctx, PROJECT_PREFIX)
+    return Reply(True, state, extra={"projectState": state})
+
+
+async def get_application_state(ctx: Context, req: Request) -> Reply:
+    state = {"session": ctx.session, "agentState": await _all(ctx, AGENT_PREFIX),
+             "projectState": await _all(ctx, PROJECT_PREFIX)}
+    return Reply(True, state, extra=state)
+
+
+async def memory_set(ctx: Context, req: Request) -> Reply:
+    key = await _put(ctx, MEMORY_PREFIX, _entry(req.fields))
+    return Reply(True, {"key": key})
+
+
+async def memory_get(ctx: Context, req: Request) -> Reply:
+    key = _key(_entry(req.fields))
+    value = await ctx.rt.store.get(ctx.session, MEMORY_PREFIX + key)
+    return Reply(True, {"key": key, "value": value, "found": value is not None}, extra={"value": value})
+
+
+Immediate = Callable[[Context, Request], Awaitable[Reply]]
+Waiting = Callable[[Context, Request, Subscription | None], Awaitable[Reply]]
+
+IMMEDIATE: dict[str, Immediate] = {
+    "chatEvent.sendMessage": send_message,
+    "chatEvent.getChatHistory": get_chat_history,
+    "chatEvent.notificationEvent": notification,
+    "chatEvent.processStarted": process_status,
+    "chatEvent.processStoped": process_status,
+    "chatEvent.processFinished": process_status,
+    "stateEvent.addToAgentState": add_agent_state,
+    "stateEvent.getAgentState": get_agent_state,
+    "stateEvent.updateProjectState": update_project_state,
+    "stateEvent.getProjectState": get_project_state,
+    "stateEvent.getApplicationState": get_application_state,
+    "memoryEvent.memorySet": memory_set,
+    "memoryEvent.memoryGet": memory_get,
+}
+# Waiting actions, and whether a user message answers them (then a subscription is taken first).
+WAITING: dict[str, tuple[Waiting, Callable[[Request], bool]]] = {
+    "chatEvent.waitforReply": (wait_for_reply, lambda req: True),
+    "chatEvent.confirmationRequest": (confirmation, lambda req: req.fields.get("withFeedback") is True),
+}

@@ -1,0 +1,64 @@
+"""uibus.v1.CodeBoltService (the UI side of the gateway) and the installer that puts the
+gateway on the HTTP port.
+
+A user's message is one event for every consumer: it is written to the session's chat history
+first (so getChatHistory, neuro-san and a late webview see it), then shown to webviews as a
+ClineMessage, then offered to the agents waiting on the session's `user_message` topic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from server import chat_history, topics
+from server.codebolt import actions
+from server.codebolt.asgi import PATH, AgentToApp
+from server.codebolt.gateway import Gateway
+from server.codebolt.inprocess import InProcess
+from server.services.common import Runtime
+from server.session import session_of
+from uibus_pb.cline import ui_pb2
+from uibus_pb.uibus.v1 import codebolt_pb2 as pb
+from uibus_pb.uibus.v1 import codebolt_pb2_grpc
+
+USER_SOURCE = "ui"
+
+
+class CodeBoltService(codebolt_pb2_grpc.CodeBoltServiceServicer):
+    def __init__(self, rt: Runtime, gateway: Gateway) -> None:
+        self.rt = rt
+        self.gateway = gateway
+
+    async def SendUserMessage(self, request: pb.UserMessage, context: grpc.aio.ServicerContext) -> pb.UserMessageReply:
+        session = await session_of(context)
+        text = request.text
+        if not text.strip():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text is required: the user's message")
+        if len(text) > actions.MAX_TEXT:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"text is {len(text)} characters long; the limit is {actions.MAX_TEXT}")
+        ts = actions.next_ts()
+        await chat_history.append(self.rt.store, session, "user", text, source=USER_SOURCE, ts=ts)
+        actions.say(self.rt, session, ts, text, ui_pb2.USER_FEEDBACK)
+        answered = self.rt.bus.publish(session, topics.USER_MESSAGE, {"text": text, "ts": ts, "source": USER_SOURCE})
+        return pb.UserMessageReply(ts=ts, answered=answered)
+
+    async def GetStats(self, request: pb.CodeBoltStatsRequest, context: grpc.aio.ServicerContext) -> pb.CodeBoltStats:
+        session = await session_of(context)
+        g = self.gateway
+        return pb.CodeBoltStats(connections=g.count(), pending_waits=g.pending(), session_connections=g.count(session),
+                                session_pending_waits=g.pending(session))
+
+
+def install(registry: Any, rt: Runtime) -> list[str]:
+    """Installer for server.app.INSTALLERS: the gRPC service, and the WebSocket on the HTTP port.
+
+    The gateway reaches ExtensionUiService through `registry.lookup` at call time, so the order
+    of installers does not matter.
+    """
+    gateway = Gateway(rt, InProcess(registry.lookup))
+    codebolt_pb2_grpc.add_CodeBoltServiceServicer_to_server(CodeBoltService(rt, gateway), registry)
+    rt.http_mounts[PATH] = AgentToApp(gateway, rt.config.auth_token)
+    return [pb.DESCRIPTOR.services_by_name["CodeBoltService"].full_name]
