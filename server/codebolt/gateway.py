@@ -26,6 +26,9 @@ log = logging.getLogger("uibus.codebolt")
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_WAITS = 64  # waitforReply + confirmationRequest in flight per connection
+# A wait reads one user message, the *first* after it began: room for a burst (the bus drops
+# the oldest at the bound) so that a quick second message cannot push the first one out.
+USER_QUEUE = 16
 Send = Callable[[str], Awaitable[None]]
 
 
@@ -103,6 +106,11 @@ class AgentConnection:
             return actions.fail(f"{req.name}: {exc}")
         except CallFailed as exc:
             return actions.fail(f"{req.name}: {exc}")
+        except (asyncio.CancelledError, StopAsyncIteration):
+            raise
+        except Exception as exc:  # a bug or a store failure: answer, keep the connection
+            log.exception("codebolt action failed", extra={"fields": {"action": req.name}})
+            return actions.fail(f"{req.name}: internal error ({type(exc).__name__}); see the server log")
 
     async def _reply(self, req: Request, reply: Reply) -> None:
         if reply.success and not req.wants_reply:
@@ -119,7 +127,7 @@ class AgentConnection:
         sub: Subscription | None = None
         if wants_user(req):
             try:  # taken now, before any await: a user message sent from here on is seen
-                sub = self.gateway.rt.bus.subscribe(self.session, topics.USER_MESSAGE, maxsize=1)
+                sub = self.gateway.rt.bus.subscribe(self.session, topics.USER_MESSAGE, maxsize=USER_QUEUE)
             except (BusClosed, SubscriptionLimit) as exc:
                 await self._reply(req, actions.fail(f"{req.name}: {exc}"))
                 return
