@@ -425,3 +425,13 @@ async def test_shutdown_answers_waits_and_closes(app: App, agent: Any, connect: 
     with pytest.raises(ConnectionClosed):
         await a.recv()
     assert gateway_of(app).count() == 0 and app.bus.count(topics.USER_MESSAGE) == 0
+
+
+async def test_a_wait_gets_the_first_of_a_burst(app: App, agent: Any, connect: Any) -> None:
+    a = await agent("s1")
+    await a.send(spec("waitforReply", "w1"))
+    await wait_pending(connect("s1"), 1)
+    for text in ("one", "two", "three"):  # in one loop tick: all queued before the wait reads any
+        app.bus.publish("s1", topics.USER_MESSAGE, {"text": text, "ts": 1, "source": "ui"})
+    reply = await a.recv()
+    assert reply["requestId"] == "w1" and reply["data"]["text"] == "one"
