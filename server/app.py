@@ -21,7 +21,7 @@ from server.auth import BearerTokenInterceptor
 from server.bus import Bus
 from server.codebolt import service as codebolt_service
 from server.config import Config
-from server.services import agent, extension_ui, host, ui
+from server.services import agent, extension_ui, host, ui, webview
 from server.services.common import Runtime
 from server.store import Store, open_store
 from server.web.metrics import Metrics, MetricsInterceptor
@@ -85,7 +85,7 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 
 
 # Each installer adds its servicers and returns the full names it serves (for health/reflection).
-INSTALLERS: list[Installer] = [_install_ui]
+INSTALLERS: list[Installer] = [_install_ui, webview.install]
 INSTALLERS.append(agent.install)  # neuro-san AgentService per agent + ConciergeService
 INSTALLERS.append(extension_ui.install)
 INSTALLERS.append(codebolt_service.install)  # CodeBoltService + the /agent-to-app WebSocket

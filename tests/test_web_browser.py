@@ -1,0 +1,155 @@
+"""The webview page in a real headless Chromium (Debian's, driven by Python playwright).
+
+A host publishes over native gRPC; the page, connected back over gRPC-Web to the server that
+served it, must show each update within a second. Closing the page must leave no subscription.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import free_port, require, require_binary, wait_for
+
+from clients.connection import Connection
+from server.app import App
+from server.config import Config
+from uibus_pb.cline import common_pb2, ui_pb2
+from uibus_pb.uibus.v1 import host_pb2
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+STREAMS_PER_PAGE = 11  # every UiService subscription, multiplexed by WebviewService.Subscribe
+WITHIN = 1000  # ms: each published update must be on screen within a second
+
+
+@pytest.fixture
+async def web(config: Config) -> AsyncIterator[App]:
+    app = App(replace(config, http_port=free_port()))
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop(grace=1.0)
+
+
+@pytest.fixture
+async def host(web: App) -> AsyncIterator[Callable[[str], Connection]]:
+    opened: list[Connection] = []
+
+    def open_(session: str) -> Connection:
+        opened.append(Connection(f"127.0.0.1:{web.port}", session=session))
+        return opened[-1]
+
+    yield open_
+    for conn in opened:
+        await conn.close()
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    require_binary(CHROMIUM)
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        require("python playwright", False)
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def _shown_within(page: Any, js: str, arg: Any, what: str) -> float:
+    start = time.monotonic()
+    try:
+        await page.wait_for_function(js, arg=arg, timeout=WITHIN)
+    except Exception as exc:
+        raise AssertionError(f"{what} was not shown within {WITHIN} ms") from exc
+    return (time.monotonic() - start) * 1000
+
+
+async def test_page_shows_host_updates_live_and_cleans_up(web: App, host: Callable[[str], Connection],
+                                                          browser: Any, tmp_path: Path) -> None:
+    conn = host("b1").host
+    page = await browser.new_page(viewport={"width": 1100, "height": 700})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(f"http://127.0.0.1:{web.http_port}/?session=b1&client=tab-1")
+    await wait_for(lambda: web.bus.count(session="b1") == STREAMS_PER_PAGE, timeout=5, what="page subscribed")
+    await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+
+    timings = {}
+    theme = json.dumps({"name": "Solarized Light", "type": "light",
+                        "colors": {"editor.background": "#fdf6e3", "editor.foreground": "#586e75",
+                                   "button.background": "#268bd2", "sideBar.background": "#eee8d5"}})
+    await conn.SetTheme(host_pb2.TextEvent(text=theme))
+    timings["theme"] = await _shown_within(page, "t => document.body.dataset.theme === t", theme, "the theme")
+    bg = await page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert bg == "rgb(253, 246, 227)"
+
+    ts = 1_700_000_000_000
+    for i, text in enumerate(["Hel", "Hello, wor", "Hello, world! This message grew in place."]):
+        await conn.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=text,
+                                                             partial=i < 2))
+        timings[f"partial{i}"] = await _shown_within(
+            page, "([ts, t]) => document.querySelector(`[data-ts='${ts}'] .text`)?.textContent === t",
+            [str(ts), text], f"partial message #{i}")
+    assert await page.locator(f"[data-ts='{ts}']").count() == 1  # replaced in place, not appended
+    assert "partial" not in (await page.get_attribute(f"[data-ts='{ts}']", "class") or "")
+
+    await conn.PublishAddToInput(host_pb2.TextEvent(text="from the host"))
+    timings["add_to_input"] = await _shown_within(
+        page, "t => document.getElementById('input').value.includes(t)", "from the host", "add-to-input text")
+    await conn.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_HISTORY))
+    timings["button"] = await _shown_within(
+        page, "() => !!document.querySelector('#events [data-event=\"history button clicked\"]')", None,
+        "the history button event")
+    await page.evaluate("document.activeElement.blur()")
+    await conn.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="tab-1"))
+    timings["focus"] = await _shown_within(page, "() => document.activeElement?.id === 'input'", None,
+                                           "the focus request")
+    print("\nshown after publish (ms):", {k: round(v) for k, v in timings.items()})
+    shot = Path(os.environ.get("UIBUS_SCREENSHOT", tmp_path / "webview.png"))
+    await page.screenshot(path=str(shot))
+    assert not errors, errors
+
+    await page.close()
+    await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
+
+
+async def test_get_webview_html_is_the_served_page(web: App, host: Callable[[str], Connection]) -> None:
+    import httpx
+
+    html = (await host("x").ui.getWebviewHtml(common_pb2.EmptyRequest())).value
+    async with httpx.AsyncClient() as client:
+        served = (await client.get(f"http://127.0.0.1:{web.http_port}/")).text
+    assert html == served and "createGrpcWebTransport" not in html[:2000] and "<script>" in html
+
+
+async def test_chat_with_an_agent_from_the_page(web: App, browser: Any) -> None:
+    """Needs the chat service (AgentService/ConciergeService handlers) merged in."""
+    page = await browser.new_page()
+    await page.goto(f"http://127.0.0.1:{web.http_port}/?session=chat1")
+    await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+    await page.wait_for_function("() => document.querySelectorAll('#agent option[value]:not([value=\"\"])').length"
+                                 " > 0", timeout=5000)
+    for turn, text in enumerate(["Hello agent, my name is Ada.", "What is my name?"]):
+        await page.fill("#input", text)
+        await page.press("#input", "Enter")
+        reply = page.locator(".msg.agent").nth(turn)
+        await reply.locator(".text").wait_for(timeout=5000)
+        await page.wait_for_function(
+            "n => document.querySelectorAll('.msg.agent.done').length > n", arg=turn, timeout=10_000)
+        assert await reply.get_attribute("class") and "error" not in (await reply.get_attribute("class") or "")
+        assert (await reply.locator(".text").text_content() or "").strip()
+    await page.close()
+    await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")

@@ -1,0 +1,243 @@
+// uibus webview: a browser page that talks gRPC-Web to the server that served it.
+//
+// It follows the session's UI streams (one multiplexed WebviewService stream, because a browser
+// allows only six HTTP/1.1 connections per server), renders Cline partial messages growing in
+// place (replaced by `ts`), applies the theme, and chats with any agent the concierge lists.
+import { create } from "@bufbuild/protobuf";
+import { Code, ConnectError, createClient } from "@connectrpc/connect";
+import type { Interceptor } from "@connectrpc/connect";
+import { createGrpcWebTransport } from "@connectrpc/connect-web";
+import { EmptyRequestSchema } from "./gen/cline/common_pb";
+import { ClineAsk, ClineMessageType, ClineSay, UiService, WebviewProviderType } from "./gen/cline/ui_pb";
+import type { ClineMessage } from "./gen/cline/ui_pb";
+import { AgentService, ChatRequestSchema } from "./gen/neuro_san/api/grpc/agent_pb";
+import { ChatMessage_ChatMessageType } from "./gen/neuro_san/api/grpc/chat_pb";
+import { ConciergeService } from "./gen/neuro_san/api/grpc/concierge_pb";
+import { WebviewService } from "./gen/uibus/v1/webview_pb";
+
+const params = new URLSearchParams(location.search);
+const session = params.get("session") || "default";
+const token = params.get("token") || "";
+const server = params.get("server") || location.origin;
+const clientId = params.get("client") || `webview-${Math.random().toString(36).slice(2, 10)}`;
+
+const withSession: Interceptor = (next) => async (req) => {
+  req.header.set("x-uibus-session", session);
+  if (token) req.header.set("authorization", `Bearer ${token}`);
+  return next(req);
+};
+const transport = createGrpcWebTransport({ baseUrl: server, interceptors: [withSession] });
+const ui = createClient(UiService, transport);
+const webview = createClient(WebviewService, transport);
+const concierge = createClient(ConciergeService, transport);
+
+const $ = <T extends HTMLElement>(id: string): T => document.getElementById(id) as T;
+const messages = $<HTMLElement>("messages");
+const events = $<HTMLUListElement>("events");
+const input = $<HTMLTextAreaElement>("input");
+const agentSelect = $<HTMLSelectElement>("agent");
+const form = $<HTMLFormElement>("chat");
+const statusEl = $<HTMLElement>("status");
+const themeName = $<HTMLElement>("theme-name");
+$<HTMLElement>("session").textContent = session;
+document.title = `uibus · ${session}`;
+
+function setStatus(state: "connecting" | "live" | "down", text: string): void {
+  statusEl.dataset.state = state;
+  statusEl.textContent = text;
+}
+
+function logEvent(label: string, detail = ""): void {
+  const li = document.createElement("li");
+  const time = new Date().toLocaleTimeString();
+  li.innerHTML = `<time></time><b></b><span></span>`;
+  li.children[0].textContent = time;
+  li.children[1].textContent = label;
+  li.children[2].textContent = detail;
+  li.dataset.event = label;
+  events.prepend(li);
+  while (events.children.length > 50) events.lastElementChild?.remove();
+}
+
+// ---- messages: one element per ts, replaced in place as the message grows -----------------------
+const byTs = new Map<string, HTMLElement>();
+
+function messageLabel(m: ClineMessage): string {
+  if (m.type === ClineMessageType.ASK) return `ask · ${ClineAsk[m.ask]?.toLowerCase() ?? m.ask}`;
+  return ClineSay[m.say]?.toLowerCase().replace(/_/g, " ") ?? "say";
+}
+
+function bubble(kind: string, label: string): HTMLElement {
+  const el = document.createElement("article");
+  el.className = `msg ${kind}`;
+  el.innerHTML = `<header></header><div class="text"></div>`;
+  el.querySelector("header")!.textContent = label;
+  messages.append(el);
+  return el;
+}
+
+function scrollDown(): void {
+  messages.scrollTop = messages.scrollHeight;
+}
+
+// A chat sent from this page claims the partial messages the server mirrors from it (Chat → UI),
+// so the reply grows in one bubble instead of showing twice.
+let pendingChat: { el: HTMLElement; ts: string | null } | null = null;
+
+function showPartial(m: ClineMessage): void {
+  const key = m.ts.toString();
+  let el = byTs.get(key);
+  if (!el && pendingChat && (pendingChat.ts === null || pendingChat.ts === key) && m.type === ClineMessageType.SAY) {
+    pendingChat.ts = key;
+    el = pendingChat.el;
+  }
+  if (!el) el = bubble(m.type === ClineMessageType.ASK ? "ask" : "say", messageLabel(m));
+  byTs.set(key, el);
+  el.dataset.ts = key;
+  el.classList.toggle("partial", m.partial);
+  const text = el.querySelector<HTMLElement>(".text")!;
+  text.textContent = m.text || m.reasoning || "";
+  scrollDown();
+}
+
+// ---- theme ----------------------------------------------------------------------------------------
+function applyTheme(json: string): void {
+  document.body.dataset.theme = json;
+  let theme: Record<string, unknown> = {};
+  try {
+    theme = JSON.parse(json) as Record<string, unknown>;
+  } catch {
+    return;
+  }
+  const colors = (theme.colors ?? {}) as Record<string, string>;
+  const pick = (...keys: string[]): string | undefined => {
+    for (const k of keys) {
+      const v = (colors[k] ?? theme[k]) as string | undefined;
+      if (typeof v === "string" && v) return v;
+    }
+    return undefined;
+  };
+  const root = document.documentElement.style;
+  const set = (name: string, value: string | undefined) => (value ? root.setProperty(name, value) : root.removeProperty(name));
+  set("--bg", pick("editor.background", "background"));
+  set("--fg", pick("editor.foreground", "foreground"));
+  set("--panel", pick("sideBar.background", "panel"));
+  set("--accent", pick("button.background", "focusBorder", "accent"));
+  set("--border", pick("panel.border", "border"));
+  const kind = String(theme.type ?? theme.kind ?? "");
+  if (kind) document.body.dataset.kind = kind.includes("light") ? "light" : "dark";
+  themeName.textContent = String(theme.name ?? kind ?? "custom");
+}
+
+// ---- UI streams -----------------------------------------------------------------------------------
+async function followUi(): Promise<void> {
+  for (let attempt = 0; ; attempt++) {
+    try {
+      setStatus("connecting", "connecting…");
+      const stream = webview.subscribe({ clientId, providerType: WebviewProviderType.SIDEBAR });
+      let first = true;
+      await ui.initializeWebview(create(EmptyRequestSchema));
+      setStatus("live", "live");
+      for await (const ev of stream) {
+        if (first) { first = false; attempt = 0; }
+        const e = ev.event;
+        if (e.case === "partialMessage") showPartial(e.value);
+        else if (ev.source === "subscribeToTheme" && e.case === "text") applyTheme(e.value);
+        else if (ev.source === "subscribeToAddToInput" && e.case === "text") {
+          input.value = input.value ? `${input.value}\n${e.value}` : e.value;
+          input.dispatchEvent(new Event("input"));
+          logEvent("add to input", e.value.slice(0, 60));
+        } else if (ev.source === "subscribeToFocusChatInput") {
+          input.focus();
+          form.classList.add("flash");
+          setTimeout(() => form.classList.remove("flash"), 600);
+          logEvent("focus chat input");
+        } else {
+          logEvent(ev.source.replace(/^subscribeTo/, "").replace(/([a-z])([A-Z])/g, "$1 $2").toLowerCase());
+        }
+      }
+      setStatus("down", "stream ended");
+    } catch (err) {
+      const e = ConnectError.from(err);
+      setStatus("down", `disconnected: ${e.rawMessage || Code[e.code]}`);
+      if (e.code === Code.Unauthenticated || e.code === Code.InvalidArgument) return;
+    }
+    await new Promise((r) => setTimeout(r, Math.min(5000, 250 * 2 ** attempt)));
+  }
+}
+
+// ---- chat -----------------------------------------------------------------------------------------
+function agentClient(agent: string) {
+  // neuro-san clients call /<agent>.AgentService/<Method>: the same service under a per-agent
+  // name, so the descriptor is copied with that type name (connect builds the URL from it).
+  const svc = { ...AgentService, typeName: `${agent}.AgentService` };
+  svc.methods = AgentService.methods.map((m) => ({ ...m, parent: svc }));
+  return createClient(svc as typeof AgentService, transport);
+}
+
+async function loadAgents(): Promise<void> {
+  try {
+    const res = await concierge.list({});
+    agentSelect.replaceChildren(...res.agents.map((a) => {
+      const o = document.createElement("option");
+      o.value = a.agentName;
+      o.textContent = a.agentName;
+      o.title = a.description;
+      return o;
+    }));
+    agentSelect.disabled = res.agents.length === 0;
+    if (!res.agents.length) agentSelect.append(new Option("no agents", ""));
+  } catch (err) {
+    agentSelect.replaceChildren(new Option("agents unavailable", ""));
+    agentSelect.disabled = true;
+    logEvent("agent list failed", ConnectError.from(err).rawMessage);
+  }
+}
+
+async function send(text: string): Promise<void> {
+  const agent = agentSelect.value;
+  if (!text.trim() || !agent) return;
+  const mine = bubble("user", "you");
+  mine.querySelector<HTMLElement>(".text")!.textContent = text;
+  const reply = bubble("agent partial", agent);
+  reply.dataset.agent = agent;
+  pendingChat = { el: reply, ts: null };
+  const button = form.querySelector("button")!;
+  button.disabled = true;
+  scrollDown();
+  try {
+    const request = create(ChatRequestSchema, { userMessage: { type: ChatMessage_ChatMessageType.HUMAN, text } });
+    for await (const res of agentClient(agent).streamingChat(request)) {
+      const m = res.response;
+      if (m && m.text && (m.type === ChatMessage_ChatMessageType.AGENT_FRAMEWORK || m.type === ChatMessage_ChatMessageType.AI)) {
+        reply.querySelector<HTMLElement>(".text")!.textContent = m.text;
+        scrollDown();
+      }
+    }
+    reply.classList.remove("partial");
+    reply.classList.add("done");
+  } catch (err) {
+    reply.classList.remove("partial");
+    reply.classList.add("error");
+    reply.querySelector<HTMLElement>(".text")!.textContent = `error: ${ConnectError.from(err).rawMessage}`;
+  } finally {
+    if (pendingChat?.el === reply) pendingChat = null;
+    button.disabled = false;
+  }
+}
+
+form.addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const text = input.value;
+  input.value = "";
+  void send(text);
+});
+input.addEventListener("keydown", (ev) => {
+  if (ev.key === "Enter" && !ev.shiftKey) {
+    ev.preventDefault();
+    form.requestSubmit();
+  }
+});
+
+void followUi();
+void loadAgents();
