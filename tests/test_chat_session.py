@@ -156,3 +156,36 @@ async def test_cancelling_a_chat_stops_the_local_agent_at_once(app, connect):
     # The server goes on serving the session.
     final = (await chat(conn, "hello_world", "short", sly={"chunks": 2}))[-1].response
     assert final.type == FRAMEWORK and backend.active == 0
+
+
+async def test_a_chat_parked_between_pieces_is_closed_when_the_call_ends(app):
+    """A cancel that lands while gRPC is sending finds the chat parked at a `yield`; the call's
+    done-callback must still stop the backend at once (here driven through the registry, as the
+    HTTP side does, with a context that records its done-callbacks)."""
+    backend = engine(app).backend("hello_world")
+    handler = app.registry.lookup("/hello_world.AgentService/StreamingChat")
+
+    class Context:
+        def __init__(self) -> None:
+            self.callbacks: list = []
+
+        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+            return (("x-uibus-session", "parked"),)
+
+        async def abort(self, code: object, details: str) -> None:
+            raise AssertionError(details)
+
+        def add_done_callback(self, fn) -> None:
+            self.callbacks.append(fn)
+
+    context = Context()
+    responses = handler.unary_stream(request("park me", filter_type=MAXIMAL, sly={"chunks": 20, "delay_ms": 50}),
+                                     context)
+    assert (await responses.__anext__()).response.type != FRAMEWORK  # progress
+    assert (await responses.__anext__()).response.type == AI  # now parked at a yield
+    assert backend.active == 1 and len(context.callbacks) == 1
+    ended_at = time.monotonic()
+    context.callbacks[0](context)  # the RPC ended (cancel, deadline, disconnect)
+    await wait_for(lambda: backend.active == 0, timeout=1, what="backend closed")
+    assert time.monotonic() - ended_at < 0.1 and backend.cancelled == 1
+    await responses.aclose()
