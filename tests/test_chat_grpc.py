@@ -261,3 +261,10 @@ async def test_two_local_agents_from_config(config, tmp_path: Path):
             assert (await answer(conn, "one", "a")).text.startswith("One.")
             assert (await answer(conn, "two", "b")).text.startswith("Two.")
             assert (await answer(conn, "", "c")).text.startswith("One.")  # first agent is the default
+
+
+def test_the_example_config_is_valid():
+    table = load_agents(str(Path(__file__).resolve().parent.parent / "examples" / "agents.toml"))
+    assert table.names() == ["hello_world", "ollama", "upstream_hello"]
+    assert [s.backend for s in table.specs.values()] == ["local", "openai", "neuro-san"]
+    assert table.default == "hello_world"

@@ -179,9 +179,10 @@ class ChatEngine:
             error = f"Error from {agent}: {exc}"
             log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": str(exc)}})
         except BaseException:
-            # Cancelled or closed: still end the webview's message, so no UI shows a reply that is
-            # "typing" forever; publish() never awaits, so this cannot delay the cancel.
-            self._publish(session, ts, "".join(parts), False)
+            # Cancelled or closed: still end the webview's message (if one was shown), so no UI shows
+            # a reply "typing" forever; publish() never awaits, so this cannot delay the cancel.
+            if published_at:
+                self._publish(session, ts, "".join(parts), False)
             raise
         if error:
             answer, new_ctx, returned_sly = error, ctx, None
