@@ -8,6 +8,7 @@ import itertools
 import time
 from pathlib import Path
 
+import pytest
 from chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, local, request, running, write_agents
 from conftest import wait_for
 
@@ -80,6 +81,7 @@ async def test_context_survives_a_restart_with_the_sqlite_store(spawn):
 
 async def test_chat_history_is_appended_per_session_and_readable(app, connect):
     conn = connect("hist")
+    watcher = app.bus.subscribe("hist", chat_history.CHAT_MESSAGE)
     first = await answer(conn, "hello_world", "one")
     second = await answer(conn, "hello_world", "two")
     entries = await chat_history.read(app.store, "hist")
@@ -88,9 +90,16 @@ async def test_chat_history_is_appended_per_session_and_readable(app, connect):
     assert {(e["agent"], e["source"]) for e in entries} == {("hello_world", "neuro-san")}
     assert entries == sorted(entries, key=lambda e: e["ts"])
     # Other sides append to the same list and read it back.
-    await chat_history.append(app.store, "hist", "user", "from the UI", source="webview")
+    await chat_history.append(app.store, "hist", "user", "from the UI", source="webview", bus=app.bus)
     assert (await chat_history.read(app.store, "hist", last=1))[0]["text"] == "from the UI"
     assert await chat_history.read(app.store, "other") == []
+    # Each entry was announced on the bus as it was stored.
+    announced = [await asyncio.wait_for(watcher.__anext__(), 1) for _ in range(5)]
+    assert announced == [*entries, (await chat_history.read(app.store, "hist", last=1))[0]]
+    app.bus.unsubscribe(watcher)
+    assert app.bus.count(chat_history.CHAT_MESSAGE) == 0
+    with pytest.raises(ValueError, match="role 'robot' is not one of user, assistant, system"):
+        await chat_history.append(app.store, "hist", "robot", "beep")
 
 
 async def test_a_cline_subscriber_sees_the_chat_grow_and_finish(app, connect):

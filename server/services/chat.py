@@ -149,7 +149,7 @@ class ChatEngine:
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
-        await chat_history.append(store, session, "user", text, agent=agent, source=_SOURCE)
+        await chat_history.append(store, session, "user", text, agent=agent, source=_SOURCE, bus=self.rt.bus)
 
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
         ts = _Ts.next()
@@ -197,7 +197,8 @@ class ChatEngine:
         self._publish(session, ts, answer, False)
         if not error:
             await chat_history.save_context(store, session, agent, new_ctx)
-        await chat_history.append(store, session, "assistant", answer, agent=agent, source=_SOURCE, error=bool(error))
+        await chat_history.append(store, session, "assistant", answer, agent=agent, source=_SOURCE, error=bool(error),
+                                  bus=self.rt.bus)
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if returned_sly:
             message.sly_data.update(returned_sly)
