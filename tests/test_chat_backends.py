@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, request, running, write_agents
+from chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, request, running, write_agents
 from conftest import free_port, wait_for
 
 from clients.connection import Connection
@@ -261,8 +261,6 @@ async def test_backends_are_closed_at_shutdown(config, serve, tmp_path: Path):
     path = write_agents(tmp_path, [openai_agent(up)])
     async with running(config, path) as app, Connection(f"127.0.0.1:{app.port}") as conn:
         await answer(conn, "gpt", "hi")
-        from chatkit import engine
-
         backend = engine(app).backend("gpt")
         session = backend.http._session  # type: ignore[attr-defined]
         assert session is not None and not session.closed

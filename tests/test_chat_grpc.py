@@ -225,6 +225,11 @@ async def test_registry_dispatch_in_process_runs_the_same_chat(app):
     ({"agents": [{"name": "a", "options": {"speed": 1}}]}, "unknown option(s) speed"),
     ({"agents": [{"name": "a", "backend": "openai", "options": {"model": "m"}}]}, "needs option 'base_url'"),
     ({"agents": [{"name": "a"}], "default_agent": "b"}, "default_agent 'b'"),
+    ({"agents": [{"name": "a", "backend": "neuro-san", "options": {"base_url": "http://x", "read_timeout_s": 0}}]},
+     "'read_timeout_s' must be more than 0 seconds"),
+    ({"agents": [{"name": "a", "backend": "openai", "options": {"base_url": "ftp://x", "model": "m"}}]},
+     "base_url must start with http:// or https://"),
+    ({"agents": [{"name": "a", "options": {"delay_ms": True}}]}, "must be a number"),
 ])
 def test_agent_config_mistakes_fail_with_a_clear_message(tmp_path: Path, data, problem):
     path = write_agents(tmp_path, [])
