@@ -8,6 +8,8 @@ the UI, and the CodeBolt gateway.
   (`"error": true` marks an agent failure). Any side appends with `append` and reads with `read`.
 
 Only whole messages are stored (never stream pieces), so a long streamed reply costs two writes.
+Each appended entry is also published on the bus as kind CHAT_MESSAGE (when a bus is given), so a
+side waiting for "the next user message" (CodeBolt's waitforReply) subscribes instead of polling.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
+from server.bus import Bus
 from server.store import Store
 from uibus_pb.neuro_san.api.grpc import chat_pb2
 
@@ -24,6 +27,7 @@ HISTORY_KEY = "chat/history"
 CONTEXT_PREFIX = "chat/context/"
 MAX_HISTORY = 10_000  # entries kept per session; older ones are dropped by the store
 ROLES = ("user", "assistant", "system")
+CHAT_MESSAGE = "chat_message"  # bus kind: every entry appended to a session's history (a dict)
 
 
 def context_key(agent: str) -> str:
@@ -48,8 +52,8 @@ async def forget_context(store: Store, session: str, agent: str) -> None:
 
 
 async def append(store: Store, session: str, role: str, text: str, *, agent: str = "", source: str = "",
-                 error: bool = False, ts: int = 0) -> dict[str, Any]:
-    """Adds one whole message to the session's history and returns the stored entry."""
+                 error: bool = False, ts: int = 0, bus: Bus | None = None) -> dict[str, Any]:
+    """Adds one whole message to the session's history (and announces it on `bus`); returns the entry."""
     if role not in ROLES:
         raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
     entry: dict[str, Any] = {"ts": ts or int(time.time() * 1000), "role": role, "text": text, "agent": agent,
@@ -57,6 +61,8 @@ async def append(store: Store, session: str, role: str, text: str, *, agent: str
     if error:
         entry["error"] = True
     await store.append(session, HISTORY_KEY, entry, max_len=MAX_HISTORY)
+    if bus is not None:
+        bus.publish(session, CHAT_MESSAGE, entry)
     return entry
 
 

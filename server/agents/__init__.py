@@ -104,6 +104,14 @@ def option(spec: AgentSpec, name: str, kind: type | tuple[type, ...], default: A
     return value
 
 
+def seconds(spec: AgentSpec, name: str, default: float) -> float:
+    """A positive duration option in seconds."""
+    value = float(option(spec, name, (int, float), default))
+    if value <= 0:
+        raise ValueError(f"agent {spec.name!r}: option {name!r} must be more than 0 seconds, not {value:g}")
+    return value
+
+
 def check_options(spec: AgentSpec, known: set[str]) -> None:
     unknown = sorted(set(spec.options) - known)
     if unknown:

@@ -72,9 +72,10 @@ class LocalAgent(Backend):
     def split(text: str, n: int) -> list[str]:
         """`n` non-empty pieces that join to the reply (padded with a count when it is too short)."""
         if len(text) < n:
-            extra, i = [], 1
-            while len(text) + sum(len(e) + 1 for e in extra) < n:
+            extra, i, size = [], 1, len(text)
+            while size < n:
                 extra.append(str(i))
+                size += len(extra[-1]) + 1
                 i += 1
             text = text + " " + " ".join(extra)
         size = len(text)

@@ -20,7 +20,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from server.agents import AgentError, AgentSpec, Backend, Final, Piece, Turn, check_options, option
+from server.agents import AgentError, AgentSpec, Backend, Final, Piece, Turn, check_options, option, seconds
 from server.agents.http import HttpClient, lines
 from uibus_pb.neuro_san.api.grpc import chat_pb2
 
@@ -37,8 +37,7 @@ class NeuroSanProxyAgent(Backend):
             raise ValueError(f"agent {spec.name!r}: base_url must start with http:// or https://, not {base!r}")
         self.upstream = option(spec, "agent", str, spec.name)
         self.url = f"{base}/api/v1/{self.upstream}/streaming_chat"
-        self.http = HttpClient(float(option(spec, "connect_timeout_s", (int, float), 10)),
-                               float(option(spec, "read_timeout_s", (int, float), 600)))
+        self.http = HttpClient(seconds(spec, "connect_timeout_s", 10), seconds(spec, "read_timeout_s", 600))
 
     def body(self, turn: Turn) -> dict[str, Any]:
         body: dict[str, Any] = {"user_message": {"type": "HUMAN", "text": turn.text},

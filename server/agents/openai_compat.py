@@ -19,7 +19,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option
+from server.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option, seconds
 from server.agents.http import HttpClient, lines
 
 
@@ -40,8 +40,7 @@ class OpenAICompatAgent(Backend):
             value = option(spec, key, kind)
             if value is not None:
                 self.extra[key] = value
-        self.http = HttpClient(float(option(spec, "connect_timeout_s", (int, float), 10)),
-                               float(option(spec, "read_timeout_s", (int, float), 300)))
+        self.http = HttpClient(seconds(spec, "connect_timeout_s", 10), seconds(spec, "read_timeout_s", 300))
 
     def messages(self, turn: Turn) -> list[dict[str, str]]:
         out = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

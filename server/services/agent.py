@@ -160,6 +160,7 @@ class AgentRouter(grpc.GenericRpcHandler):
     """Resolves every AgentService path; `service()` is what gRPC and `Registry.lookup` call."""
 
     def __init__(self, servicer: AgentServicer, agents: AgentTable) -> None:
+        self.engine = servicer.engine
         self._known = agents.names()
         self._paths: dict[str, grpc.RpcMethodHandler] = {}
         for agent in self._known:
@@ -185,6 +186,15 @@ class AgentRouter(grpc.GenericRpcHandler):
         if service.endswith(_SUFFIX) and method in METHODS:
             return _unknown_agent(service[:-len(_SUFFIX)], method, self._known)
         return None
+
+
+def engine_of(registry: Any) -> ChatEngine | None:
+    """The chat engine installed on `registry` (an app's Registry), for in-process callers that
+    want the chat itself rather than a gRPC method handler (tests, future transports)."""
+    for handler in getattr(registry, "_generic", ()):
+        if isinstance(handler, AgentRouter):
+            return handler.engine
+    return None
 
 
 class ConciergeServicer(concierge_pb2_grpc.ConciergeServiceServicer):

@@ -149,7 +149,7 @@ class ChatEngine:
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
-        await chat_history.append(store, session, "user", text, agent=agent, source=_SOURCE)
+        await chat_history.append(store, session, "user", text, agent=agent, source=_SOURCE, bus=self.rt.bus)
 
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
         ts = _Ts.next()
@@ -179,9 +179,10 @@ class ChatEngine:
             error = f"Error from {agent}: {exc}"
             log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": str(exc)}})
         except BaseException:
-            # Cancelled or closed: still end the webview's message, so no UI shows a reply that is
-            # "typing" forever; publish() never awaits, so this cannot delay the cancel.
-            self._publish(session, ts, "".join(parts), False)
+            # Cancelled or closed: still end the webview's message (if one was shown), so no UI shows
+            # a reply "typing" forever; publish() never awaits, so this cannot delay the cancel.
+            if published_at:
+                self._publish(session, ts, "".join(parts), False)
             raise
         if error:
             answer, new_ctx, returned_sly = error, ctx, None
@@ -196,7 +197,8 @@ class ChatEngine:
         self._publish(session, ts, answer, False)
         if not error:
             await chat_history.save_context(store, session, agent, new_ctx)
-        await chat_history.append(store, session, "assistant", answer, agent=agent, source=_SOURCE, error=bool(error))
+        await chat_history.append(store, session, "assistant", answer, agent=agent, source=_SOURCE, error=bool(error),
+                                  bus=self.rt.bus)
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if returned_sly:
             message.sly_data.update(returned_sly)
