@@ -55,14 +55,17 @@ def _first(problems: Iterable[str | None]) -> str | None:
 
 
 def check_select(r: pb.SelectRequest) -> str | None:
+    problem = _first((_title(r.title), _timeout(r)))
+    if problem:
+        return problem
     if not r.options:
-        return "select needs at least one option"
+        return "options is empty; a select needs at least one option"
     if len(r.options) > MAX_OPTIONS:
-        return f"select has {len(r.options)} options; the limit is {MAX_OPTIONS}"
+        return f"there are {len(r.options)} options; the limit is {MAX_OPTIONS}"
     too_long = next((i for i, o in enumerate(r.options) if len(o) > MAX_OPTION), None)
     if too_long is not None:
         return f"option {too_long} is {len(r.options[too_long])} characters long; the limit is {MAX_OPTION}"
-    return _first((_title(r.title), _timeout(r)))
+    return None
 
 
 def check_confirm(r: pb.ConfirmRequest) -> str | None:
