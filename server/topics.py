@@ -17,7 +17,6 @@ RELINQUISH_CONTROL = "relinquish_control"
 FOCUS_CHAT_INPUT = "focus_chat_input"
 DID_BECOME_VISIBLE = "did_become_visible"
 HOST_REQUEST = "host_request"
-USER_MESSAGE = "user_message"  # a UI user's chat message to the session's agents (CodeBolt waitforReply)
 EXTENSION_UI = "extension_ui"  # extension-UI requests and dialog-closed events
 
 POLICIES: dict[str, Policy] = {

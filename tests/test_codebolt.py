@@ -20,11 +20,13 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from clients.connection import Connection
 from server import topics
 from server.app import App
+from server.chat_history import CHAT_MESSAGE
 from server.codebolt.asgi import PATH
 from server.codebolt.gateway import Gateway
 from server.config import Config
 from tests.conftest import REPO, Reader, free_port, next_message, wait_for
 from uibus_pb.cline import common_pb2, ui_pb2
+from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus_pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus_pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
 from uibus_pb.uibus.v1 import extension_ui_pb2 as xpb
@@ -173,7 +175,7 @@ async def test_wait_for_reply_resolves_on_user_message(app: App, agent: Any, con
     shown = await next_message(webview)
     assert (shown.say, shown.text, shown.ts) == (ui_pb2.USER_FEEDBACK, "Postgres, please", sent.ts)
     await wait_pending(ui, 0)
-    assert app.bus.count(topics.USER_MESSAGE) == 0
+    assert app.bus.count(CHAT_MESSAGE) == 0
 
     history = await a.call({"type": "getChatHistory", "requestId": "h"})
     assert [(e["role"], e["text"]) for e in history["data"]] == [
@@ -368,12 +370,12 @@ async def test_closing_mid_wait_leaves_nothing(app: App, agent: Any, connect: An
     dialog = await asyncio.wait_for(events.read(), 3)
     await wait_pending(ui, 2)
     stats = await ext(ui).GetStats(xpb.StatsRequest())
-    assert stats.session_pending_dialogs == 1 and app.bus.count(topics.USER_MESSAGE, "s1") == 2
+    assert stats.session_pending_dialogs == 1 and app.bus.count(CHAT_MESSAGE, "s1") == 2
     assert gateway_of(app).count() == 1
 
     await a.ws.close()
     await wait_for(lambda: gateway_of(app).count() == 0 and gateway_of(app).pending() == 0, what="gateway cleanup")
-    assert app.bus.count(topics.USER_MESSAGE) == 0
+    assert app.bus.count(CHAT_MESSAGE) == 0
     assert (await ext(ui).GetStats(xpb.StatsRequest())).pending_dialogs == 0
     closed = await asyncio.wait_for(events.read(), 3)
     assert closed.closed.id == dialog.request.id and closed.closed.reason == xpb.DIALOG_OUTCOME_CALLER_CANCELLED
@@ -424,14 +426,34 @@ async def test_shutdown_answers_waits_and_closes(app: App, agent: Any, connect: 
     assert reply["requestId"] == "w1" and reply["success"] is False and "shutting down" in reply["error"]
     with pytest.raises(ConnectionClosed):
         await a.recv()
-    assert gateway_of(app).count() == 0 and app.bus.count(topics.USER_MESSAGE) == 0
+    assert gateway_of(app).count() == 0 and app.bus.count(CHAT_MESSAGE) == 0
 
 
 async def test_a_wait_gets_the_first_of_a_burst(app: App, agent: Any, connect: Any) -> None:
     a = await agent("s1")
     await a.send(spec("waitforReply", "w1"))
     await wait_pending(connect("s1"), 1)
-    for text in ("one", "two", "three"):  # in one loop tick: all queued before the wait reads any
-        app.bus.publish("s1", topics.USER_MESSAGE, {"text": text, "ts": 1, "source": "ui"})
+    # In one loop tick, all queued before the wait reads any: an agent's own entry, then users'.
+    for role, text in (("assistant", "zero"), ("user", "one"), ("user", "two"), ("user", "three")):
+        app.bus.publish("s1", CHAT_MESSAGE, {"role": role, "text": text, "ts": 1, "source": "ui"})
     reply = await a.recv()
     assert reply["requestId"] == "w1" and reply["data"]["text"] == "one"
+
+
+async def test_a_streaming_chat_turn_answers_a_wait(app: App, agent: Any, connect: Any) -> None:
+    """A user chatting with a neuro-san agent in the same session is a user message too."""
+    a = await agent("s1")
+    await a.send({"type": "waitforReply", "message": "Anything else?", "requestId": "req_9_1"})
+    conn = connect("s1")
+    await wait_pending(conn, 1)
+    chat = conn.channel.unary_stream("/hello_world.AgentService/StreamingChat",
+                                     request_serializer=agent_pb2.ChatRequest.SerializeToString,
+                                     response_deserializer=agent_pb2.ChatResponse.FromString)
+    answers = [r async for r in chat(agent_pb2.ChatRequest(
+        user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text="ship it")))]
+    assert answers and answers[-1].response.text  # the neuro-san agent answered as usual
+    reply = await a.recv()
+    assert reply["requestId"] == "req_9_1" and reply["message"]["userMessage"] == "ship it"
+    assert reply["data"]["source"] == "neuro-san"
+    history = await a.call({"type": "getChatHistory", "requestId": "h"})
+    assert [e["role"] for e in history["data"]] == ["assistant", "user", "assistant"]

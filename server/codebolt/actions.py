@@ -4,7 +4,8 @@
   so neuro-san chat and CodeBolt share one conversation) and to subscribeToPartialMessage as
   finished ClineMessages; confirmations, notices and process status go through
   ExtensionUiService, so any extension-UI client answers them; waitforReply waits for the next
-  `CodeBoltService.SendUserMessage` of the session.
+  user entry of the session's chat history (CodeBoltService.SendUserMessage or a StreamingChat
+  turn), announced on the bus by `chat_history.append`.
 * stateEvent / memoryEvent: one store key per entry (`codebolt/agent/<key>`,
   `codebolt/project/<key>`, `codebolt/memory/<key>`), so a write never reads-modifies-writes and
   two agents writing different keys cannot lose each other's update.
@@ -109,7 +110,8 @@ def say(rt: Runtime, session: str, ts: int, text: str, kind: int) -> int:
 
 async def post_agent_message(ctx: Context, text: str) -> dict[str, Any]:
     ts = next_ts()
-    await chat_history.append(ctx.rt.store, ctx.session, "assistant", text, agent=SOURCE, source=SOURCE, ts=ts)
+    await chat_history.append(ctx.rt.store, ctx.session, "assistant", text, agent=SOURCE, source=SOURCE, ts=ts,
+                              bus=ctx.rt.bus)
     return {"ts": ts, "subscribers": say(ctx.rt, ctx.session, ts, text, ui_pb2.TEXT)}
 
 
@@ -147,13 +149,23 @@ def _user_reply(text: str, ts: int) -> dict[str, Any]:
             "sender": {"senderType": "user", "senderInfo": {}}, "messageId": str(ts)}
 
 
+async def next_user_message(sub: Subscription) -> dict[str, Any]:
+    """The first user entry appended to the session's chat history since `sub` began: sent with
+    CodeBoltService.SendUserMessage, or a neuro-san StreamingChat turn of the same session."""
+    async for entry in sub:
+        if entry.get("role") == "user":
+            return entry  # type: ignore[no-any-return]
+    raise StopAsyncIteration  # the bus closed the subscription: shutdown
+
+
 async def wait_for_reply(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
     assert sub is not None
     prompt = _text(req.fields, "message", "text", required=False)
     if prompt:
         await post_agent_message(ctx, prompt)
-    user = await anext(sub)
-    return Reply(True, user, extra=_user_reply(user["text"], user["ts"]))
+    user = await next_user_message(sub)
+    return Reply(True, {"text": user["text"], "ts": user["ts"], "source": user["source"]},
+                 extra=_user_reply(user["text"], user["ts"]))
 
 
 async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
@@ -170,7 +182,7 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
             raise BadRequest("`timeoutMs` must be a positive integer (milliseconds)")
         request.timeout_ms = timeout
     dialog = asyncio.ensure_future(ctx.calls.unary(_EXT + "Select", request, ctx.session))
-    feedback = asyncio.ensure_future(anext(sub)) if sub is not None else None
+    feedback = asyncio.ensure_future(next_user_message(sub)) if sub is not None else None
     try:
         await asyncio.wait([t for t in (dialog, feedback) if t is not None], return_when=asyncio.FIRST_COMPLETED)
     finally:

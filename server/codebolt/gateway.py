@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from server import topics
+from server import chat_history
 from server.bus import BusClosed, Subscription, SubscriptionLimit
 from server.codebolt import actions, protocol
 from server.codebolt.actions import BadRequest, Context, Reply
@@ -26,9 +26,9 @@ log = logging.getLogger("uibus.codebolt")
 
 MAX_MESSAGE_BYTES = 1024 * 1024
 MAX_WAITS = 64  # waitforReply + confirmationRequest in flight per connection
-# A wait reads one user message, the *first* after it began: room for a burst (the bus drops
-# the oldest at the bound) so that a quick second message cannot push the first one out.
-USER_QUEUE = 16
+# A wait reads the session's chat entries up to the first user message after it began: room for
+# a burst (the bus drops the oldest at the bound) so that later entries cannot push it out.
+USER_QUEUE = 64
 Send = Callable[[str], Awaitable[None]]
 
 
@@ -51,6 +51,10 @@ class Gateway:
     def pending(self, session: str | None = None) -> int:
         return sum(len(c.waits) for c in self.connections if session is None or c.session == session)
 
+    def user_waiters(self, session: str) -> int:
+        """Waits of `session` that the next user message answers."""
+        return sum(len(c.user_subs) for c in self.connections if c.session == session)
+
     def count(self, session: str | None = None) -> int:
         return sum(1 for c in self.connections if session is None or c.session == session)
 
@@ -70,6 +74,7 @@ class AgentConnection:
         self._close_socket = close
         self._send_lock = asyncio.Lock()
         self.waits: set[asyncio.Task[None]] = set()
+        self.user_subs: set[Subscription] = set()  # of the waits that a user message answers
         self._tasks: set[asyncio.Task[None]] = set()  # shutdown's socket close
         self.closed = False
 
@@ -127,18 +132,21 @@ class AgentConnection:
         sub: Subscription | None = None
         if wants_user(req):
             try:  # taken now, before any await: a user message sent from here on is seen
-                sub = self.gateway.rt.bus.subscribe(self.session, topics.USER_MESSAGE, maxsize=USER_QUEUE)
+                sub = self.gateway.rt.bus.subscribe(self.session, chat_history.CHAT_MESSAGE, maxsize=USER_QUEUE)
             except (BusClosed, SubscriptionLimit) as exc:
                 await self._reply(req, actions.fail(f"{req.name}: {exc}"))
                 return
         task = asyncio.ensure_future(self._wait(work, req, sub))
         self.waits.add(task)
+        if sub is not None:
+            self.user_subs.add(sub)
         task.add_done_callback(self._waited(sub))
 
     def _waited(self, sub: Subscription | None) -> Callable[[asyncio.Task[None]], None]:
         def done(task: asyncio.Task[None]) -> None:
             self.waits.discard(task)
             if sub is not None:
+                self.user_subs.discard(sub)
                 self.gateway.rt.bus.unsubscribe(sub)
         return done
 

@@ -2,8 +2,8 @@
 gateway on the HTTP port.
 
 A user's message is one event for every consumer: it is written to the session's chat history
-first (so getChatHistory, neuro-san and a late webview see it), then shown to webviews as a
-ClineMessage, then offered to the agents waiting on the session's `user_message` topic.
+(so getChatHistory and neuro-san see it), which also announces it on the bus to the agents waiting
+for a reply (kind `chat_message`), then it is shown to webviews as a ClineMessage.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from server import chat_history, topics
+from server import chat_history
 from server.codebolt import actions
 from server.codebolt.asgi import PATH, AgentToApp
 from server.codebolt.gateway import Gateway
@@ -40,9 +40,10 @@ class CodeBoltService(codebolt_pb2_grpc.CodeBoltServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"text is {len(text)} characters long; the limit is {actions.MAX_TEXT}")
         ts = actions.next_ts()
-        await chat_history.append(self.rt.store, session, "user", text, source=USER_SOURCE, ts=ts)
+        # Announced on the bus by append itself; counted right after, before any waiter can finish.
+        await chat_history.append(self.rt.store, session, "user", text, source=USER_SOURCE, ts=ts, bus=self.rt.bus)
+        answered = self.gateway.user_waiters(session)
         actions.say(self.rt, session, ts, text, ui_pb2.USER_FEEDBACK)
-        answered = self.rt.bus.publish(session, topics.USER_MESSAGE, {"text": text, "ts": ts, "source": USER_SOURCE})
         return pb.UserMessageReply(ts=ts, answered=answered)
 
     async def GetStats(self, request: pb.CodeBoltStatsRequest, context: grpc.aio.ServicerContext) -> pb.CodeBoltStats:
