@@ -1,0 +1,92 @@
+"""/metrics: valid Prometheus text whose numbers follow what the bus and the RPCs did."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import httpx
+import pytest
+from conftest import free_port, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from webclient import call_stream
+
+from clients.connection import Connection
+from server.app import App
+from server.config import Config
+from uibus_pb.cline import common_pb2, ui_pb2
+from uibus_pb.uibus.v1 import host_pb2
+
+
+@pytest.fixture
+async def web(config: Config) -> AsyncIterator[App]:
+    app = App(replace(config, http_port=free_port(), queue_size=2))
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop(grace=1.0)
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = await client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def get(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_metrics_follow_events_and_rpcs(web: App) -> None:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client, \
+            Connection(f"127.0.0.1:{web.port}", session="m") as conn:
+        before = await scrape(client)
+        assert get(before, "uibus_subscriptions", kind="partial_message") == 0
+
+        # explicit metadata: Connection's session interceptor does not reach unary-stream calls here
+        native = conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=(("x-uibus-session", "m"),))
+        first = asyncio.ensure_future(native.read())  # starts the call
+        stream = call_stream(client, "/cline.UiService/subscribeToAddToInput", b"", headers={"x-uibus-session": "m"})
+        await anext(stream)
+        await wait_for(lambda: web.bus.count(session="m") == 1, what="gRPC-Web subscription")
+        await wait_for(lambda: web.bus.count(session="m") == 2, what="native subscription")
+        mid = await scrape(client)
+        assert get(mid, "uibus_subscriptions", kind="partial_message") == 1
+        assert get(mid, "uibus_subscriptions", kind="add_to_input") == 1
+        assert get(mid, "uibus_subscriptions_total_open") == 2
+
+        for i in range(6):
+            await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=5, type=ui_pb2.SAY, text=f"v{i}",
+                                                                      partial=True))
+        await conn.host.PublishAddToInput(host_pb2.TextEvent(text="x"))
+        # a burst faster than any reader: the subscriber's queue (bound 2) coalesces by ts
+        for i in range(6):
+            web.bus.publish("m", "partial_message", ui_pb2.ClineMessage(ts=6, text=f"b{i}"), key=6)
+        after = await scrape(client)
+        assert get(after, "uibus_events_published_total", kind="partial_message") == 12
+        assert get(after, "uibus_events_delivered_total", kind="partial_message") == 12
+        assert get(after, "uibus_events_coalesced_total", kind="partial_message") >= 3
+        assert get(after, "uibus_events_published_total", kind="add_to_input") == 1
+        method = "/uibus.v1.HostService/PublishPartialMessage"
+        assert get(after, "uibus_rpc_duration_seconds_count", method=method, code="OK", transport="grpc") == 6
+
+        # an error status is counted under its code, and gRPC-Web calls under their transport
+        bad = conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=0))
+        with pytest.raises(Exception):
+            await bad
+        native.cancel()
+        first.cancel()
+        await stream.aclose()
+        await wait_for(lambda: web.bus.count() == 0, what="streams closed")
+        final = await scrape(client)
+        assert get(final, "uibus_rpc_duration_seconds_count", method=method, code="INVALID_ARGUMENT",
+                   transport="grpc") == 1
+        assert get(final, "uibus_rpc_duration_seconds_count", method="/cline.UiService/subscribeToAddToInput",
+                   code="CANCELLED", transport="grpc-web") == 1
+        assert get(final, "uibus_subscriptions", kind="partial_message") == 0
