@@ -25,7 +25,7 @@ class SocketGone(Exception):
     """The agent's socket closed while a reply was being written."""
 
 
-def session_of(scope: Scope) -> str:
+def session_from_scope(scope: Scope) -> str:
     """The session named by the upgrade request; BadSession when the name is invalid."""
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     names = query.get("session") or [header(scope, SESSION_KEY.encode())]
@@ -49,7 +49,7 @@ class AgentToApp:
             return
         await send({"type": "websocket.accept"})
         try:
-            session = session_of(scope)
+            session = session_from_scope(scope)
         except BadSession as exc:
             await send({"type": "websocket.send", "text": protocol.response("", False, error=str(exc),
                                                                             reply_type="error")})
