@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
@@ -457,3 +458,19 @@ async def test_a_streaming_chat_turn_answers_a_wait(app: App, agent: Any, connec
     assert reply["data"]["source"] == "neuro-san"
     history = await a.call({"type": "getChatHistory", "requestId": "h"})
     assert [e["role"] for e in history["data"]] == ["assistant", "user", "assistant"]
+
+
+async def test_codeboltjs_connection_path(app: App) -> None:
+    """codeboltjs connects to /codebolt?id=…&agentId=… with no session: it joins "default"."""
+    async with connect(f"ws://127.0.0.1:{app.http_port}/codebolt?id=conn-1&agentId=a1") as ws:
+        a = Agent(ws)
+        await a.send({"type": "sendMessage", "message": "via the codeboltjs path"})
+        reply = await a.call({"type": "getChatHistory", "requestId": "req_1_1"})
+        assert [e["text"] for e in reply["data"]] == ["via the codeboltjs path"]
+        assert gateway_of(app).count("default") == 1
+
+
+async def test_plain_http_is_told_to_upgrade(app: App) -> None:
+    async with httpx.AsyncClient() as client:
+        reply = await client.get(f"http://127.0.0.1:{app.http_port}{PATH}")
+    assert reply.status_code == 426 and "WebSocket endpoint" in reply.text

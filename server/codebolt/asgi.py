@@ -17,6 +17,9 @@ from server.session import DEFAULT_SESSION, SESSION_KEY, BadSession, check_sessi
 from server.web.asgi import Receive, Scope, Send, bearer_ok, header, respond
 
 PATH = "/agent-to-app"
+# Where the codeboltjs library itself connects (`ws://localhost:$SOCKET_PORT/codebolt?id=…`), so an
+# unmodified agent works with SOCKET_PORT set to uibus's HTTP port (its session: "default").
+CODEBOLTJS_PATH = "/codebolt"
 _POLICY_VIOLATION = 1008
 _GOING_AWAY = 1001
 

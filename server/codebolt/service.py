@@ -14,7 +14,7 @@ import grpc
 
 from server import chat_history
 from server.codebolt import actions
-from server.codebolt.asgi import PATH, AgentToApp
+from server.codebolt.asgi import CODEBOLTJS_PATH, PATH, AgentToApp
 from server.codebolt.gateway import Gateway
 from server.codebolt.inprocess import InProcess
 from server.services.common import Runtime
@@ -61,5 +61,7 @@ def install(registry: Any, rt: Runtime) -> list[str]:
     """
     gateway = Gateway(rt, InProcess(registry.lookup))
     codebolt_pb2_grpc.add_CodeBoltServiceServicer_to_server(CodeBoltService(rt, gateway), registry)
-    rt.http_mounts[PATH] = AgentToApp(gateway, rt.config.auth_token)
+    endpoint = AgentToApp(gateway, rt.config.auth_token)
+    rt.http_mounts[PATH] = endpoint
+    rt.http_mounts[CODEBOLTJS_PATH] = endpoint
     return [pb.DESCRIPTOR.services_by_name["CodeBoltService"].full_name]
