@@ -304,3 +304,31 @@ async def wait_for_async(fetch: Callable[[], Any], ok: Callable[[Any], bool], ti
     while not ok(await fetch()):
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+async def test_two_server_processes_configured_by_env(redis_server: RedisProcess, spawn: Any) -> None:
+    """As an operator runs it: two `python -m server` processes, Redis given by UIBUS_REDIS_URL."""
+    import signal
+
+    env = {"UIBUS_REDIS_URL": redis_server.url}
+    a, b = spawn(env=env), spawn(env=env)
+    await asyncio.gather(a.wait_ready(), b.wait_ready())
+    async with Connection(a.target, session="ops") as on_a, Connection(b.target, session="ops") as on_b:
+        await on_a.host.SetTheme(host_pb2.TextEvent(text='{"from":"a"}'))
+        theme = on_b.ui.subscribeToTheme(common_pb2.EmptyRequest())
+        assert (await next_message(theme, timeout=5)).value == '{"from":"a"}'
+        clicks = on_b.ui.subscribeToAccountButtonClicked(common_pb2.EmptyRequest())
+
+        async def stats_b() -> int:
+            return (await on_b.host.GetBusStats(common_pb2.Empty())).subscriptions
+
+        await wait_for_async(stats_b, lambda n: n == 2)
+        await on_a.host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_ACCOUNT))
+        await next_message(clicks, timeout=5)
+        theme.cancel()
+        clicks.cancel()
+        await wait_for_async(stats_b, lambda n: n == 0)
+    for p in (a, b):
+        p.proc.send_signal(signal.SIGTERM)
+    for p in (a, b):
+        assert await asyncio.to_thread(p.proc.wait, 15) == 0, p.log.read_text()
