@@ -102,7 +102,12 @@ class App:
         self.store = store or open_store(config.store, config.redis_url)
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = (
+            [BearerTokenInterceptor(config.auth_token)] if config.auth_token else [])
+        if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
+            from server.unavailable import StoreUnavailableInterceptor
+
+            interceptors.append(StoreUnavailableInterceptor())
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[

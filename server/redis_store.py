@@ -9,14 +9,25 @@ multi-key operation on a session stays legal on a cluster. No operation uses KEY
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
-from server.redis_conn import make_client
-from server.store import Store
+from server.redis_conn import OUTAGE_ERRORS, make_client
+from server.store import Store, StoreUnavailable
 
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+
+@contextlib.contextmanager
+def _reachable() -> Iterator[None]:
+    """Re-raises a lost or timed-out connection as StoreUnavailable (gRPC UNAVAILABLE)."""
+    try:
+        yield
+    except OUTAGE_ERRORS as exc:
+        raise StoreUnavailable(f"the session store (Redis) is unreachable: {exc}") from exc
 
 
 def _dumps(value: Any) -> bytes:
@@ -41,39 +52,44 @@ class RedisStore(Store):
         return f"{self._base(session)}:list:{key}"
 
     async def get(self, session: str, key: str) -> Any | None:
-        raw = await self._redis.hget(self._kv(session), key)
-        return json.loads(raw) if raw is not None else None
+        with _reachable():
+            raw = await self._redis.hget(self._kv(session), key)
+            return json.loads(raw) if raw is not None else None
 
     async def put(self, session: str, key: str, value: Any | None) -> None:
-        if value is None:
-            await self._redis.hdel(self._kv(session), key)
-        else:
-            await self._redis.hset(self._kv(session), key, _dumps(value))
+        with _reachable():
+            if value is None:
+                await self._redis.hdel(self._kv(session), key)
+            else:
+                await self._redis.hset(self._kv(session), key, _dumps(value))
 
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""
-        pattern = prefix.translate(_GLOB_SPECIAL) + "*"
-        found: dict[str, Any] = {}
-        async for field, raw in self._redis.hscan_iter(self._kv(session), match=pattern, count=500):
-            name = field.decode()
-            if name.startswith(prefix):  # MATCH is a glob; the prefix test is the contract
-                found[name] = json.loads(raw)
-        return dict(sorted(found.items()))
+        with _reachable():
+            pattern = prefix.translate(_GLOB_SPECIAL) + "*"
+            found: dict[str, Any] = {}
+            async for field, raw in self._redis.hscan_iter(self._kv(session), match=pattern, count=500):
+                name = field.decode()
+                if name.startswith(prefix):  # MATCH is a glob; the prefix test is the contract
+                    found[name] = json.loads(raw)
+            return dict(sorted(found.items()))
 
     async def append(self, session: str, key: str, value: Any, max_len: int = 10_000) -> None:
         """RPUSH and LTRIM in one MULTI/EXEC, so readers never see the list over its bound."""
-        name = self._list(session, key)
-        if max_len <= 0:  # as SqliteStore: a bound of 0 keeps nothing
-            await self._redis.delete(name)
-            return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.rpush(name, _dumps(value))
-            pipe.ltrim(name, -max_len, -1)
-            await pipe.execute()
+        with _reachable():
+            name = self._list(session, key)
+            if max_len <= 0:  # as SqliteStore: a bound of 0 keeps nothing
+                await self._redis.delete(name)
+                return
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.rpush(name, _dumps(value))
+                pipe.ltrim(name, -max_len, -1)
+                await pipe.execute()
 
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
-        start = -last if last > 0 else 0
-        return [json.loads(v) for v in await self._redis.lrange(self._list(session, key), start, -1)]
+        with _reachable():
+            start = -last if last > 0 else 0
+            return [json.loads(v) for v in await self._redis.lrange(self._list(session, key), start, -1)]
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -120,3 +120,31 @@ async def test_start_without_redis_serves_locally(tmp_path: object) -> None:
     assert (await drain(sub, 1))[0] == common_pb2.String(value="local")
     bus.unsubscribe(sub)
     await asyncio.wait_for(bus.stop(), 5)
+
+
+async def test_presence_is_kept_by_heartbeats_and_expires_with_a_dead_replica(redis_server: RedisProcess) -> None:
+    a = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
+    b = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
+    await a.start()
+    await b.start()
+    try:
+        assert a.publish("s", "host", common_pb2.String(value="nobody")) == 0
+        hosts = [b.subscribe("s", "host"), b.subscribe("s", "host")]
+        await wait_for(lambda: a.remote_count("s", "host") == 2, what="A learns of B's two hosts")
+        await asyncio.sleep(0.6)  # twice the expiry: heartbeats keep it fresh
+        assert a.remote_count("s", "host") == 2
+        assert a.publish("s", "host", common_pb2.String(value="to b")) == 2
+        assert [m.value for m in await drain(hosts[0], 1)] == ["to b"]  # type: ignore[attr-defined]
+        late = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
+        await late.start()  # a replica that joins later learns within a heartbeat
+        await wait_for(lambda: late.remote_count("s", "host") == 2, what="newcomer learns of B's hosts")
+        await late.stop()
+        await b.stop()  # B dies without unsubscribing: its announcement must expire
+        await wait_for(lambda: a.remote_count("s", "host") == 0, timeout=3, what="B's hosts expire on A")
+        assert a.publish("s", "host", common_pb2.String(value="gone")) == 0
+        for sub in hosts:
+            b.unsubscribe(sub)
+    finally:
+        await a.stop()
+        if b._tasks:
+            await b.stop()

@@ -237,8 +237,13 @@ async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
         assert (await next_message(on_a)).value == f"a{i}"
         await _within(3, lambda i=i: host_b.PublishAddToInput(host_pb2.TextEvent(text=f"b{i}")))
         assert (await next_message(on_b)).value == f"b{i}"
-    with pytest.raises(grpc.aio.AioRpcError):  # state needs the store: a prompt error, not a hang
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # state needs the store: a prompt error, not a hang
         await _within(8, lambda: host_a.GetSessionState(common_pb2.Empty()))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in (err.value.details() or "")
+    theme = b.connect().ui.subscribeToTheme(common_pb2.EmptyRequest())  # a stream that reads the store first
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _within(8, lambda: theme.read())
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert a.bus.stats.outages == 1 and b.bus.stats.outages == 1
 
     redis_server.start()

@@ -155,3 +155,24 @@ async def test_concurrent_appends_lose_nothing(store: Store) -> None:
         assert [i for ww, i in got if ww == w] == list(range(20))
 
 
+
+
+async def test_redis_outage_is_store_unavailable_not_a_hang(redis_server: RedisProcess) -> None:
+    import asyncio
+
+    from server.redis_store import RedisStore
+    from server.store import StoreUnavailable
+
+    store = RedisStore(redis_server.url)
+    try:
+        await store.put("s", "k", 1)
+        redis_server.kill()
+        for call in (store.get("s", "k"), store.put("s", "k", 2), store.scan("s", ""),
+                     store.append("s", "l", 1), store.items("s", "l")):
+            with pytest.raises(StoreUnavailable, match="unreachable"):
+                await asyncio.wait_for(call, 10)
+        redis_server.start()  # empty again (no persistence): the same client reconnects by itself
+        await store.put("s", "k", 3)
+        assert await store.get("s", "k") == 3
+    finally:
+        await store.close()
