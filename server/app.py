@@ -85,14 +85,29 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 INSTALLERS: list[Installer] = [_install_ui]
 
 
+def _make_bus(config: Config) -> Bus:
+    """In-process bus, or with a Redis URL one that spans every replica sharing that Redis."""
+    if config.redis_url:
+        from server.redis_bus import ReplicatedBus
+
+        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session, topics.POLICIES,
+                             presence_kinds=(topics.HOST_REQUEST,))  # openUrl asks "is any host listening?"
+    return Bus(config.queue_size, config.max_streams_per_session, topics.POLICIES)
+
+
 class App:
     def __init__(self, config: Config, store: Store | None = None) -> None:
         self.config = config
-        self.bus = Bus(config.queue_size, config.max_streams_per_session, topics.POLICIES)
+        self.bus = _make_bus(config)
         self.store = store or open_store(config.store, config.redis_url)
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
-        interceptors = [BearerTokenInterceptor(config.auth_token)] if config.auth_token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = (
+            [BearerTokenInterceptor(config.auth_token)] if config.auth_token else [])
+        if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
+            from server.unavailable import StoreUnavailableInterceptor
+
+            interceptors.append(StoreUnavailableInterceptor())
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -120,6 +135,8 @@ class App:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
+        if hasattr(self.bus, "start"):  # ReplicatedBus: listen to the other replicas
+            await self.bus.start()
         for name in ["", *self.service_names, HEALTH]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "tls": bool(cfg.tls_cert),
@@ -139,6 +156,8 @@ class App:
         for hook in self.rt.on_shutdown:
             hook()
         await self.server.stop(grace)
+        if hasattr(self.bus, "stop"):
+            await self.bus.stop()
         await self.store.close()
         log.info("stopped")
 
