@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import free_port, require_binary
+
+from tests.conftest import free_port, require_binary
 
 
 class RedisProcess:

@@ -10,11 +10,11 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import wait_for
-from redisproc import RedisProcess, redis_server
 
 from server.bus import Subscription
 from server.redis_bus import ReplicatedBus
+from tests.conftest import wait_for
+from tests.redisproc import RedisProcess, redis_server
 from uibus_pb.cline import common_pb2, ui_pb2
 
 __all__ = ["redis_server"]
@@ -110,7 +110,7 @@ async def test_stop_while_redis_is_down_does_not_hang(redis_server: RedisProcess
 
 
 async def test_start_without_redis_serves_locally(tmp_path: object) -> None:
-    from conftest import free_port
+    from tests.conftest import free_port
 
     bus = ReplicatedBus(f"redis://127.0.0.1:{free_port()}/0")
     await asyncio.wait_for(bus.start(wait_s=0.5), 5)

@@ -12,14 +12,14 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import next_message, wait_for
-from redisproc import RedisProcess, redis_server
 
 from clients.connection import Connection
 from server import topics
 from server.app import App
 from server.config import Config
 from server.redis_bus import ReplicatedBus
+from tests.conftest import next_message, wait_for
+from tests.redisproc import RedisProcess, redis_server
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 

@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
-from redisproc import RedisProcess, redis_server
 
 from server.store import SqliteStore, Store
+from tests.redisproc import RedisProcess, redis_server
 
 __all__ = ["redis_server"]
 
