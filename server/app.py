@@ -82,8 +82,7 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 
 
 # Each installer adds its servicers and returns the full names it serves (for health/reflection).
-INSTALLERS: list[Installer] = [_install_ui]
-INSTALLERS.append(extension_ui.install)
+INSTALLERS: list[Installer] = [_install_ui, extension_ui.install]
 
 
 def _make_bus(config: Config) -> Bus:
@@ -136,8 +135,7 @@ class App:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
-        if hasattr(self.bus, "start"):  # ReplicatedBus: listen to the other replicas
-            await self.bus.start()
+        await self.bus.start()
         for name in ["", *self.service_names, HEALTH]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "tls": bool(cfg.tls_cert),
@@ -157,8 +155,7 @@ class App:
         for hook in self.rt.on_shutdown:
             hook()
         await self.server.stop(grace)
-        if hasattr(self.bus, "stop"):
-            await self.bus.stop()
+        await self.bus.stop()
         await self.store.close()
         log.info("stopped")
 
