@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction, Callable[[argparse.ArgumentParser], None]], None]] = []  # type: ignore[type-arg]
 EXTRA_COMMANDS.append(ext_ui_stdio.add_command)
 
+from clients import chat_cli  # noqa: E402 - registers itself below
+
+EXTRA_COMMANDS.append(chat_cli.add_parser)
+
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)

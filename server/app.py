@@ -20,7 +20,7 @@ from server import reflection, topics
 from server.auth import BearerTokenInterceptor
 from server.bus import Bus
 from server.config import Config
-from server.services import extension_ui, host, ui
+from server.services import agent, extension_ui, host, ui
 from server.services.common import Runtime
 from server.store import Store, open_store
 from uibus_pb.cline import ui_pb2, ui_pb2_grpc
@@ -82,7 +82,7 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 
 
 # Each installer adds its servicers and returns the full names it serves (for health/reflection).
-INSTALLERS: list[Installer] = [_install_ui, extension_ui.install]
+INSTALLERS: list[Installer] = [_install_ui, extension_ui.install, agent.install]
 
 
 def _make_bus(config: Config) -> Bus:
