@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import json_format
 
+from clients import ext_ui_stdio
 from clients.connection import Connection, to_json
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
@@ -151,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Further subcommands (chat, ext-ui-stdio, …) register here: fn(subparsers, add_client_options).
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction, Callable[[argparse.ArgumentParser], None]], None]] = []  # type: ignore[type-arg]
+EXTRA_COMMANDS.append(ext_ui_stdio.add_command)
+
+from clients import chat_cli  # noqa: E402 - registers itself below
+
+EXTRA_COMMANDS.append(chat_cli.add_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,29 +25,38 @@ from uibus_pb.uibus.v1 import host_pb2_grpc
 SESSION_KEY = "x-uibus-session"
 
 
-class _SessionInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                          grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the session (and bearer token) to every call's metadata."""
+class _Metadata:
+    """Adds the session (and bearer token) to every call, unless the call sets its own."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        md = grpc.aio.Metadata(*self._metadata)
-        for k, v in details.metadata or ():
-            md.add(k, v)
+        md = grpc.aio.Metadata(*(details.metadata or ()))
+        for key, value in self._metadata:
+            if key not in md:
+                md.add(key, value)
         return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
                                           details.wait_for_ready)
 
+
+# grpc.aio files an interceptor under the first call type it implements, so one class per type.
+class _UnaryUnary(_Metadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _UnaryStream(_Metadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamUnary(_Metadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStream(_Metadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
@@ -62,7 +71,8 @@ class Connection:
         metadata = [(SESSION_KEY, session)]
         if token:
             metadata.append(("authorization", f"Bearer {token}"))
-        interceptors = [_SessionInterceptor(tuple(metadata))]
+        md = tuple(metadata)
+        interceptors = [cls(md) for cls in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
         if tls:
             self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(),
                                                    interceptors=interceptors)

@@ -121,6 +121,12 @@ class Bus:
         self.counters: dict[str, KindCounters] = {}
         self._closed = False
 
+    async def start(self) -> None:
+        """Connects the bus to its peers; the in-process bus has none (see ReplicatedBus)."""
+
+    async def stop(self) -> None:
+        """Disconnects from peers after the server has stopped."""
+
     def set_policy(self, kind: str, policy: Policy) -> None:
         self._policies[kind] = policy
 
@@ -201,6 +207,10 @@ class Bus:
             c = self.counters.get(kind or "")
             return c.subscriptions if c else 0
         return sum(len(s) for s in self._topics.get((session, kind or ""), {}).values())
+
+    def subscriptions(self, session: str, kind: str) -> list[Subscription]:
+        """The open subscriptions of one topic (every target), for inspection."""
+        return [sub for subs in self._topics.get((session, kind), {}).values() for sub in subs]
 
     def close(self) -> None:
         """Graceful-shutdown switch: refuse new subscriptions and end every open stream."""

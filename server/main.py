@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import signal
 import sys
 
@@ -37,7 +38,11 @@ def run(ns: argparse.Namespace) -> int:
         print(f"uibus serve: {exc}", file=sys.stderr)
         return 2
     logs.setup(config.log_level)
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except (RuntimeError, OSError) as exc:  # port taken, unreadable TLS files, unwritable store
+        logging.getLogger("uibus").error("cannot start", extra={"fields": {"error": str(exc)}})
+        return 1
     return 0
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -90,8 +91,42 @@ async def wait_for(predicate: Callable[[], bool], timeout: float = 2.0, what: st
     return time.monotonic() - start
 
 
-async def next_message(stream: object, timeout: float = 2.0) -> object:
-    return await asyncio.wait_for(stream.read(), timeout)  # type: ignore[attr-defined]
+class Reader:
+    """Reads a server stream in the background so a test can wait for "nothing arrives" without
+    cancelling the call (cancelling a grpc.aio read cancels the whole RPC)."""
+
+    END = object()
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for message in self.call:
+                self.queue.put_nowait(message)
+            self.queue.put_nowait(self.END)
+        except grpc.aio.AioRpcError as exc:
+            self.queue.put_nowait(exc)
+
+    async def next(self, timeout: float = 2.0) -> Any:
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, grpc.aio.AioRpcError):
+            raise item
+        if item is self.END:
+            raise StopAsyncIteration
+        return item
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+async def next_message(stream: Any, timeout: float = 2.0) -> Any:
+    """The stream's next message; on a Reader, waiting does not cancel the call."""
+    if isinstance(stream, Reader):
+        return await stream.next(timeout)
+    return await asyncio.wait_for(stream.read(), timeout)
 
 
 class ServerProcess:
@@ -147,5 +182,5 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
         p.stop()
 
 
-__all__ = ["Config", "ServerProcess", "common_pb2", "free_port", "host_pb2", "next_message", "replace",
+__all__ = ["Config", "Reader", "ServerProcess", "common_pb2", "free_port", "host_pb2", "next_message", "replace",
            "require", "require_binary", "wait_for"]

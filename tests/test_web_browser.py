@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, require, require_binary, wait_for
 
 from clients.connection import Connection
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, require, require_binary, wait_for
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 

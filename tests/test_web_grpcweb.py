@@ -19,13 +19,13 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from conftest import free_port, wait_for
-from webclient import call, call_stream, frame
 
 from clients.connection import Connection
 from server import app as app_module
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, wait_for
+from tests.webclient import call, call_stream, frame
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 

@@ -9,13 +9,13 @@ from dataclasses import replace
 import grpc
 import httpx
 import pytest
-from conftest import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from webclient import call_stream
 
 from clients.connection import Connection
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, wait_for
+from tests.webclient import call_stream
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 

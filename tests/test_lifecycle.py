@@ -1,0 +1,167 @@
+"""The service as an operator runs it: a real `python -m server` process, signals, restarts,
+auth and TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.connection import Connection
+from server.app import App
+from tests.conftest import Reader, next_message, replace, require_binary, wait_for
+from uibus_pb.cline import common_pb2
+from uibus_pb.uibus.v1 import host_pb2
+
+EMPTY_REQ = common_pb2.EmptyRequest()
+
+
+async def test_sigterm_with_50_open_streams(spawn):
+    server = spawn("--grace-seconds", "3", "--drain-seconds", "0.5")
+    await server.wait_ready()
+    async with Connection(server.target, session="busy") as conn, \
+            grpc.aio.insecure_channel(server.target) as health_ch:
+        streams = [Reader(conn.ui.subscribeToPartialMessage(EMPTY_REQ)) for _ in range(50)]
+
+        async def open_count() -> int:
+            return (await conn.host.GetBusStats(common_pb2.Empty())).subscriptions
+
+        for _ in range(200):
+            if await open_count() == 50:
+                break
+            await asyncio.sleep(0.02)
+        assert await open_count() == 50
+        watch = health_pb2_grpc.HealthStub(health_ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.SERVING
+
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert (await next_message(watch, timeout=3)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        for s in streams:  # every client sees its stream end with a status, not a hang
+            with pytest.raises(StopAsyncIteration):
+                await s.next(timeout=5)
+            assert await s.call.code() == grpc.StatusCode.OK
+        rc = await asyncio.to_thread(server.proc.wait, 10)
+        took = time.monotonic() - t0
+    assert rc == 0, server.log.read_text()
+    assert took < 0.5 + 3 + 2  # drain + grace + process start-up slack
+    assert '"msg": "stopped"' in server.log.read_text()
+
+
+async def test_sigint_exits_zero(spawn):
+    server = spawn()
+    await server.wait_ready()
+    server.proc.send_signal(signal.SIGINT)
+    assert await asyncio.to_thread(server.proc.wait, 10) == 0
+
+
+async def test_state_survives_restart(tmp_path, config):
+    config = replace(config, store=str(tmp_path / "persist.db"))
+    for round_ in range(2):
+        app = App(config)
+        await app.start()
+        try:
+            async with Connection(f"127.0.0.1:{app.port}", session="keep") as conn:
+                if round_ == 0:
+                    await conn.host.SetTheme(host_pb2.TextEvent(text='{"kind":"solarized"}'))
+                    await conn.host.SetAnnouncement(host_pb2.AnnouncementState(latest_announcement_id="a7"))
+                    await conn.ui.onDidShowAnnouncement(EMPTY_REQ)
+                else:
+                    theme = Reader(conn.ui.subscribeToTheme(EMPTY_REQ))
+                    assert (await next_message(theme)).value == '{"kind":"solarized"}'
+                    state = await conn.host.GetSessionState(common_pb2.Empty())
+                    assert state.announcement.latest_announcement_id == "a7"
+                    assert state.announcement.last_shown_announcement_id == "a7"
+                    theme.cancel()
+        finally:
+            await app.stop(grace=0.5)
+
+
+async def test_state_survives_process_restart(spawn, tmp_path):
+    first = spawn()
+    await first.wait_ready()
+    async with Connection(first.target, session="proc") as conn:
+        await conn.host.SetTheme(host_pb2.TextEvent(text='{"kind":"dark"}'))
+    first.proc.send_signal(signal.SIGTERM)
+    assert await asyncio.to_thread(first.proc.wait, 10) == 0
+    second = spawn()  # same tmp_path, same store file
+    await second.wait_ready()
+    async with Connection(second.target, session="proc") as conn:
+        assert (await conn.host.GetSessionState(common_pb2.Empty())).theme == '{"kind":"dark"}'
+
+
+async def test_bearer_token(config):
+    app = App(replace(config, auth_token="s3cret"))
+    await app.start()
+    target = f"127.0.0.1:{app.port}"
+    try:
+        async with Connection(target) as anon, Connection(target, token="wrong") as wrong, \
+                Connection(target, token="s3cret") as good:
+            for conn in (anon, wrong):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await conn.ui.scrollToSettings(common_pb2.StringRequest(value="x"))
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await conn.ui.subscribeToTheme(EMPTY_REQ).read()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert (await good.ui.scrollToSettings(common_pb2.StringRequest(value="x"))).key == "scrollToSettings"
+            # Kubernetes probes send no token: health stays open.
+            health = health_pb2_grpc.HealthStub(anon.channel)
+            assert (await health.Check(health_pb2.HealthCheckRequest())).status == 1
+        assert app.bus.count() == 0
+    finally:
+        await app.stop(grace=0.5)
+
+
+async def test_tls(tmp_path, config):
+    openssl = require_binary("openssl")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    app = App(replace(config, host="localhost", tls_cert=str(cert), tls_key=str(key)))
+    await app.start()
+    try:
+        creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"localhost:{app.port}", creds) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            assert (await stub.Check(health_pb2.HealthCheckRequest(service="cline.UiService"))).status == 1
+        async with grpc.aio.insecure_channel(f"localhost:{app.port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=2)
+    finally:
+        await app.stop(grace=0.5)
+
+
+def test_bad_config_is_refused(tmp_path):
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "server", "--port", "70000", "--store", str(tmp_path / "x.db")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "port must be within 0..65535" in proc.stderr
+
+
+async def test_port_in_use_fails_clearly(app, tmp_path):
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(app.port), "--http-port", "0",
+        "--store", str(tmp_path / "y.db"), stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode != 0
+    assert str(app.port) in err.decode()
+
+
+async def test_watchers_see_not_serving_when_stop_starts(app):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="cline.UiService"))
+        assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.ensure_future(app.stop(grace=0.5))
+        assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        await stopping
+    await wait_for(lambda: app.bus.count() == 0)
