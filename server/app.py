@@ -85,16 +85,24 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 
 
 # Each installer adds its servicers and returns the full names it serves (for health/reflection).
-INSTALLERS: list[Installer] = [_install_ui, webview.install]
-INSTALLERS.append(agent.install)  # neuro-san AgentService per agent + ConciergeService
-INSTALLERS.append(extension_ui.install)
-INSTALLERS.append(codebolt_service.install)  # CodeBoltService + the /agent-to-app WebSocket
+INSTALLERS: list[Installer] = [_install_ui, extension_ui.install, agent.install, webview.install,
+                               codebolt_service.install]  # CodeBoltService + the /agent-to-app WebSocket
+
+
+def _make_bus(config: Config) -> Bus:
+    """In-process bus, or with a Redis URL one that spans every replica sharing that Redis."""
+    if config.redis_url:
+        from server.redis_bus import ReplicatedBus
+
+        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session, topics.POLICIES,
+                             presence_kinds=(topics.HOST_REQUEST,))  # openUrl asks "is any host listening?"
+    return Bus(config.queue_size, config.max_streams_per_session, topics.POLICIES)
 
 
 class App:
     def __init__(self, config: Config, store: Store | None = None) -> None:
         self.config = config
-        self.bus = Bus(config.queue_size, config.max_streams_per_session, topics.POLICIES)
+        self.bus = _make_bus(config)
         self.store = store or open_store(config.store, config.redis_url)
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
@@ -102,6 +110,10 @@ class App:
         interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
         if config.auth_token:
             interceptors.append(BearerTokenInterceptor(config.auth_token))
+        if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
+            from server.unavailable import StoreUnavailableInterceptor
+
+            interceptors.append(StoreUnavailableInterceptor())
         self.server = grpc.aio.server(
             interceptors=interceptors,
             options=[
@@ -136,6 +148,7 @@ class App:
         else:
             self.port = self.server.add_insecure_port(address)
         await self.server.start()
+        await self.bus.start()
         if cfg.http_port:
             self.http = await start_http(self)
             self.http_port = self.http.port
@@ -161,6 +174,7 @@ class App:
             await asyncio.gather(self.server.stop(grace), self.http.stop())
         else:
             await self.server.stop(grace)
+        await self.bus.stop()
         await self.store.close()
         log.info("stopped")
 

@@ -121,6 +121,12 @@ class Bus:
         self.counters: dict[str, KindCounters] = {}
         self._closed = False
 
+    async def start(self) -> None:
+        """Connects the bus to its peers; the in-process bus has none (see ReplicatedBus)."""
+
+    async def stop(self) -> None:
+        """Disconnects from peers after the server has stopped."""
+
     def set_policy(self, kind: str, policy: Policy) -> None:
         self._policies[kind] = policy
 

@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import Any
 
 
+class StoreUnavailable(Exception):
+    """A networked backend cannot be reached right now; the call may succeed if retried."""
+
+
 class Store(abc.ABC):
     """Async interface so that a networked backend fits; values are JSON-serialisable."""
 

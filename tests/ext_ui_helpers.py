@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from conftest import wait_for
-
 from clients.connection import Connection
 from server import topics
 from server.app import App
 from server.services.ext_ui_dialogs import PendingDialogs
+from tests.conftest import wait_for
 from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus_pb.uibus.v1 import extension_ui_pb2_grpc
 

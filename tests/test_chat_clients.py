@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from conftest import REPO, require
+from tests.conftest import REPO, require
 
 NEUROSAN_PY = REPO / ".venv-neurosan" / "bin" / "python"
 SCRIPT = Path(__file__).parent / "scripts" / "neurosan_client.py"

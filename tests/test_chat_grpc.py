@@ -10,7 +10,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from chatkit import (
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from clients.connection import Connection
+from server import chat_history
+from server.agents.config import load_agents
+from tests.chatkit import (
     AI,
     FRAMEWORK,
     MAXIMAL,
@@ -26,12 +31,7 @@ from chatkit import (
     stream_error,
     write_agents,
 )
-from conftest import require
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from clients.connection import Connection
-from server import chat_history
-from server.agents.config import load_agents
+from tests.conftest import require
 from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, concierge_pb2_grpc
 
 GREETING = "Hello from hello_world!"

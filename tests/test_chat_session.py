@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, local, request, running, write_agents
-from conftest import wait_for
 
 from clients.connection import Connection
 from server import chat_history, topics
+from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, local, request, running, write_agents
+from tests.conftest import wait_for
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.neuro_san.api.grpc import chat_pb2
 

@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from conftest import REPO, wait_for
-from ext_ui_helpers import dialogs_of, ext, open_uis, read
 
 from server import topics
 from server.app import App
+from tests.conftest import REPO, wait_for
+from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
 from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
 
 # The nine request examples of shared/seeds/extension-ui-rpc-protocol.md, verbatim.

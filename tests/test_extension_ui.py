@@ -7,9 +7,9 @@ import time
 
 import grpc
 import pytest
-from conftest import wait_for
-from ext_ui_helpers import dialogs_of, ext, open_uis, read
 
+from tests.conftest import wait_for
+from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
 from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED

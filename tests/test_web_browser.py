@@ -15,18 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import free_port, require, require_binary, wait_for
 
 from clients.connection import Connection
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, require, require_binary, wait_for
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--disable-sync", "--no-first-run"]
-STREAMS_PER_PAGE = 11  # every UiService subscription, multiplexed by WebviewService.Subscribe
+# Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
+STREAMS_PER_PAGE = 12
 WITHIN = 1000  # ms: each published update must be on screen within a second
 
 
@@ -66,6 +67,11 @@ async def browser() -> AsyncIterator[Any]:
             yield b
         finally:
             await b.close()
+
+
+def _shots(tmp_path: Path) -> Path:
+    """Where screenshots go: UIBUS_SCREENSHOTS (to look at them), else the test's tmp dir."""
+    return Path(os.environ.get("UIBUS_SCREENSHOTS") or tmp_path)
 
 
 async def _shown_within(page: Any, js: str, arg: Any, what: str) -> float:
@@ -118,8 +124,7 @@ async def test_page_shows_host_updates_live_and_cleans_up(web: App, host: Callab
     timings["focus"] = await _shown_within(page, "() => document.activeElement?.id === 'input'", None,
                                            "the focus request")
     print("\nshown after publish (ms):", {k: round(v) for k, v in timings.items()})
-    shot = Path(os.environ.get("UIBUS_SCREENSHOT", tmp_path / "webview.png"))
-    await page.screenshot(path=str(shot))
+    await page.screenshot(path=str(_shots(tmp_path) / "webview.png"))
     assert not errors, errors
 
     await page.close()
@@ -135,7 +140,7 @@ async def test_get_webview_html_is_the_served_page(web: App, host: Callable[[str
     assert html == served and "createGrpcWebTransport" not in html[:2000] and "<script>" in html
 
 
-async def test_chat_with_an_agent_from_the_page(web: App, browser: Any) -> None:
+async def test_chat_with_an_agent_from_the_page(web: App, browser: Any, tmp_path: Path) -> None:
     """Needs the chat service (AgentService/ConciergeService handlers) merged in."""
     page = await browser.new_page()
     await page.goto(f"http://127.0.0.1:{web.http_port}/?session=chat1")
@@ -151,5 +156,58 @@ async def test_chat_with_an_agent_from_the_page(web: App, browser: Any) -> None:
             "n => document.querySelectorAll('.msg.agent.done').length > n", arg=turn, timeout=10_000)
         assert await reply.get_attribute("class") and "error" not in (await reply.get_attribute("class") or "")
         assert (await reply.locator(".text").text_content() or "").strip()
+    assert "my name is Ada" in (await page.locator(".msg.agent").nth(1).text_content() or "")  # context kept
+    await page.screenshot(path=str(_shots(tmp_path) / "chat.png"))
+    await page.close()
+    await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
+
+
+async def test_page_answers_extension_ui_dialogs(web: App, browser: Any, tmp_path: Path) -> None:
+    import asyncio
+
+    import grpc
+
+    from uibus_pb.uibus.v1 import extension_ui_pb2 as ext
+    from uibus_pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+
+    page = await browser.new_page(viewport={"width": 1100, "height": 700})
+    await page.goto(f"http://127.0.0.1:{web.http_port}/?session=dlg")
+    await wait_for(lambda: web.bus.count(session="dlg") == STREAMS_PER_PAGE, timeout=5, what="page subscribed")
+    md = (("x-uibus-session", "dlg"),)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{web.port}") as ch:
+        agent = ext_grpc.ExtensionUiServiceStub(ch)
+        await agent.SetStatus(ext.SetStatusRequest(key="build", text="building…"), metadata=md)
+        await agent.SetWidget(ext.SetWidgetRequest(key="todo", lines=["1. parse", "2. test"]), metadata=md)
+        await page.wait_for_selector('#statuses [data-key="build"]:text("building…")', timeout=WITHIN)
+        await page.wait_for_selector('#widgets [data-key="todo"]', timeout=WITHIN)
+
+        confirm = asyncio.ensure_future(agent.Confirm(ext.ConfirmRequest(title="Deploy now?", message="to prod"),
+                                                      metadata=md))
+        await page.wait_for_selector('.dialog[data-kind="confirm"] h3:text("Deploy now?")', timeout=WITHIN)
+        await page.click('.dialog[data-kind="confirm"] button:text("Yes")')
+        result = await asyncio.wait_for(confirm, 5)
+        assert result.outcome == ext.DIALOG_OUTCOME_ANSWERED and result.confirmed
+        await page.wait_for_selector('.dialog[data-kind="confirm"]', state="detached", timeout=WITHIN)
+
+        select = asyncio.ensure_future(agent.Select(ext.SelectRequest(title="Pick one", options=["red", "blue"]),
+                                                    metadata=md))
+        await page.wait_for_selector('.dialog[data-kind="select"]', timeout=WITHIN)
+        await page.click('.dialog[data-kind="select"] button:text("blue")')
+        assert (await asyncio.wait_for(select, 5)).value == "blue"
+
+        text = asyncio.ensure_future(agent.Input(ext.InputRequest(title="Your name?", placeholder="name"),
+                                                 metadata=md))
+        await page.fill('.dialog[data-kind="input"] input', "Ada")
+        await page.click('.dialog[data-kind="input"] button:text("OK")')
+        assert (await asyncio.wait_for(text, 5)).value == "Ada"
+
+        # a dialog that times out disappears from the page (the server tells every UI)
+        timed = asyncio.ensure_future(agent.Editor(ext.EditorRequest(title="Edit", prefill="x = 1", timeout_ms=600),
+                                                   metadata=md))
+        await page.wait_for_selector('.dialog[data-kind="editor"]', timeout=WITHIN)
+        await page.screenshot(path=str(_shots(tmp_path) / "dialog.png"))
+        result = await asyncio.wait_for(timed, 5)
+        assert result.outcome == ext.DIALOG_OUTCOME_TIMED_OUT
+        await page.wait_for_selector('.dialog[data-kind="editor"]', state="detached", timeout=WITHIN)
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")

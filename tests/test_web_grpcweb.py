@@ -10,20 +10,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import httpx
 import pytest
-from conftest import free_port, wait_for
-from webclient import call, call_stream, frame
 
 from clients.connection import Connection
 from server import app as app_module
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, wait_for
+from tests.webclient import call, call_stream, frame
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 
@@ -296,3 +298,24 @@ async def test_shutdown_ends_open_streams_and_readyz(web: App, http: httpx.Async
     assert rest[-1][0] == "trailers"  # the stream ended cleanly with a status
     await stopping
     assert web.bus.count() == 0
+
+
+async def test_served_process_http_port_and_sigterm(spawn: Callable[..., Any], http: httpx.AsyncClient) -> None:
+    """`python -m server` binds the HTTP port, fails readiness during the drain, and exits 0."""
+    port = free_port()
+    proc = spawn("--http-port", str(port), "--drain-seconds", "1.0")
+    await proc.wait_ready()
+    base = f"http://127.0.0.1:{port}"
+    assert (await http.get(base + "/readyz")).status_code == 200
+    assert (await http.get(base + "/")).headers["content-type"].startswith("text/html")
+    proc.proc.send_signal(signal.SIGTERM)
+    await wait_for(lambda: _status(base + "/readyz") == 503, timeout=1.0, what="readyz 503 while draining")
+    assert _status(base + "/livez") == 200
+    assert await asyncio.to_thread(proc.proc.wait, 10) == 0
+
+
+def _status(address: str) -> int:
+    try:
+        return httpx.get(address, timeout=0.5).status_code
+    except httpx.HTTPError:
+        return 0

@@ -6,15 +6,16 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+import grpc
 import httpx
 import pytest
-from conftest import free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from webclient import call_stream
 
 from clients.connection import Connection
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port, wait_for
+from tests.webclient import call_stream
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 
@@ -54,8 +55,7 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
         first = asyncio.ensure_future(native.read())  # starts the call
         stream = call_stream(client, "/cline.UiService/subscribeToAddToInput", b"", headers={"x-uibus-session": "m"})
         await anext(stream)
-        await wait_for(lambda: web.bus.count(session="m") == 1, what="gRPC-Web subscription")
-        await wait_for(lambda: web.bus.count(session="m") == 2, what="native subscription")
+        await wait_for(lambda: web.bus.count(session="m") == 2, what="native and gRPC-Web subscriptions")
         mid = await scrape(client)
         assert get(mid, "uibus_subscriptions", kind="partial_message") == 1
         assert get(mid, "uibus_subscriptions", kind="add_to_input") == 1
@@ -78,7 +78,7 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
 
         # an error status is counted under its code, and gRPC-Web calls under their transport
         bad = conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=0))
-        with pytest.raises(Exception):
+        with pytest.raises(grpc.aio.AioRpcError):
             await bad
         native.cancel()
         first.cancel()

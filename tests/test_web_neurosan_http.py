@@ -12,10 +12,10 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from conftest import free_port
 
 from server.app import App
 from server.config import Config
+from tests.conftest import free_port
 
 AGENT = "hello_world"  # the built-in local agent
 

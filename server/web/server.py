@@ -28,7 +28,10 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: ASGIApp, host: str, port: int, grace: float) -> None:
+    def __init__(self, routes: Routes, cors_origins: str, host: str, port: int, grace: float) -> None:
+        # Other parts that live on the HTTP port add themselves to `routes.mounts`.
+        self.routes = routes
+        app: ASGIApp = build(routes, cors_origins)
         config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
                                 log_level="warning", timeout_graceful_shutdown=max(grace, 0.1),
                                 server_header=False)
@@ -69,7 +72,6 @@ async def start_http(app: App) -> HttpServer:
     routes = Routes(app.registry.lookup, app.metrics, webview_html, lambda: app.stopping, cfg.auth_token,
                     cfg.max_message_bytes)
     routes.mounts.update(app.rt.http_mounts)
-    server = HttpServer(build(routes, cfg.cors_origins), cfg.host, cfg.http_port, cfg.grace_seconds)
-    server.routes = routes  # type: ignore[attr-defined]
+    server = HttpServer(routes, cfg.cors_origins, cfg.host, cfg.http_port, cfg.grace_seconds)
     await server.start()
     return server

@@ -13,7 +13,9 @@ import type { ClineMessage } from "./gen/cline/ui_pb";
 import { AgentService, ChatRequestSchema } from "./gen/neuro_san/api/grpc/agent_pb";
 import { ChatMessage_ChatMessageType } from "./gen/neuro_san/api/grpc/chat_pb";
 import { ConciergeService } from "./gen/neuro_san/api/grpc/concierge_pb";
+import { ExtensionUiService } from "./gen/uibus/v1/extension_ui_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
+import { followExtensionUi } from "./extui";
 
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "default";
@@ -241,3 +243,7 @@ input.addEventListener("keydown", (ev) => {
 
 void followUi();
 void loadAgents();
+followExtensionUi(createClient(ExtensionUiService, transport), {
+  dialogs: $<HTMLElement>("dialogs"), statuses: $<HTMLElement>("statuses"), widgets: $<HTMLElement>("widgets"),
+  title: $<HTMLElement>("ext-title"), input, log: logEvent,
+});

@@ -1,0 +1,33 @@
+"""How uibus talks to Redis: one client (one connection pool) per owner, built the same way.
+
+Timeouts are short and retries few on purpose: the store sits in the path of gRPC calls and the
+bus in the path of publishes, so a Redis outage must turn into a quick error, never a hung call.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# What an unreachable or restarting Redis raises; everything else is a programming error.
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+CONNECT_TIMEOUT_S = 1.0
+COMMAND_TIMEOUT_S = 2.0
+
+
+def make_client(url: str, name: str) -> Redis:
+    """A client for `url` (redis:// or rediss://) owning its pool; `aclose()` releases both."""
+    return Redis.from_url(
+        url,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+        socket_timeout=COMMAND_TIMEOUT_S,
+        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+        retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        health_check_interval=10,
+        client_name=name,
+        decode_responses=False,
+    )
