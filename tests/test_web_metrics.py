@@ -50,7 +50,6 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
         before = await scrape(client)
         assert get(before, "uibus_subscriptions", kind="partial_message") == 0
 
-        # explicit metadata: Connection's session interceptor does not reach unary-stream calls here
         native = conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=(("x-uibus-session", "m"),))
         first = asyncio.ensure_future(native.read())  # starts the call
         stream = call_stream(client, "/cline.UiService/subscribeToAddToInput", b"", headers={"x-uibus-session": "m"})
