@@ -319,3 +319,16 @@ def _status(address: str) -> int:
         return httpx.get(address, timeout=0.5).status_code
     except httpx.HTTPError:
         return 0
+
+
+async def test_reflection_over_grpc_web(web: App, http: httpx.AsyncClient) -> None:
+    """A bidi-streaming service (reflection) answers over gRPC-Web too (requests sent in one body)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    req = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    reply = await call(http, url(web, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"), req,
+                       frames=[req, req])
+    assert reply.status == 0 and len(reply.messages) == 2
+    names = {s.name for s in reflection_pb2.ServerReflectionResponse.FromString(reply.messages[0])
+             .list_services_response.service}
+    assert {"cline.UiService", "uibus.v1.HostService", "uibus.v1.WebviewService"} <= names
