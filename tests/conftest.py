@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,9 @@ def config(tmp_path: Path) -> Config:
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "uibus.db"), grace_seconds=2.0)
 
 
-@pytest.fixture
-async def app(config: Config) -> AsyncIterator[App]:
+@asynccontextmanager
+async def running(config: Config) -> AsyncIterator[App]:
+    """A started App, stopped (gracefully) on exit."""
     app = App(config)
     await app.start()
     try:
@@ -66,9 +68,9 @@ async def app(config: Config) -> AsyncIterator[App]:
         await app.stop(grace=1.0)
 
 
-@pytest.fixture
-async def connect(app: App) -> AsyncIterator[Callable[..., Connection]]:
-    """Opens connections (one channel each) to `app`, all closed at the end of the test."""
+@asynccontextmanager
+async def connections(app: App) -> AsyncIterator[Callable[..., Connection]]:
+    """Opens native gRPC connections (one channel each) to `app`, all closed on exit."""
     opened: list[Connection] = []
 
     def open_(session: str = "default", **kw: object) -> Connection:
@@ -76,9 +78,42 @@ async def connect(app: App) -> AsyncIterator[Callable[..., Connection]]:
         opened.append(conn)
         return conn
 
-    yield open_
-    for conn in opened:
-        await conn.close()
+    try:
+        yield open_
+    finally:
+        for conn in opened:
+            await conn.close()
+
+
+@pytest.fixture
+async def app(config: Config) -> AsyncIterator[App]:
+    async with running(config) as app:
+        yield app
+
+
+@pytest.fixture
+async def connect(app: App) -> AsyncIterator[Callable[..., Connection]]:
+    async with connections(app) as open_:
+        yield open_
+
+
+@pytest.fixture
+def web_config(config: Config) -> Config:
+    """The config of `web`: with the HTTP port on (override it in a module to change more)."""
+    return replace(config, http_port=free_port())
+
+
+@pytest.fixture
+async def web(web_config: Config) -> AsyncIterator[App]:
+    """An App serving HTTP too (gRPC-Web, neuro-san HTTP API, webview, /metrics)."""
+    async with running(web_config) as app:
+        yield app
+
+
+@pytest.fixture
+async def web_connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
+    async with connections(web) as open_:
+        yield open_
 
 
 async def wait_for(predicate: Callable[[], bool], timeout: float = 2.0, what: str = "condition") -> float:

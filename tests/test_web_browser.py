@@ -10,7 +10,6 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,7 @@ import pytest
 
 from clients.connection import Connection
 from server.app import App
-from server.config import Config
-from tests.conftest import free_port, require, require_binary, wait_for
+from tests.conftest import require, require_binary, wait_for
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 
@@ -29,29 +27,6 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
 # Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
 STREAMS_PER_PAGE = 12
 WITHIN = 1000  # ms: each published update must be on screen within a second
-
-
-@pytest.fixture
-async def web(config: Config) -> AsyncIterator[App]:
-    app = App(replace(config, http_port=free_port()))
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop(grace=1.0)
-
-
-@pytest.fixture
-async def host(web: App) -> AsyncIterator[Callable[[str], Connection]]:
-    opened: list[Connection] = []
-
-    def open_(session: str) -> Connection:
-        opened.append(Connection(f"127.0.0.1:{web.port}", session=session))
-        return opened[-1]
-
-    yield open_
-    for conn in opened:
-        await conn.close()
 
 
 @pytest.fixture
@@ -83,9 +58,9 @@ async def _shown_within(page: Any, js: str, arg: Any, what: str) -> float:
     return (time.monotonic() - start) * 1000
 
 
-async def test_page_shows_host_updates_live_and_cleans_up(web: App, host: Callable[[str], Connection],
+async def test_page_shows_host_updates_live_and_cleans_up(web: App, web_connect: Callable[..., Connection],
                                                           browser: Any, tmp_path: Path) -> None:
-    conn = host("b1").host
+    conn = web_connect("b1").host
     page = await browser.new_page(viewport={"width": 1100, "height": 700})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -131,10 +106,10 @@ async def test_page_shows_host_updates_live_and_cleans_up(web: App, host: Callab
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
 
 
-async def test_get_webview_html_is_the_served_page(web: App, host: Callable[[str], Connection]) -> None:
+async def test_get_webview_html_is_the_served_page(web: App, web_connect: Callable[..., Connection]) -> None:
     import httpx
 
-    html = (await host("x").ui.getWebviewHtml(common_pb2.EmptyRequest())).value
+    html = (await web_connect("x").ui.getWebviewHtml(common_pb2.EmptyRequest())).value
     async with httpx.AsyncClient() as client:
         served = (await client.get(f"http://127.0.0.1:{web.http_port}/")).text
     assert html == served and "createGrpcWebTransport" not in html[:2000] and "<script>" in html

@@ -20,7 +20,6 @@ import grpc
 import httpx
 import pytest
 
-from clients.connection import Connection
 from server import app as app_module
 from server.app import App
 from server.config import Config
@@ -70,34 +69,17 @@ def _install_edge(registry: app_module.Registry, rt: object) -> list[str]:
     return []
 
 
-async def _serve(cfg: Config, monkeypatch: pytest.MonkeyPatch) -> App:
-    monkeypatch.setattr(app_module, "INSTALLERS", [*app_module.INSTALLERS, _install_edge])
+async def _start(cfg: Config) -> App:
     app = App(cfg)
     await app.start()
     return app
 
 
 @pytest.fixture
-async def web(config: Config, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[App]:
-    app = await _serve(replace(config, http_port=free_port()), monkeypatch)
-    try:
-        yield app
-    finally:
-        await app.stop(grace=1.0)
-
-
-@pytest.fixture
-async def connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
-    """Native gRPC connections to the `web` app (the conftest one would start a second app)."""
-    opened: list[Connection] = []
-
-    def open_(session: str = "default") -> Connection:
-        opened.append(Connection(f"127.0.0.1:{web.port}", session=session))
-        return opened[-1]
-
-    yield open_
-    for conn in opened:
-        await conn.close()
+def web_config(web_config: Config, monkeypatch: pytest.MonkeyPatch) -> Config:
+    """Adds the test.Edge service (edge cases no real service has) to every App built here."""
+    monkeypatch.setattr(app_module, "INSTALLERS", [*app_module.INSTALLERS, _install_edge])
+    return web_config
 
 
 @pytest.fixture
@@ -121,8 +103,8 @@ async def test_unary(web: App, http: httpx.AsyncClient) -> None:
     assert len(reply.messages) == 1 and reply.trailers["grpc-status"] == "0"  # trailer frame, not headers
 
 
-async def test_live_stream_delivers_each_message_as_published(web: App, http: httpx.AsyncClient, connect) -> None:
-    host = connect(session="live").host
+async def test_live_stream_delivers_each_message_as_published(web: App, http: httpx.AsyncClient, web_connect) -> None:
+    host = web_connect(session="live").host
     stream = call_stream(http, url(web, UI + "subscribeToPartialMessage"),
                          common_pb2.EmptyRequest().SerializeToString(), headers={"x-uibus-session": "live"})
     kind, _reply = await anext(stream)
@@ -173,8 +155,8 @@ async def test_context_write_handlers_stream(web: App, http: httpx.AsyncClient) 
     assert [_S.FromString(m).value for m in reply.messages] == ["w0", "w1", "w2"] and reply.status == 0
 
 
-async def test_deadline_ends_live_stream_and_unsubscribes(web: App, http: httpx.AsyncClient, connect) -> None:
-    await connect(session="dl").host.SetTheme(host_pb2.TextEvent(text='{"kind":"dark"}'))
+async def test_deadline_ends_live_stream_and_unsubscribes(web: App, http: httpx.AsyncClient, web_connect) -> None:
+    await web_connect(session="dl").host.SetTheme(host_pb2.TextEvent(text='{"kind":"dark"}'))
     start = time.monotonic()
     reply = await call(http, url(web, UI + "subscribeToTheme"), common_pb2.EmptyRequest().SerializeToString(),
                        headers={"x-uibus-session": "dl", "grpc-timeout": "300m"})
@@ -190,7 +172,7 @@ async def test_bad_timeout_header(web: App, http: httpx.AsyncClient) -> None:
     assert reply.status == grpc.StatusCode.INTERNAL.value[0] and "grpc-timeout" in reply.message
 
 
-async def test_client_abort_removes_subscription(web: App, http: httpx.AsyncClient, connect) -> None:
+async def test_client_abort_removes_subscription(web: App, http: httpx.AsyncClient, web_connect) -> None:
     for rpc in ("subscribeToPartialMessage", "subscribeToAddToInput", "subscribeToTheme"):
         stream = call_stream(http, url(web, UI + rpc), common_pb2.EmptyRequest().SerializeToString(),
                              headers={"x-uibus-session": "abort"})
@@ -199,7 +181,7 @@ async def test_client_abort_removes_subscription(web: App, http: httpx.AsyncClie
         await stream.aclose()  # closes the HTTP connection mid-stream, as a browser's abort does
         await wait_for(lambda: web.bus.count() == 0, what=f"{rpc} subscription removed")
     # the server keeps working after the aborts
-    n = await connect(session="abort").host.PublishAddToInput(host_pb2.TextEvent(text="hi"))
+    n = await web_connect(session="abort").host.PublishAddToInput(host_pb2.TextEvent(text="hi"))
     assert n.subscribers == 0
 
 
@@ -215,7 +197,7 @@ async def test_metadata_both_ways(web: App, http: httpx.AsyncClient) -> None:
     assert base64.b64decode(reply.trailers["x-echo-bin"] + "==") == b"\x00\x01bin"
 
 
-async def test_grpc_web_text(web: App, http: httpx.AsyncClient, connect) -> None:
+async def test_grpc_web_text(web: App, http: httpx.AsyncClient, web_connect) -> None:
     reply = await call(http, url(web, UI + "scrollToSettings"),
                        common_pb2.StringRequest(value="t").SerializeToString(), text=True)
     assert reply.headers["content-type"].startswith("application/grpc-web-text")
@@ -240,8 +222,8 @@ async def test_bad_requests(web: App, http: httpx.AsyncClient) -> None:
     assert ok.status == 0 and b"<html" in common_pb2.String.FromString(ok.messages[0]).value.encode().lower()
 
 
-async def test_cors(config: Config, monkeypatch: pytest.MonkeyPatch, http: httpx.AsyncClient) -> None:
-    app = await _serve(replace(config, http_port=free_port(), cors_origins="http://allowed.test"), monkeypatch)
+async def test_cors(web_config: Config, http: httpx.AsyncClient) -> None:
+    app = await _start(replace(web_config, cors_origins="http://allowed.test"))
     try:
         pre = {"access-control-request-method": "POST",
                "access-control-request-headers": "content-type,x-grpc-web,x-uibus-session,grpc-timeout"}
@@ -270,9 +252,8 @@ async def test_cors(config: Config, monkeypatch: pytest.MonkeyPatch, http: httpx
         await app.stop(grace=1.0)
 
 
-async def test_bearer_token_required(config: Config, monkeypatch: pytest.MonkeyPatch,
-                                     http: httpx.AsyncClient) -> None:
-    app = await _serve(replace(config, http_port=free_port(), auth_token="s3cret"), monkeypatch)
+async def test_bearer_token_required(web_config: Config, http: httpx.AsyncClient) -> None:
+    app = await _start(replace(web_config, auth_token="s3cret"))
     try:
         reply = await call(http, url(app, UI + "scrollToSettings"), b"")
         assert reply.status == grpc.StatusCode.UNAUTHENTICATED.value[0]
@@ -319,3 +300,16 @@ def _status(address: str) -> int:
         return httpx.get(address, timeout=0.5).status_code
     except httpx.HTTPError:
         return 0
+
+
+async def test_reflection_over_grpc_web(web: App, http: httpx.AsyncClient) -> None:
+    """A bidi-streaming service (reflection) answers over gRPC-Web too (requests sent in one body)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    req = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+    reply = await call(http, url(web, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"), req,
+                       frames=[req, req])
+    assert reply.status == 0 and len(reply.messages) == 2
+    names = {s.name for s in reflection_pb2.ServerReflectionResponse.FromString(reply.messages[0])
+             .list_services_response.service}
+    assert {"cline.UiService", "uibus.v1.HostService", "uibus.v1.WebviewService"} <= names

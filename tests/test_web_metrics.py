@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import grpc
@@ -14,20 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from clients.connection import Connection
 from server.app import App
 from server.config import Config
-from tests.conftest import free_port, wait_for
+from tests.conftest import wait_for
 from tests.webclient import call_stream
 from uibus_pb.cline import common_pb2, ui_pb2
 from uibus_pb.uibus.v1 import host_pb2
 
 
 @pytest.fixture
-async def web(config: Config) -> AsyncIterator[App]:
-    app = App(replace(config, http_port=free_port(), queue_size=2))
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop(grace=1.0)
+def web_config(web_config: Config) -> Config:
+    return replace(web_config, queue_size=2)
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -50,7 +44,6 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
         before = await scrape(client)
         assert get(before, "uibus_subscriptions", kind="partial_message") == 0
 
-        # explicit metadata: Connection's session interceptor does not reach unary-stream calls here
         native = conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=(("x-uibus-session", "m"),))
         first = asyncio.ensure_future(native.read())  # starts the call
         stream = call_stream(client, "/cline.UiService/subscribeToAddToInput", b"", headers={"x-uibus-session": "m"})

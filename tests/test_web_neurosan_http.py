@@ -21,16 +21,6 @@ AGENT = "hello_world"  # the built-in local agent
 
 
 @pytest.fixture
-async def web(config: Config) -> AsyncIterator[App]:
-    app = App(replace(config, http_port=free_port()))
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop(grace=1.0)
-
-
-@pytest.fixture
 async def http(web: App) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client:
         yield client

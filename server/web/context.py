@@ -118,6 +118,10 @@ class HttpServicerContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
             return None
         return max(0.0, self._deadline - time.monotonic())
 
+    def set_timeout(self, timeout: float | None) -> None:
+        """Starts the deadline clock (`grpc-timeout` is known only once the request is read)."""
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+
     def cancelled(self) -> bool:
         return self._cancelled
 

@@ -86,6 +86,15 @@ def metadata_of(scope: Scope) -> Metadata:
     return tuple(out)
 
 
+def peer_of(scope: Scope) -> str:
+    """The client address in grpc's `peer()` form."""
+    client = scope.get("client")
+    if not client:
+        return "unknown"
+    host, port = client[0], client[1]
+    return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+
+
 def decode_text(body: bytes) -> bytes:
     """grpc-web-text body: base64, possibly several padded chunks one after another."""
     body = b"".join(body.split())
@@ -186,9 +195,7 @@ class GrpcWeb:
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
         text = content_type.startswith("application/grpc-web-text")
         metadata = metadata_of(scope)
-        client = scope.get("client")
-        peer = f"ipv4:{client[0]}:{client[1]}" if client else "unknown"
-        ctx = HttpServicerContext(metadata, peer)
+        ctx = HttpServicerContext(metadata, peer_of(scope))
         resp = _Response(send, text, ctx)
         started = time.perf_counter()
 
@@ -232,10 +239,9 @@ class GrpcWeb:
         elif len(requests) == 1:
             request = requests[0]
         else:
-            await refuse(grpc.StatusCode.UNIMPLEMENTED if requests else grpc.StatusCode.INTERNAL,
-                         f"a unary request needs exactly one message, got {len(requests)}")
+            await refuse(grpc.StatusCode.INTERNAL, f"a unary request needs exactly one message, got {len(requests)}")
             return
-        ctx._deadline = None if timeout is None else time.monotonic() + timeout
+        ctx.set_timeout(timeout)
         ctx.on_initial_metadata = resp.start
 
         abandoned = True

@@ -32,7 +32,7 @@ from server.web.asgi import (
     until_disconnect,
 )
 from server.web.context import HttpServicerContext
-from server.web.grpcweb import Lookup, Observe, metadata_of
+from server.web.grpcweb import Lookup, Observe, metadata_of, peer_of
 from server.web.invoke import responses
 from uibus_pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 
@@ -117,8 +117,7 @@ class NeuroSanHttp:
                                                     f"in proto3 JSON: {exc}"})
             return
 
-        client = scope.get("client")
-        ctx = HttpServicerContext(metadata, f"ipv4:{client[0]}:{client[1]}" if client else "unknown")
+        ctx = HttpServicerContext(metadata, peer_of(scope))
         started = time.perf_counter()
         if handler.response_streaming:
             abandoned = await until_disconnect(self._stream(handler, request, ctx, send), receive)
