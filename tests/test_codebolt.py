@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from clients.connection import Connection
@@ -34,18 +35,14 @@ from uibus_pb.uibus.v1 import extension_ui_pb2 as xpb
 
 
 @pytest.fixture
-def web_config(config: Config) -> Config:
-    return replace(config, http_port=free_port())
+def app(web: App) -> App:
+    """Every test here needs the HTTP port: `app` is conftest's `web`."""
+    return web
 
 
 @pytest.fixture
-async def app(web_config: Config) -> AsyncIterator[App]:  # overrides conftest's: this one has an HTTP port
-    app = App(web_config)
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop(grace=1.0)
+def connect(web_connect: Callable[..., Connection]) -> Callable[..., Connection]:
+    return web_connect
 
 
 def gateway_of(app: App) -> Gateway:
@@ -75,7 +72,7 @@ async def agent(app: App) -> AsyncIterator[Callable[..., Any]]:
 
     async def open_(session: str | None = "s1", headers: dict[str, str] | None = None) -> Agent:
         query = f"?session={session}" if session is not None else ""
-        ws = await connect(f"ws://127.0.0.1:{app.http_port}{PATH}{query}", additional_headers=headers or {})
+        ws = await ws_connect(f"ws://127.0.0.1:{app.http_port}{PATH}{query}", additional_headers=headers or {})
         opened.append(ws)
         return Agent(ws)
 
@@ -302,7 +299,7 @@ async def test_state_and_memory_round_trip_and_persist(web_config: Config, agent
     second = App(replace(web_config, http_port=free_port()))
     await second.start()
     try:
-        async with connect(f"ws://127.0.0.1:{second.http_port}{PATH}?session=mem") as ws:
+        async with ws_connect(f"ws://127.0.0.1:{second.http_port}{PATH}?session=mem") as ws:
             b = Agent(ws)
             assert (await b.call(spec("memoryGet", "m", family="memoryEvent", key="ctx")))["data"]["value"] == value
             state = await b.call({"type": "agentStateEvent", "action": "getAgentState", "requestId": "g"})
@@ -410,9 +407,9 @@ async def test_token_required_when_configured(web_config: Config) -> None:
     try:
         url = f"ws://127.0.0.1:{app.http_port}{PATH}?session=t"
         with pytest.raises(InvalidStatus) as refused:
-            await connect(url)
+            await ws_connect(url)
         assert refused.value.response.status_code == 403
-        async with connect(url, additional_headers={"authorization": "Bearer s3cret"}) as ws:
+        async with ws_connect(url, additional_headers={"authorization": "Bearer s3cret"}) as ws:
             assert (await Agent(ws).call(spec("getChatHistory", "r")))["success"] is True
     finally:
         await app.stop(grace=0.5)
@@ -462,7 +459,7 @@ async def test_a_streaming_chat_turn_answers_a_wait(app: App, agent: Any, connec
 
 async def test_codeboltjs_connection_path(app: App) -> None:
     """codeboltjs connects to /codebolt?id=…&agentId=… with no session: it joins "default"."""
-    async with connect(f"ws://127.0.0.1:{app.http_port}/codebolt?id=conn-1&agentId=a1") as ws:
+    async with ws_connect(f"ws://127.0.0.1:{app.http_port}/codebolt?id=conn-1&agentId=a1") as ws:
         a = Agent(ws)
         await a.send({"type": "sendMessage", "message": "via the codeboltjs path"})
         reply = await a.call({"type": "getChatHistory", "requestId": "req_1_1"})
