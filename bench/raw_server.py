@@ -86,7 +86,8 @@ class RawAgent(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
 
-    async def StreamingChat(self, request: agent_pb2.ChatRequest, context: Any) -> AsyncIterator[agent_pb2.ChatResponse]:
+    async def StreamingChat(self, request: agent_pb2.ChatRequest,
+                            context: Any) -> AsyncIterator[agent_pb2.ChatResponse]:
         for i in range(self.chunks):
             yield agent_pb2.ChatResponse(request=request, response=chat_pb2.ChatMessage(
                 type=chat_pb2.ChatMessage.AI, text=f"w{i} "))

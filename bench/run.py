@@ -219,7 +219,8 @@ class Bench:
         cpu, _ = self.delta(srv, a, self.snap(srv))
         return result, cpu
 
-    def windowed(self, srv: Server, role: str, parts: list[int], extra: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    def windowed(self, srv: Server, role: str, parts: list[int],
+                 extra: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
         """Runs a closed-loop role on workers 0..len(parts)-1 over one shared window; server CPU in it."""
         plan = self.plan
         start_at = time.monotonic() + plan.lead
@@ -297,7 +298,7 @@ def run_unary(b: Bench, srv: Server) -> dict[str, Any]:
 def run_chat(b: Bench, srv: Server) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for c in b.plan.chat_c:
-        results, cpu = b.windowed(srv, "chat", split(c), {})
+        results, cpu = b.windowed(srv, "chat", split(c), {"chunks": b.plan.chat_chunks})
         key = f"chat.c{c}"
         errors = sum(r["n_errors"] for r in results)
         chunks = sum(r["chunks_in_window"] for r in results)

@@ -20,7 +20,7 @@ import grpc
 
 from uibus_pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus_pb.uibus.v1 import host_pb2_grpc
 
 SESSION = "bench"
 MD = (("x-uibus-session", SESSION),)
@@ -79,7 +79,7 @@ async def subscribe(p: Params, counts: Any, stop: Any) -> Params:
     calls = [ui_pb2_grpc.UiServiceStub(chans[i // STREAMS_PER_CHANNEL]).subscribeToPartialMessage(
         common_pb2.EmptyRequest(), metadata=MD) for i in range(n)]
     tasks = [asyncio.ensure_future(read(c)) for c in calls]
-    while not stop.is_set():
+    while not stop.is_set():  # noqa: ASYNC110 (a multiprocessing.Event cannot be awaited)
         await asyncio.sleep(0.05)
     for c in calls:
         c.cancel()
@@ -163,7 +163,8 @@ async def publish(p: Params, counts: Any, stop: Any) -> Params:
             "errors": errors[:5], "n_errors": len(errors), "seq": seq}
 
 
-async def _windowed(p: Params, one_call: Callable[[Any, float], Awaitable[None]], make_stub: Callable[[Any], Any]) -> None:
+async def _windowed(p: Params, one_call: Callable[[Any, float], Awaitable[None]],
+                    make_stub: Callable[[Any], Any]) -> None:
     """Runs `callers` loops of `one_call` until `start_at + duration` (system-wide monotonic clock)."""
     chans = [channel(p["target"]) for _ in range(min(p["callers"], 4))]
     stubs = [make_stub(ch) for ch in chans]
@@ -207,6 +208,8 @@ async def chat(p: Params, counts: Any, stop: Any) -> Params:
     req = agent_pb2.ChatRequest(user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN,
                                                                    text=p.get("text", "bench")),
                                 chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
+    # uibus's local agent takes its chunk count and pacing per request from sly_data; raw ignores it.
+    req.sly_data.update({"chunks": p["chunks"], "delay_ms": 0})
     calls: list[tuple[float, float, int]] = []  # (time to first chunk, call duration, chunks)
     in_window = 0
     errors: list[str] = []
