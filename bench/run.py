@@ -56,6 +56,11 @@ class Plan:
     scenarios: tuple[str, ...] = SCENARIOS
     servers: tuple[str, ...] = SERVERS
     uibus_args: tuple[str, ...] = ()
+    # label -> project checkout with its own .venv (e.g. another grpcio): adds raw@label, uibus@label
+    alt_roots: dict[str, str] = field(default_factory=dict)
+
+    def all_servers(self) -> list[str]:
+        return [*self.servers, *(f"{s}@{label}" for label in self.alt_roots for s in self.servers)]
 
     @classmethod
     def quick(cls) -> Plan:
@@ -104,13 +109,16 @@ def free_port() -> int:
 
 def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     port = free_port()
-    if name == "raw":
-        cmd = [sys.executable, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks)]
+    kind, _, label = name.partition("@")
+    root = Path(plan.alt_roots[label]).resolve() if label else ROOT
+    python = str(root / ".venv" / "bin" / "python") if label else sys.executable
+    if kind == "raw":
+        cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks)]
     else:  # the documented way to run uibus
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
-               "--store", str(tmp / "uibus.db"), "--log-level", "WARNING", *plan.uibus_args]
+        cmd = [python, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
+               "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
     log = tmp / f"{name}.log"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     srv = Server(name, proc, port, log, host_pb2_grpc.HostServiceStub(channel), channel)
     deadline = time.monotonic() + 30
@@ -387,22 +395,32 @@ def verdict(key: str, raw: float | None, ub: float | None) -> str:
     return ""
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _ratio(a: Any, b: Any) -> float | None:
+    ok = isinstance(a, int | float) and isinstance(b, int | float) and b
+    return a / b if ok else None
+
+
+def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per figure: each server's median over rounds, uibus/raw per grpcio build, and the verdict."""
     keys: list[str] = []
     for r in runs:
         keys += [k for k in r["metrics"] if k not in keys]
+    labels = sorted({n.partition("@")[2] for n in names if "@" in n})
     summary: dict[str, dict[str, Any]] = {}
     for key in keys:
         row: dict[str, Any] = {}
-        for name in SERVERS:
+        for name in names:
             vals = [r["metrics"][key] for r in runs if r["server"] == name and key in r["metrics"]]
             nums = [v for v in vals if isinstance(v, int | float)]
             row[name] = statistics.median(nums) if nums else (vals[0] if vals else None)
             row[f"{name}_all"] = vals
-        raw, ub = row["raw"], row["uibus"]
-        nums_ok = isinstance(raw, int | float) and isinstance(ub, int | float)
-        row["ratio"] = ub / raw if nums_ok and raw else None
-        row["verdict"] = verdict(key, raw, ub) if nums_ok or (isinstance(ub, int | float)) else ""
+        raw, ub = row.get("raw"), row.get("uibus")
+        row["ratio"] = _ratio(ub, raw)
+        for label in labels:
+            row[f"ratio@{label}"] = _ratio(row.get(f"uibus@{label}"), row.get(f"raw@{label}"))
+            row[f"uibus@{label}/uibus"] = _ratio(row.get(f"uibus@{label}"), ub)
+        row["verdict"] = verdict(key, raw if isinstance(raw, int | float) else None,
+                                 ub if isinstance(ub, int | float) else None)
         summary[key] = row
     return summary
 
@@ -416,11 +434,22 @@ def fmt(v: Any) -> str:
     return str(v)[:40]
 
 
-def table(summary: dict[str, dict[str, Any]], outside: dict[str, list[float]]) -> str:
-    lines = [f"{'figure':<34} {'raw':>10} {'uibus':>10} {'ratio':>7}  verdict", "-" * 80]
+def table(summary: dict[str, dict[str, Any]], names: list[str], outside: dict[str, list[float]]) -> str:
+    labels = sorted({n.partition("@")[2] for n in names if "@" in n})
+    cols: list[tuple[str, str, bool]] = [(n, n, False) for n in names if "@" not in n]
+    cols.append(("ratio", "uibus/raw", True))
+    for label in labels:
+        cols += [(n, n, False) for n in names if n.endswith("@" + label)]
+        cols += [(f"ratio@{label}", f"ratio@{label}", True), (f"uibus@{label}/uibus", f"{label}/main", True)]
+    width = [max(9, len(title)) for _, title, _ in cols]
+    head = f"{'figure':<31}" + "".join(f" {t:>{w}}" for (_, t, _), w in zip(cols, width, strict=True))
+    lines = [head + "  verdict", "-" * (len(head) + 10)]
     for key, row in summary.items():
-        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        lines.append(f"{key:<34} {fmt(row['raw']):>10} {fmt(row['uibus']):>10} {ratio:>7}  {row['verdict']}")
+        cells = []
+        for (col, _, is_ratio), w in zip(cols, width, strict=True):
+            v = row.get(col)
+            cells.append(f" {('-' if v is None else f'{v:.2f}') if is_ratio else fmt(v):>{w}}")
+        lines.append(f"{key:<31}" + "".join(cells) + f"  {row['verdict']}")
     for name, vals in outside.items():
         if vals:
             lines.append(f"outside load during {name} phases (cores busy with other work): median "
@@ -438,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fanout", help="comma-separated subscriber counts, e.g. 10,1000")
     p.add_argument("--cycles", type=int, help="subscribe/cancel cycles for the memory scenario")
     p.add_argument("--chat-chunks", type=int, help="chunks per chat reply (raw server; uibus: see --uibus-arg)")
+    p.add_argument("--with", dest="alt", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run raw@LABEL and uibus@LABEL from checkout DIR with its own DIR/.venv "
+                        "(e.g. another grpcio version); repeatable")
     p.add_argument("--uibus-arg", action="append", default=[], help="extra flag for the uibus server (repeatable)")
     p.add_argument("--profile", metavar="FILE", help="record the uibus server with py-spy into FILE (speedscope)")
     p.add_argument("--out", help="JSON result file (default bench/results/<time>.json)")
@@ -458,6 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.chat_chunks:
         plan.chat_chunks = ns.chat_chunks
     plan.uibus_args = tuple(ns.uibus_arg)
+    for spec in ns.alt:
+        label, _, root = spec.partition("=")
+        if not root or not (Path(root) / ".venv" / "bin" / "python").exists():
+            p.error(f"--with {spec}: want LABEL=DIR where DIR/.venv/bin/python exists")
+        plan.alt_roots[label] = root
 
     started = time.time()
     t_start = time.monotonic()
@@ -469,13 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(plan.rounds):
             with tempfile.TemporaryDirectory(prefix="uibus-bench-") as tmp:
-                b.servers = {name: start_server(name, Path(tmp), plan) for name in plan.servers}
+                b.servers = {name: start_server(name, Path(tmp), plan) for name in plan.all_servers()}
                 if ns.profile and "uibus" in b.servers and profiler is None:
                     profiler = start_profiler(b.servers["uibus"].pid, ns.profile)
                 ref: dict[int, float] = {}
                 try:
                     for scenario in plan.scenarios:
-                        for name in plan.servers:
+                        for name in plan.all_servers():
                             srv = b.servers[name]
                             t0 = time.monotonic()
                             n_out = len(b.outside.get(name, []))
@@ -498,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
                         stop_server(srv)
     finally:
         pool.close()
-    summary = summarize(runs)
-    text = table(summary, b.outside)
+    summary = summarize(runs, plan.all_servers())
+    text = table(summary, plan.all_servers(), b.outside)
     elapsed = time.monotonic() - t_start
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "seconds": elapsed,
             "argv": sys.argv, "python": platform.python_version(), "grpcio": grpc.__version__,
