@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 # Further subcommands (chat, ext-ui-stdio, …) register here: fn(subparsers, add_client_options).
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction, Callable[[argparse.ArgumentParser], None]], None]] = []  # type: ignore[type-arg]
 
+from clients import chat_cli  # noqa: E402 - registers itself below
+
+EXTRA_COMMANDS.append(chat_cli.add_parser)
+
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)

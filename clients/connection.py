@@ -25,9 +25,12 @@ from uibus_pb.uibus.v1 import host_pb2_grpc
 SESSION_KEY = "x-uibus-session"
 
 
-class _SessionInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                          grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the session (and bearer token) to every call's metadata."""
+class _SessionMetadata:
+    """Adds the session (and bearer token) to every call's metadata.
+
+    grpc.aio files each interceptor under the first interceptor kind it is an instance of, so
+    one class implementing all four would only ever see unary-unary calls: one class per kind.
+    """
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
@@ -39,15 +42,23 @@ class _SessionInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnarySt
         return grpc.aio.ClientCallDetails(details.method, details.timeout, md, details.credentials,
                                           details.wait_for_ready)
 
+
+class _UnaryUnary(_SessionMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _UnaryStream(_SessionMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
+
+class _StreamUnary(_SessionMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStream(_SessionMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
@@ -62,7 +73,8 @@ class Connection:
         metadata = [(SESSION_KEY, session)]
         if token:
             metadata.append(("authorization", f"Bearer {token}"))
-        interceptors = [_SessionInterceptor(tuple(metadata))]
+        interceptors: list[Any] = [kind(tuple(metadata)) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary,
+                                                                     _StreamStream)]
         if tls:
             self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(),
                                                    interceptors=interceptors)

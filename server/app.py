@@ -20,7 +20,7 @@ from server import reflection, topics
 from server.auth import BearerTokenInterceptor
 from server.bus import Bus
 from server.config import Config
-from server.services import host, ui
+from server.services import agent, host, ui
 from server.services.common import Runtime
 from server.store import Store, open_store
 from uibus_pb.cline import ui_pb2, ui_pb2_grpc
@@ -83,6 +83,7 @@ def _install_ui(server: Registry, rt: Runtime) -> list[str]:
 
 # Each installer adds its servicers and returns the full names it serves (for health/reflection).
 INSTALLERS: list[Installer] = [_install_ui]
+INSTALLERS.append(agent.install)  # neuro-san AgentService per agent + ConciergeService
 
 
 class App:

@@ -38,7 +38,7 @@ class Config:
     auth_token: str = field(default="", metadata={"help": "require `authorization: Bearer <token>`"})
     tls_cert: str = field(default="", metadata={"help": "PEM certificate chain; enables TLS"})
     tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
-    agents: str = field(default="", metadata={"help": "agents config file (JSON); empty = built-in"})
+    agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
     cors_origins: str = field(default="*", metadata={"help": "comma-separated origins allowed for "
                                                              "gRPC-Web and the HTTP API"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})

@@ -1,0 +1,150 @@
+"""The agents config file: which agents this server offers and which backend answers each.
+
+JSON (`*.json`) or TOML (`*.toml`, read with the stdlib `tomllib`), the same shape either way::
+
+    default_agent = "hello_world"          # for the canonical AgentService path; else the first
+
+    [[agents]]
+    name = "hello_world"                   # routes /hello_world.AgentService/...
+    description = "Says hello"             # Function.description and ConciergeService.List
+    tags = ["demo"]
+    backend = "local"                      # local | openai | neuro-san
+    options = { chunks = 8, delay_ms = 20 }
+
+Optional per agent: `parameters` and `sly_data_schema` (Function), `tools` and `display_as`
+(Connectivity). Mistakes fail start-up with a message naming the agent and the field, so a
+server never runs with half a config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from server.agents import AgentSpec, Backend
+
+# backend name -> "module:Class"; imported only when configured.
+BACKENDS = {
+    "local": "server.agents.local:LocalAgent",
+    "openai": "server.agents.openai_compat:OpenAICompatAgent",
+    "neuro-san": "server.agents.neurosan_proxy:NeuroSanProxyAgent",
+}
+# An agent name is a proto package (`<name>.AgentService`), so it must be an identifier.
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_FIELDS = {"name", "description", "tags", "backend", "options", "parameters", "sly_data_schema", "tools",
+           "display_as"}
+
+BUILTIN: dict[str, Any] = {
+    "default_agent": "hello_world",
+    "agents": [
+        {"name": "hello_world", "backend": "local", "tags": ["demo", "local"],
+         "description": "A deterministic local agent (no network, no key): greets you, repeats what you "
+                        "said, remembers the conversation, and streams its reply in chunks."},
+    ],
+}
+
+
+@dataclass
+class AgentTable:
+    """The configured agents, in config order, each with its ready backend."""
+
+    specs: dict[str, AgentSpec]
+    backends: dict[str, Backend]
+    default: str
+
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    async def aclose(self) -> None:
+        for backend in self.backends.values():
+            await backend.aclose()
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """The parsed file, or the built-in default when `path` is empty."""
+    if not path:
+        return BUILTIN
+    file = Path(path).expanduser()
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"agents config {path}: cannot read it: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(raw.decode()) if file.suffix == ".toml" else json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"agents config {path}: not valid {'TOML' if file.suffix == '.toml' else 'JSON'}: "
+                         f"{exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"agents config {path}: the top level must be an object with an `agents` list")
+    return data
+
+
+def _strings(where: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} must be a list of strings")
+    return tuple(value)
+
+
+def parse_spec(where: str, entry: Any) -> AgentSpec:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object")
+    unknown = sorted(set(entry) - _FIELDS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(_FIELDS))}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{where}.name {name!r} is invalid: agents are routed as `/<name>.AgentService/...`, "
+                         "so use a letter or _ then up to 63 letters, digits or _")
+    backend = entry.get("backend", "local")
+    if backend not in BACKENDS:
+        raise ValueError(f"{where} ({name}): backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    for key in ("description", "display_as"):
+        if key in entry and not isinstance(entry[key], str):
+            raise ValueError(f"{where} ({name}): {key} must be a string")
+    for key in ("options", "parameters", "sly_data_schema"):
+        if key in entry and not isinstance(entry[key], dict):
+            raise ValueError(f"{where} ({name}): {key} must be an object")
+    return AgentSpec(
+        name=name, description=entry.get("description", ""),
+        tags=_strings(f"{where} ({name}): tags", entry.get("tags", [])), backend=backend,
+        options=dict(entry.get("options", {})), parameters=entry.get("parameters"),
+        sly_data_schema=entry.get("sly_data_schema"),
+        tools=_strings(f"{where} ({name}): tools", entry.get("tools", [])),
+        display_as=entry.get("display_as", "llm_agent"))
+
+
+def build_backend(spec: AgentSpec) -> Backend:
+    module_name, _, cls_name = BACKENDS[spec.backend].partition(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(spec)  # type: ignore[no-any-return]
+
+
+def load_agents(path: str) -> AgentTable:
+    """Reads and checks the config and builds every backend (which checks its options)."""
+    data = read_config(path)
+    where = f"agents config {path or '(built-in)'}"
+    unknown = sorted(set(data) - {"agents", "default_agent"})
+    if unknown:
+        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent")
+    entries = data.get("agents")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: `agents` must be a non-empty list")
+    specs: dict[str, AgentSpec] = {}
+    for i, entry in enumerate(entries):
+        spec = parse_spec(f"{where}: agents[{i}]", entry)
+        if spec.name in specs:
+            raise ValueError(f"{where}: agent {spec.name!r} is configured twice")
+        specs[spec.name] = spec
+    default = data.get("default_agent", next(iter(specs)))
+    if default not in specs:
+        raise ValueError(f"{where}: default_agent {default!r} is not one of the agents ({', '.join(specs)})")
+    try:
+        backends = {name: build_backend(spec) for name, spec in specs.items()}
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return AgentTable(specs=specs, backends=backends, default=default)

@@ -1,0 +1,63 @@
+"""The HTTP client side of the backends that call other servers (aiohttp).
+
+One `ClientSession` per backend, made lazily inside the running loop and closed at shutdown, so
+connections are pooled across turns. `open_stream` is the cancel-safe way to read a streamed
+body: when the turn is cancelled (client gone) or closed, the response is closed rather than
+released, which drops the connection at once — the upstream sees the disconnect and stops
+generating instead of talking to a pooled socket nobody reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from server.agents import AgentError
+
+MAX_ERROR_BODY = 2_000
+
+
+class HttpClient:
+    def __init__(self, connect_timeout: float, read_timeout: float) -> None:
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=read_timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, raise_for_status=False)
+        return self._session
+
+    @asynccontextmanager
+    async def open_stream(self, url: str, body: Any, headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POSTs JSON and yields the response once its status is 2xx; AgentError otherwise."""
+        try:
+            resp = await self.session().post(url, json=body, headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise AgentError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+        try:
+            if resp.status // 100 != 2:
+                text = (await resp.text(errors="replace"))[:MAX_ERROR_BODY]
+                raise AgentError(f"{url} answered HTTP {resp.status}: {text.strip() or resp.reason}")
+            yield resp
+        except BaseException:
+            resp.close()  # drop the connection: never hand a half-read stream back to the pool
+            raise
+        else:
+            resp.release()
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+async def lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The body's lines without line ends, as they arrive; read errors become AgentError."""
+    try:
+        async for raw in resp.content:
+            yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise AgentError(f"the stream from {resp.url} broke off: {exc or type(exc).__name__}") from exc

@@ -1,0 +1,65 @@
+"""A session's chat state in the store, shared by every side that chats: neuro-san StreamingChat,
+the UI, and the CodeBolt gateway.
+
+* `chat/context/<agent>`: the neuro-san ChatContext of the session's conversation with that
+  agent (proto3 JSON with proto field names), what a client that sends none continues from.
+* `chat/history`: one list per session, oldest first, of entries
+  `{"ts": ms, "role": "user"|"assistant"|"system", "text": str, "agent": str, "source": str}`
+  (`"error": true` marks an agent failure). Any side appends with `append` and reads with `read`.
+
+Only whole messages are stored (never stream pieces), so a long streamed reply costs two writes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from server.store import Store
+from uibus_pb.neuro_san.api.grpc import chat_pb2
+
+HISTORY_KEY = "chat/history"
+CONTEXT_PREFIX = "chat/context/"
+MAX_HISTORY = 10_000  # entries kept per session; older ones are dropped by the store
+ROLES = ("user", "assistant", "system")
+
+
+def context_key(agent: str) -> str:
+    return CONTEXT_PREFIX + agent
+
+
+async def load_context(store: Store, session: str, agent: str) -> chat_pb2.ChatContext:
+    """The stored ChatContext (empty when the session never chatted with `agent`)."""
+    data = await store.get(session, context_key(agent))
+    ctx = chat_pb2.ChatContext()
+    if data:
+        json_format.ParseDict(data, ctx, ignore_unknown_fields=True)
+    return ctx
+
+
+async def save_context(store: Store, session: str, agent: str, ctx: chat_pb2.ChatContext) -> None:
+    await store.put(session, context_key(agent), json_format.MessageToDict(ctx, preserving_proto_field_name=True))
+
+
+async def forget_context(store: Store, session: str, agent: str) -> None:
+    await store.put(session, context_key(agent), None)
+
+
+async def append(store: Store, session: str, role: str, text: str, *, agent: str = "", source: str = "",
+                 error: bool = False, ts: int = 0) -> dict[str, Any]:
+    """Adds one whole message to the session's history and returns the stored entry."""
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    entry: dict[str, Any] = {"ts": ts or int(time.time() * 1000), "role": role, "text": text, "agent": agent,
+                             "source": source}
+    if error:
+        entry["error"] = True
+    await store.append(session, HISTORY_KEY, entry, max_len=MAX_HISTORY)
+    return entry
+
+
+async def read(store: Store, session: str, last: int = 0) -> list[dict[str, Any]]:
+    """The session's history, oldest first; `last` > 0 gives only the newest `last` entries."""
+    return await store.items(session, HISTORY_KEY, last)
