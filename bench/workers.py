@@ -210,6 +210,9 @@ async def chat(p: Params, counts: Any, stop: Any) -> Params:
                                 chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
     # uibus's local agent takes its chunk count and pacing per request from sly_data; raw ignores it.
     req.sly_data.update({"chunks": p["chunks"], "delay_ms": 0})
+    # An explicit empty ChatContext starts a new conversation on every call, so a call's cost does not
+    # depend on how many turns the session already had (uibus keeps up to 200 messages of context).
+    req.chat_context.SetInParent()
     calls: list[tuple[float, float, int]] = []  # (time to first chunk, call duration, chunks)
     in_window = 0
     errors: list[str] = []
