@@ -43,7 +43,7 @@ PUBLISHER = 2  # worker index; 0 and 1 subscribe / call
 
 @dataclass
 class Plan:
-    rounds: int = 2
+    rounds: int = 3
     duration: float = 4.0  # seconds per measured phase
     lead: float = 1.5  # warm-up before a closed-loop window
     fanout_s: tuple[int, ...] = (1, 10, 100, 1000)
