@@ -59,6 +59,10 @@ class Plan:
     # label -> project checkout with its own .venv (e.g. another grpcio): adds raw@label, uibus@label
     alt_roots: dict[str, str] = field(default_factory=dict)
 
+    def steps(self) -> list[tuple[str, int]]:
+        params = {"memory": (self.mem_subs,), "unary": self.unary_c, "chat": self.chat_c, "fanout": self.fanout_s}
+        return [(sc, p) for sc in self.scenarios for p in params[sc]]
+
     def all_servers(self) -> list[str]:
         return [*self.servers, *(f"{s}@{label}" for label in self.alt_roots for s in self.servers)]
 
@@ -206,6 +210,7 @@ class Bench:
     pool: Pool
     servers: dict[str, Server] = field(default_factory=dict)
     outside: dict[str, list[float]] = field(default_factory=dict)  # server -> outside cores per phase
+    ref: dict[int, float] = field(default_factory=dict)  # S -> max deliveries/s of this round's first server
 
     def our_pids(self) -> list[int]:
         return [os.getpid(), *self.pool.pids, *(s.pid for s in self.servers.values())]
@@ -250,7 +255,7 @@ def ms(x: float | None) -> float | None:
     return None if x is None else x * 1000
 
 
-def run_memory(b: Bench, srv: Server) -> dict[str, Any]:
+def run_memory(b: Bench, srv: Server, _: int = 0) -> dict[str, Any]:
     plan, pool = b.plan, b.pool
     out: dict[str, Any] = {"memory.rss_idle_mb": srv.rss_start_kb / 1024}
     pool.reset()  # warm the stream path once so the first-use allocations are not counted per subscription
@@ -287,86 +292,87 @@ def run_memory(b: Bench, srv: Server) -> dict[str, Any]:
     return out
 
 
-def run_unary(b: Bench, srv: Server) -> dict[str, Any]:
+def run_unary(b: Bench, srv: Server, c: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for c in b.plan.unary_c:
-        results, cpu = b.windowed(srv, "unary", split(c), {})
-        lat = [x for r in results for x in r["lat_s"]]
-        key = f"unary.c{c}"
-        out[f"{key}.rps"] = len(lat) / b.plan.duration
-        out[f"{key}.p50_ms"] = ms(pct(lat, 50))
-        out[f"{key}.p99_ms"] = ms(pct(lat, 99))
-        out[f"{key}.cpu_us"] = cpu / max(len(lat), 1) * 1e6
-        errors = sum(r["n_errors"] for r in results)
-        if errors:
-            out[f"{key}.errors"] = f"{errors}: {results[0]['errors'][:1]}"
+    results, cpu = b.windowed(srv, "unary", split(c), {})
+    lat = [x for r in results for x in r["lat_s"]]
+    key = f"unary.c{c}"
+    out[f"{key}.rps"] = len(lat) / b.plan.duration
+    out[f"{key}.p50_ms"] = ms(pct(lat, 50))
+    out[f"{key}.p99_ms"] = ms(pct(lat, 99))
+    out[f"{key}.cpu_us"] = cpu / max(len(lat), 1) * 1e6
+    errors = sum(r["n_errors"] for r in results)
+    if errors:
+        out[f"{key}.errors"] = f"{errors}: {results[0]['errors'][:1]}"
     return out
 
 
-def run_chat(b: Bench, srv: Server) -> dict[str, Any]:
+def run_chat(b: Bench, srv: Server, c: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for c in b.plan.chat_c:
-        results, cpu = b.windowed(srv, "chat", split(c), {"chunks": b.plan.chat_chunks})
-        key = f"chat.c{c}"
-        errors = sum(r["n_errors"] for r in results)
-        chunks = sum(r["chunks_in_window"] for r in results)
-        calls = [x for r in results for x in r["calls"]]
-        if errors and not calls:
-            out[f"{key}.errors"] = f"{errors}: {next(e for r in results for e in r['errors'])}"
-            continue
-        out[f"{key}.cps"] = chunks / b.plan.duration
-        out[f"{key}.ttfc_p50_ms"] = ms(pct([x[0] for x in calls], 50))
-        out[f"{key}.call_p50_ms"] = ms(pct([x[1] for x in calls], 50))
-        out[f"{key}.call_p99_ms"] = ms(pct([x[1] for x in calls], 99))
-        out[f"{key}.chunks_per_call"] = statistics.median(x[2] for x in calls) if calls else None
-        out[f"{key}.cpu_us"] = cpu / max(chunks, 1) * 1e6
-        if errors:
-            out[f"{key}.errors"] = errors
+    results, cpu = b.windowed(srv, "chat", split(c), {"chunks": b.plan.chat_chunks})
+    key = f"chat.c{c}"
+    errors = sum(r["n_errors"] for r in results)
+    chunks = sum(r["chunks_in_window"] for r in results)
+    calls = [x for r in results for x in r["calls"]]
+    if errors and not calls:
+        out[f"{key}.errors"] = f"{errors}: {next(e for r in results for e in r['errors'])}"
+        return out
+    out[f"{key}.cps"] = chunks / b.plan.duration
+    out[f"{key}.ttfc_p50_ms"] = ms(pct([x[0] for x in calls], 50))
+    out[f"{key}.call_p50_ms"] = ms(pct([x[1] for x in calls], 50))
+    out[f"{key}.call_p99_ms"] = ms(pct([x[1] for x in calls], 99))
+    out[f"{key}.chunks_per_call"] = statistics.median(x[2] for x in calls) if calls else None
+    out[f"{key}.cpu_us"] = cpu / max(chunks, 1) * 1e6
+    if errors:
+        out[f"{key}.errors"] = errors
     return out
 
 
-def run_fanout(b: Bench, srv: Server, ref: dict[int, float]) -> dict[str, Any]:
-    """Per S: closed-loop max, then open-loop at 25% and 50% of raw's max of this round."""
-    plan, pool = b.plan, b.pool
+def run_fanout(b: Bench, srv: Server, s: int) -> dict[str, Any]:
+    """Closed-loop max, then open-loop at 25% and 50% of the first server's (raw's) max of this round."""
+    plan, pool, ref = b.plan, b.pool, b.ref
     out: dict[str, Any] = {}
     seq = 0
-    for s in plan.fanout_s:
-        key = f"fanout.S{s}"
-        pool.reset()
-        parts = split(s)
-        for i, k in enumerate(parts):
-            pool.send(i, "subscribe", {"target": srv.target, "streams": k, "slot": i})
-        if srv.wait_subs(s) != s:
-            raise RuntimeError(f"{srv.name}: {s} subscriptions did not all arrive")
-        common = {"target": srv.target, "subs": s, "duration": plan.duration}
-        window = max(2, min(32, 2000 // s))
-        res, cpu = b.measured(srv, lambda: pool.call(PUBLISHER, "publish", {
-            **common, "mode": "max", "window": window, "tag": "max", "seq0": seq}))  # noqa: B023
+    key = f"fanout.S{s}"
+    pool.reset()
+    parts = split(s)
+    for i, k in enumerate(parts):
+        pool.send(i, "subscribe", {"target": srv.target, "streams": k, "slot": i})
+    if srv.wait_subs(s) != s:
+        raise RuntimeError(f"{srv.name}: {s} subscriptions did not all arrive")
+    common = {"target": srv.target, "subs": s, "duration": plan.duration}
+    window = max(2, min(32, 2000 // s))
+    res, cpu = b.measured(srv, lambda: pool.call(PUBLISHER, "publish", {
+        **common, "mode": "max", "window": window, "tag": "max", "seq0": seq}))
+    seq = res["seq"]
+    out[f"{key}.max_dps"] = res["rate"]
+    out[f"{key}.cpu_us"] = cpu / max(res["delivered"], 1) * 1e6
+    base = ref.get(s) or res["rate"]
+    ref.setdefault(s, res["rate"])
+    for frac in (25, 50):
+        lost0 = srv.losses()
+        res, cpu = b.measured(srv, lambda frac=frac: pool.call(PUBLISHER, "publish", {
+            **common, "mode": "rate", "rate": frac / 100 * base / s, "tag": f"r{frac}", "seq0": seq}))  # noqa: B023
         seq = res["seq"]
-        out[f"{key}.max_dps"] = res["rate"]
-        out[f"{key}.cpu_us"] = cpu / max(res["delivered"], 1) * 1e6
-        base = ref.get(s) or res["rate"]
-        ref.setdefault(s, res["rate"])
-        for frac in (25, 50):
-            lost0 = srv.losses()
-            res, cpu = b.measured(srv, lambda frac=frac: pool.call(PUBLISHER, "publish", {
-                **common, "mode": "rate", "rate": frac / 100 * base / s, "tag": f"r{frac}", "seq0": seq}))  # noqa: B023
-            seq = res["seq"]
-            out[f"{key}.r{frac}_lost"] = srv.losses() - lost0 + (res["expected"] - res["delivered"])
-            out[f"{key}.r{frac}_dps"] = res["delivered"] / res["elapsed"]
-            if res["behind"]:
-                out[f"{key}.r{frac}_publisher_behind"] = res["behind"]
-        pool.stop.set()
-        subs = [pool.recv(i) for i in range(len(parts))]
-        for frac in (25, 50):
-            lat = [x for r in subs for x in r["lat_ns"].get(f"r{frac}", [])]
-            out[f"{key}.r{frac}_p50_ms"] = None if not lat else pct(lat, 50) / 1e6  # type: ignore[operator]
-            out[f"{key}.r{frac}_p99_ms"] = None if not lat else pct(lat, 99) / 1e6  # type: ignore[operator]
-        errors = sum(r["n_errors"] for r in subs)
-        if errors:
-            out[f"{key}.errors"] = errors
-        srv.wait_subs(0)
+        out[f"{key}.r{frac}_lost"] = srv.losses() - lost0 + (res["expected"] - res["delivered"])
+        out[f"{key}.r{frac}_dps"] = res["delivered"] / res["elapsed"]
+        if res["behind"]:
+            out[f"{key}.r{frac}_publisher_behind"] = res["behind"]
+    pool.stop.set()
+    subs = [pool.recv(i) for i in range(len(parts))]
+    for frac in (25, 50):
+        lat = [x for r in subs for x in r["lat_ns"].get(f"r{frac}", [])]
+        out[f"{key}.r{frac}_p50_ms"] = None if not lat else pct(lat, 50) / 1e6  # type: ignore[operator]
+        out[f"{key}.r{frac}_p99_ms"] = None if not lat else pct(lat, 99) / 1e6  # type: ignore[operator]
+    errors = sum(r["n_errors"] for r in subs)
+    if errors:
+        out[f"{key}.errors"] = errors
+    srv.wait_subs(0)
     return out
+
+
+RUNNERS: dict[str, Callable[[Bench, Server, int], dict[str, Any]]] = {
+    "memory": run_memory, "unary": run_unary, "chat": run_chat, "fanout": run_fanout}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,22 +515,21 @@ def main(argv: list[str] | None = None) -> int:
                 b.servers = {name: start_server(name, Path(tmp), plan) for name in plan.all_servers()}
                 if ns.profile and "uibus" in b.servers and profiler is None:
                     profiler = start_profiler(b.servers["uibus"].pid, ns.profile)
-                ref: dict[int, float] = {}
+                b.ref = {}
                 try:
-                    for scenario in plan.scenarios:
+                    # Servers alternate per scenario step (each S, each concurrency), so the two
+                    # measurements compared in a row are seconds apart.
+                    for scenario, param in plan.steps():
                         for name in plan.all_servers():
                             srv = b.servers[name]
                             t0 = time.monotonic()
                             n_out = len(b.outside.get(name, []))
-                            if scenario == "fanout":
-                                metrics = run_fanout(b, srv, ref)
-                            else:
-                                metrics = {"memory": run_memory, "unary": run_unary, "chat": run_chat}[scenario](b, srv)
+                            metrics = RUNNERS[scenario](b, srv, param)
                             outside = b.outside.get(name, [])[n_out:]
-                            runs.append({"round": rnd, "server": name, "scenario": scenario, "metrics": metrics,
-                                         "seconds": time.monotonic() - t0, "loadavg": procstat.loadavg(),
-                                         "outside_cores": outside})
-                            print(f"round {rnd + 1}/{plan.rounds} {scenario:<6} {name:<5} "
+                            runs.append({"round": rnd, "server": name, "scenario": scenario, "param": param,
+                                         "metrics": metrics, "seconds": time.monotonic() - t0,
+                                         "loadavg": procstat.loadavg(), "outside_cores": outside})
+                            print(f"round {rnd + 1}/{plan.rounds} {scenario:<6} {param:>4} {name:<11} "
                                   f"{time.monotonic() - t0:5.1f}s  outside load "
                                   f"{statistics.median(outside) if outside else 0:.2f} cores", flush=True)
                 finally:
