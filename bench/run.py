@@ -68,7 +68,7 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(rounds=1, duration=1.0, lead=0.6, fanout_s=(1, 100, 1000), unary_c=(1, 100), cycles=3000)
+        return cls(rounds=1, duration=1.0, lead=0.6, cycles=3000)
 
 
 @dataclass
@@ -427,6 +427,8 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
             row[f"uibus@{label}/uibus"] = _ratio(row.get(f"uibus@{label}"), ub)
         row["verdict"] = verdict(key, raw if isinstance(raw, int | float) else None,
                                  ub if isinstance(ub, int | float) else None)
+        loads = [x for r in runs if key in r["metrics"] for x in r["outside_cores"]]
+        row["outside_load"] = statistics.median(loads) if loads else None
         summary[key] = row
     return summary
 
@@ -449,13 +451,16 @@ def table(summary: dict[str, dict[str, Any]], names: list[str], outside: dict[st
         cols += [(f"ratio@{label}", f"ratio@{label}", True), (f"uibus@{label}/uibus", f"{label}/main", True)]
     width = [max(9, len(title)) for _, title, _ in cols]
     head = f"{'figure':<31}" + "".join(f" {t:>{w}}" for (_, t, _), w in zip(cols, width, strict=True))
+    head += f" {'load':>5}"
     lines = [head + "  verdict", "-" * (len(head) + 10)]
     for key, row in summary.items():
         cells = []
         for (col, _, is_ratio), w in zip(cols, width, strict=True):
             v = row.get(col)
             cells.append(f" {('-' if v is None else f'{v:.2f}') if is_ratio else fmt(v):>{w}}")
-        lines.append(f"{key:<31}" + "".join(cells) + f"  {row['verdict']}")
+        load = "-" if row["outside_load"] is None else f"{row['outside_load']:.2f}"
+        lines.append(f"{key:<31}" + "".join(cells) + f" {load:>5}  {row['verdict']}")
+    lines.append("load = median outside load (cores busy with other work) while that figure was measured")
     for name, vals in outside.items():
         if vals:
             lines.append(f"outside load during {name} phases (cores busy with other work): median "
