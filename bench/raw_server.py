@@ -48,8 +48,9 @@ class Fanout:
 
 
 class RawUi(ui_pb2_grpc.UiServiceServicer):
-    def __init__(self, fanout: Fanout) -> None:
+    def __init__(self, fanout: Fanout, swallow_cancel: bool = False) -> None:
         self.fanout = fanout
+        self.swallow_cancel = swallow_cancel
 
     async def scrollToSettings(self, request: common_pb2.StringRequest, context: Any) -> common_pb2.KeyValuePair:
         return common_pb2.KeyValuePair(key="scrollToSettings", value=request.value)
@@ -61,6 +62,11 @@ class RawUi(ui_pb2_grpc.UiServiceServicer):
         try:
             while True:
                 yield await q.get()
+        except asyncio.CancelledError:
+            if not self.swallow_cancel:
+                raise
+            # The known grpc.aio trap (grpc/grpc#43360), on purpose: shows what the memory
+            # scenario reports for a handler that ends quietly instead of re-raising.
         finally:
             self.fanout.queues.discard(q)
 
@@ -95,12 +101,41 @@ class RawAgent(agent_pb2_grpc.AgentServiceServicer):
             type=chat_pb2.ChatMessage.AGENT_FRAMEWORK, text="done"))
 
 
-async def serve(port: int, chunks: int) -> None:
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+def _extra_methods(server: grpc.aio.Server, n: int) -> None:
+    """Registers `n` unused unary methods: shows what the number of registered methods costs per RPC."""
+    async def unused(request: bytes, context: Any) -> bytes:
+        return b""
+
+    handlers = {f"M{i}": grpc.unary_unary_rpc_method_handler(unused) for i in range(n)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Extra", handlers),))
+    server.add_registered_method_handlers("bench.Extra", handlers)
+
+
+class GenericOnly:
+    """Stands in for the server while servicers install: registered methods become one generic
+    handler (a dict lookup), so grpc.aio's per-registered-method work per RPC is not done."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self.server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        pass  # generated add_*_to_server also adds a generic handler for the same methods
+
+
+async def serve(port: int, chunks: int, swallow_cancel: bool, extra_methods: int = 0,
+                generic_only: bool = False) -> None:
+    real = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server: Any = GenericOnly(real) if generic_only else real
+    if extra_methods:
+        _extra_methods(server, extra_methods)
     fanout = Fanout()
-    ui_pb2_grpc.add_UiServiceServicer_to_server(RawUi(fanout), server)
+    ui_pb2_grpc.add_UiServiceServicer_to_server(RawUi(fanout, swallow_cancel), server)
     host_pb2_grpc.add_HostServiceServicer_to_server(RawHost(fanout), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(RawAgent(chunks), server)
+    server = real
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     stop = asyncio.Event()
@@ -115,8 +150,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--chat-chunks", type=int, default=1000)
+    p.add_argument("--swallow-cancel", action="store_true",
+                   help="subscription handlers swallow CancelledError (to check the memory scenario)")
+    p.add_argument("--extra-methods", type=int, default=0, help="register this many unused methods")
+    p.add_argument("--generic-only", action="store_true", help="serve every method through generic handlers")
     ns = p.parse_args()
-    asyncio.run(serve(ns.port, ns.chat_chunks))
+    asyncio.run(serve(ns.port, ns.chat_chunks, ns.swallow_cancel, ns.extra_methods, ns.generic_only))
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class Plan:
     scenarios: tuple[str, ...] = SCENARIOS
     servers: tuple[str, ...] = SERVERS
     uibus_args: tuple[str, ...] = ()
+    raw_args: tuple[str, ...] = ()
     # label -> project checkout with its own .venv (e.g. another grpcio): adds raw@label, uibus@label
     alt_roots: dict[str, str] = field(default_factory=dict)
 
@@ -117,7 +118,8 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     root = Path(plan.alt_roots[label]).resolve() if label else ROOT
     python = str(root / ".venv" / "bin" / "python") if label else sys.executable
     if kind == "raw":
-        cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks)]
+        cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks),
+               *plan.raw_args]
     else:  # the documented way to run uibus
         cmd = [python, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
                "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
@@ -482,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run raw@LABEL and uibus@LABEL from checkout DIR with its own DIR/.venv "
                         "(e.g. another grpcio version); repeatable")
     p.add_argument("--uibus-arg", action="append", default=[], help="extra flag for the uibus server (repeatable)")
+    p.add_argument("--raw-arg", action="append", default=[], help="extra flag for the raw server (repeatable), "
+                   "e.g. --raw-arg=--swallow-cancel")
     p.add_argument("--profile", metavar="FILE", help="record the uibus server with py-spy into FILE (speedscope)")
     p.add_argument("--out", help="JSON result file (default bench/results/<time>.json)")
     ns = p.parse_args(argv)
@@ -501,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.chat_chunks:
         plan.chat_chunks = ns.chat_chunks
     plan.uibus_args = tuple(ns.uibus_arg)
+    plan.raw_args = tuple(ns.raw_arg)
     for spec in ns.alt:
         label, _, root = spec.partition("=")
         if not root or not (Path(root) / ".venv" / "bin" / "python").exists():
