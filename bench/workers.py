@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from bench.procstat import rss_kb
 from uibus_pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus_pb.uibus.v1 import host_pb2_grpc
@@ -254,12 +255,15 @@ async def cycles(p: Params, counts: Any, stop: Any) -> Params:
     done = 0
     t0 = time.monotonic()
     stuck = 0
+    rss: list[tuple[int, int]] = []  # (cycles done before the batch, server RSS KB with it open)
     while done < total:
         k = min(batch, total - done)
         calls = [ui_pb2_grpc.UiServiceStub(chans[i // STREAMS_PER_CHANNEL]).subscribeToPartialMessage(
             common_pb2.EmptyRequest(), metadata=MD) for i in range(k)]
         if await _wait_subs(host, lambda n, k=k: n >= base + k, 10) < base + k:
             stuck += 1
+        if p.get("pid"):  # sampled with the batch open: the allocator's swings are smallest there
+            rss.append((done, rss_kb(p["pid"])))
         for c in calls:
             c.cancel()
         if await _wait_subs(host, lambda n: n <= base, 10) > base:
@@ -268,7 +272,7 @@ async def cycles(p: Params, counts: Any, stop: Any) -> Params:
     elapsed = time.monotonic() - t0
     for ch in chans:
         await ch.close()
-    return {"cycles": done, "elapsed": elapsed, "stuck": stuck}
+    return {"cycles": done, "elapsed": elapsed, "stuck": stuck, "rss": rss}
 
 
 ROLES: dict[str, Callable[[Params, Any, Any], Awaitable[Params]]] = {
