@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help=f"comma-separated scenarios of {','.join(SCENARIOS)}")
     p.add_argument("--servers", help="comma-separated: raw,uibus (default both)")
     p.add_argument("--fanout", help="comma-separated subscriber counts, e.g. 10,1000")
+    p.add_argument("--unary", help="comma-separated unary concurrencies, e.g. 1,100")
+    p.add_argument("--chat", help="comma-separated chat concurrencies, e.g. 1,10")
     p.add_argument("--cycles", type=int, help="subscribe/cancel cycles for the memory scenario")
     p.add_argument("--chat-chunks", type=int, help="chunks per chat reply (raw server; uibus: see --uibus-arg)")
     p.add_argument("--with", dest="alt", action="append", default=[], metavar="LABEL=DIR",
@@ -510,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
         plan.servers = tuple(s for s in SERVERS if s in ns.servers.split(","))
     if ns.fanout:
         plan.fanout_s = tuple(int(x) for x in ns.fanout.split(","))
+    if ns.unary:
+        plan.unary_c = tuple(int(x) for x in ns.unary.split(","))
+    if ns.chat:
+        plan.chat_c = tuple(int(x) for x in ns.chat.split(","))
     if ns.cycles:
         plan.cycles = ns.cycles
     if ns.chat_chunks:

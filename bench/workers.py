@@ -280,6 +280,10 @@ ROLES: dict[str, Callable[[Params, Any, Any], Awaitable[Params]]] = {
 
 
 def worker_main(conn: Connection, counts: Any, stop: Any) -> None:
+    # One loop for the worker's life: grpc.aio's poller thread may still post to the loop of a
+    # finished role, which must not be a closed one.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
     while True:
         msg = conn.recv()
         if msg is None:
@@ -287,7 +291,7 @@ def worker_main(conn: Connection, counts: Any, stop: Any) -> None:
         role, params = msg
         t0 = time.process_time()
         try:
-            result = asyncio.run(ROLES[role](params, counts, stop))
+            result = loop.run_until_complete(ROLES[role](params, counts, stop))
         except Exception as exc:
             result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
         result["cpu_s"] = time.process_time() - t0
