@@ -27,16 +27,20 @@ _BUTTON_KINDS = {
     host_pb2.BUTTON_SETTINGS: topics.SETTINGS_BUTTON,
 }
 _BY_PROVIDER = {topics.MCP_BUTTON, topics.HISTORY_BUTTON, topics.SETTINGS_BUTTON}
-_ENUMS = (("type", ui_pb2.ClineMessageType), ("ask", ui_pb2.ClineAsk), ("say", ui_pb2.ClineSay))
+# The valid numbers of each enum field, computed once: `EnumTypeWrapper.values()` builds a new list
+# per call, which was most of what a publish cost in uibus's own code (bench/README.md).
+_ENUMS = tuple((name, enum, frozenset(enum.values())) for name, enum in (
+    ("type", ui_pb2.ClineMessageType), ("ask", ui_pb2.ClineAsk), ("say", ui_pb2.ClineSay)))
+_PROVIDER_TYPES = frozenset(ui_pb2.WebviewProviderType.values())
 
 
 def check_cline_message(msg: ui_pb2.ClineMessage) -> str | None:
     """Why a ClineMessage cannot be shown, or None."""
     if msg.ts <= 0:
         return "ts is required: a webview identifies a message by its ts (Unix milliseconds)"
-    for name, enum in _ENUMS:
+    for name, enum, valid in _ENUMS:
         value = getattr(msg, name)
-        if value not in enum.values():
+        if value not in valid:
             return f"{name}={value} is not a valid {enum.DESCRIPTOR.name}"
     return None
 
@@ -63,7 +67,7 @@ class HostService(host_pb2_grpc.HostServiceServicer):
                                 f"button={request.button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS")
         target = None
         if request.HasField("provider_type"):
-            if request.provider_type not in ui_pb2.WebviewProviderType.values():
+            if request.provider_type not in _PROVIDER_TYPES:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"provider_type={request.provider_type} is not SIDEBAR (0) or TAB (1)")
             if kind in _BY_PROVIDER:
