@@ -24,7 +24,7 @@ from server.config import Config
 from server.services import agent, extension_ui, host, ui, webview
 from server.services.common import Runtime
 from server.store import Store, open_store
-from server.web.metrics import Metrics, MetricsInterceptor
+from server.web.metrics import Metrics, instrument
 from server.web.server import HttpServer, start_http
 from uibus_pb.cline import ui_pb2, ui_pb2_grpc
 from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
@@ -41,18 +41,23 @@ class Registry:
     in-process through `lookup`, so both transports share servicers, validation and behaviour.
     """
 
-    def __init__(self, server: grpc.aio.Server) -> None:
+    def __init__(self, server: grpc.aio.Server, wrap: Wrap | None = None) -> None:
         self.server = server
+        self._wrap = wrap
         self._generic: list[grpc.GenericRpcHandler] = []
         self._methods: dict[str, grpc.RpcMethodHandler] = {}
 
     def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
         self._generic.extend(handlers)
-        self.server.add_generic_rpc_handlers(handlers)
+        wrap = self._wrap
+        self.server.add_generic_rpc_handlers([_Wrapped(h, wrap) for h in handlers] if wrap else handlers)
 
     def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         for name, handler in handlers.items():
             self._methods[f"/{service}/{name}"] = handler
+        wrap = self._wrap
+        if wrap:
+            handlers = {name: wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
         self.server.add_registered_method_handlers(service, handlers)
 
     def lookup(self, method: str, metadata: Sequence[tuple[str, str | bytes]] = ()) -> grpc.RpcMethodHandler | None:
@@ -66,6 +71,33 @@ class Registry:
             if handler is not None:
                 return handler
         return None
+
+
+Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+
+
+class _Wrapped(grpc.GenericRpcHandler):
+    """A generic handler whose method handlers are wrapped once per path (then cached), so the
+    native server pays the wrapping cost once, not per call. `lookup` sees the unwrapped ones."""
+
+    _CACHE_LIMIT = 4096  # paths are chosen by callers (e.g. unknown agents): keep the cache bounded
+
+    def __init__(self, inner: grpc.GenericRpcHandler, wrap: Wrap) -> None:
+        self._inner = inner
+        self._wrap = wrap
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = details.method
+        handler = self._cache.get(method)
+        if handler is None:
+            raw = self._inner.service(details)
+            if raw is None:
+                return None
+            handler = self._wrap(method, raw)
+            if len(self._cache) < self._CACHE_LIMIT:
+                self._cache[method] = handler
+        return handler
 
 
 class _CallDetails(grpc.HandlerCallDetails):
@@ -107,7 +139,7 @@ class App:
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
         self.metrics = Metrics(self.bus)
-        interceptors: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor(self.metrics)]
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.auth_token:
             interceptors.append(BearerTokenInterceptor(config.auth_token))
         if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
@@ -122,7 +154,7 @@ class App:
                 ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ],
         )
-        self.registry = Registry(self.server)
+        self.registry = Registry(self.server, wrap=instrument(self.metrics))
         self.service_names: list[str] = []
         for install in INSTALLERS:
             self.service_names += install(self.registry, self.rt)

@@ -2,15 +2,16 @@
 
 Nothing here runs per bus event: the bus already keeps plain per-kind counters, and a custom
 collector turns them into metric families only when /metrics is scraped. RPCs cost one histogram
-observation per call (native gRPC through a server interceptor, HTTP transports directly).
+observation per call (native gRPC through handlers wrapped once at registration, HTTP transports directly).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -92,41 +93,45 @@ def _code_name(context: Any) -> str:
         return str(code)
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
-    """Times every native gRPC call; the status is read in a done callback (no per-message cost)."""
+def instrument(metrics: Metrics) -> Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]:
+    """Returns a wrapper that times one method's native gRPC calls.
 
-    def __init__(self, metrics: Metrics) -> None:
-        self.metrics = metrics
+    It is applied once per method when services register (server.app.Registry), not per call:
+    a grpc.aio server interceptor runs an extra coroutine chain for every call, which measured
+    ~70 µs of server CPU per unary call on grpcio 1.82 — more than the rest of uibus's own code.
+    The status comes from the context when the handler ends (abort sets it) or from the exception.
+    """
+    observe = metrics.observe
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        method: str = details.method
-        observe = self.metrics.observe
-
+    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         def timed(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            def track(context: Any) -> None:
-                start = time.perf_counter()
-                context.add_done_callback(lambda c: observe(method, _code_name(c), time.perf_counter() - start,
-                                                            "grpc"))
-
             if inspect.iscoroutinefunction(behavior):
                 async def coro(request: Any, context: Any) -> Any:
-                    track(context)
-                    return await behavior(request, context)
+                    start = time.perf_counter()
+                    failed: BaseException | None = None
+                    try:
+                        return await behavior(request, context)
+                    except BaseException as exc:
+                        failed = exc
+                        raise
+                    finally:
+                        observe(method, _outcome(context, failed), time.perf_counter() - start, "grpc")
                 return coro
             if inspect.isasyncgenfunction(behavior):
                 # grpc.aio picks its calling convention by function kind, so an async generator
-                # must be wrapped by one: one extra `yield` per message (measured in the report).
+                # must be wrapped by one: one extra `yield` per message.
                 async def agen(request: Any, context: Any) -> Any:
-                    track(context)
-                    async with contextlib.aclosing(behavior(request, context)) as stream:
-                        async for message in stream:
-                            yield message
+                    start = time.perf_counter()
+                    failed: BaseException | None = None
+                    try:
+                        async with contextlib.aclosing(behavior(request, context)) as stream:
+                            async for message in stream:
+                                yield message
+                    except BaseException as exc:
+                        failed = exc
+                        raise
+                    finally:
+                        observe(method, _outcome(context, failed), time.perf_counter() - start, "grpc")
                 return agen
             return behavior  # synchronous handlers (thread pool) are not timed
 
@@ -137,3 +142,14 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return handler._replace(unary_stream=timed(handler.unary_stream))
         return handler._replace(unary_unary=timed(handler.unary_unary))
+
+    return wrap
+
+
+def _outcome(context: Any, failed: BaseException | None) -> str:
+    code = _code_name(context)
+    if code != "OK" or failed is None:
+        return code
+    if isinstance(failed, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "UNKNOWN"
