@@ -138,7 +138,7 @@ class App:
         self.store = store or open_store(config.store, config.redis_url)
         self.rt = Runtime(config, self.bus, self.store)
         self.health = HealthServicer()
-        self.metrics = Metrics(self.bus)
+        self.metrics = Metrics(self.bus, self.rt.gauges)
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if config.auth_token:
             interceptors.append(BearerTokenInterceptor(config.auth_token))

@@ -83,3 +83,27 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
         assert get(final, "uibus_rpc_duration_seconds_count", method="/cline.UiService/subscribeToAddToInput",
                    code="CANCELLED", transport="grpc-web") == 1
         assert get(final, "uibus_subscriptions", kind="partial_message") == 0
+
+
+async def test_service_gauges_follow_pending_work(web: App, web_connect) -> None:
+    """Pending extension-UI dialogs and CodeBolt connections are exported, read at scrape time."""
+    from uibus_pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc
+
+    agent = extension_ui_pb2_grpc.ExtensionUiServiceStub(web_connect("g").channel)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client:
+        before = await scrape(client)
+        assert get(before, "uibus_extension_ui_pending_dialogs") == 0
+        assert get(before, "uibus_codebolt_connections") == 0
+        calls = [agent.Confirm(extension_ui_pb2.ConfirmRequest(title=f"t{i}", message="m")) for i in range(3)]
+        for _ in range(200):
+            if get(await scrape(client), "uibus_extension_ui_pending_dialogs") == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert get(await scrape(client), "uibus_extension_ui_pending_dialogs") == 3
+        for call in calls:
+            call.cancel()
+        for _ in range(200):
+            if get(await scrape(client), "uibus_extension_ui_pending_dialogs") == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert get(await scrape(client), "uibus_extension_ui_pending_dialogs") == 0

@@ -64,4 +64,7 @@ def install(registry: Any, rt: Runtime) -> list[str]:
     endpoint = AgentToApp(gateway, rt.config.auth_token)
     rt.http_mounts[PATH] = endpoint
     rt.http_mounts[CODEBOLTJS_PATH] = endpoint
+    rt.gauges["uibus_codebolt_connections"] = ("Open CodeBolt agent WebSocket connections", gateway.count)
+    rt.gauges["uibus_codebolt_pending_waits"] = ("CodeBolt waitforReply / confirmation calls in flight",
+                                                 gateway.pending)
     return [pb.DESCRIPTOR.services_by_name["CodeBoltService"].full_name]

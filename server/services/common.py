@@ -25,6 +25,8 @@ class Runtime:
     on_shutdown: list[Callable[[], None]] = field(default_factory=list)
     # ASGI apps that services put on the HTTP port, by path prefix (e.g. the CodeBolt WebSocket).
     http_mounts: dict[str, Any] = field(default_factory=dict)
+    # Gauges a service exports on /metrics, read at scrape time: name -> (help text, reader).
+    gauges: dict[str, tuple[str, Callable[[], float]]] = field(default_factory=dict)
 
 
 async def stream_topic(bus: Bus, context: grpc.aio.ServicerContext, session: str, kind: str,

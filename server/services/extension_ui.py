@@ -249,5 +249,8 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
 
 def install(server: Any, rt: Runtime) -> list[str]:
     """Installer for server.app.INSTALLERS."""
-    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(ExtensionUiService(rt), server)
+    service = ExtensionUiService(rt)
+    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(service, server)
+    rt.gauges["uibus_extension_ui_pending_dialogs"] = (
+        "Extension-UI dialogs waiting for an answer", service.dialogs.count)
     return [pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name]

@@ -27,9 +27,11 @@ _CHAT_SUFFIX = ".AgentService/StreamingChat"
 
 
 class _BusCollector(Collector):
-    def __init__(self, bus: Bus, chat_turns: dict[str, int]) -> None:
+    def __init__(self, bus: Bus, chat_turns: dict[str, int],
+                 gauges: dict[str, tuple[str, Callable[[], float]]]) -> None:
         self.bus = bus
         self.chat_turns = chat_turns
+        self.gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
         subs = GaugeMetricFamily("uibus_subscriptions", "Live bus subscriptions (open UI streams) per event kind",
@@ -53,19 +55,21 @@ class _BusCollector(Collector):
         yield total
         yield from fams.values()
         yield turns
+        for name, (help_, read) in sorted(self.gauges.items()):
+            yield GaugeMetricFamily(name, help_, value=read())
 
 
 class Metrics:
     """One registry per App (tests run many Apps in one process)."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.chat_turns: dict[str, int] = {}
         self.rpc = Histogram("uibus_rpc_duration_seconds", "RPC duration (whole stream for streaming calls); "
                              "its _count is the RPC count", ["method", "code", "transport"], buckets=_BUCKETS,
                              registry=self.registry)
         self._children: dict[tuple[str, str, str], Any] = {}
-        self.registry.register(_BusCollector(bus, self.chat_turns))
+        self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {}))
 
     def observe(self, method: str, code: str, seconds: float, transport: str) -> None:
         key = (method, code, transport)
