@@ -110,6 +110,8 @@ class Subscription:
 class Bus:
     """In-process topic bus. State is a few plain maps, as in grpc_health's aio servicer."""
 
+    replicated = False  # True when events also reach other replicas (ReplicatedBus)
+
     def __init__(self, queue_size: int = 256, max_per_session: int = 10_000,
                  policies: dict[str, Policy] | None = None) -> None:
         self.queue_size = queue_size

@@ -65,6 +65,8 @@ class ReplicationStats:
 class ReplicatedBus(Bus):
     """A `Bus` whose topics span every replica sharing one Redis."""
 
+    replicated = True
+
     def __init__(self, redis_url: str, queue_size: int = 256, max_per_session: int = 10_000,
                  policies: dict[str, Policy] | None = None, *, channel: str = "uibus:bus",
                  outbox_size: int = 10_000, presence_kinds: Iterable[str] = (),

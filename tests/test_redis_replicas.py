@@ -337,3 +337,35 @@ async def test_two_server_processes_configured_by_env(redis_server: RedisProcess
         p.proc.send_signal(signal.SIGTERM)
     for p in (a, b):
         assert await asyncio.to_thread(p.proc.wait, 15) == 0, p.log.read_text()
+
+
+async def test_extension_ui_answer_given_on_another_replica(replicas: tuple[Replica, Replica]) -> None:
+    """The agent asks on A, the only UI is on B: B's answer is forwarded to A, with A's verdict."""
+    from uibus_pb.uibus.v1 import extension_ui_pb2 as ext
+    from uibus_pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+
+    a, b = replicas
+    agent = ext_grpc.ExtensionUiServiceStub(a.connect("dlg").channel)
+    ui = ext_grpc.ExtensionUiServiceStub(b.connect("dlg").channel)
+    events = ui.Subscribe(ext.SubscribeRequest())
+    await b.subscribed(topics.EXTENSION_UI, "dlg")
+    ask = asyncio.ensure_future(agent.Confirm(ext.ConfirmRequest(title="Deploy?", message="prod", timeout_ms=10_000)))
+    request = (await next_message(events, timeout=5)).request
+    assert request.confirm.title == "Deploy?"
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # A's verdict travels back: wrong kind of answer
+        await ui.Respond(ext.RespondRequest(id=request.id, value="yes"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is a confirm" in (err.value.details() or "")
+    assert not ask.done()  # the dialog stays open
+
+    await ui.Respond(ext.RespondRequest(id=request.id, confirmed=True))
+    result = await asyncio.wait_for(ask, 5)
+    assert result.outcome == ext.DIALOG_OUTCOME_ANSWERED and result.confirmed is True
+    closed = await next_message(events, timeout=5)
+    assert closed.closed.id == request.id and closed.closed.reason == ext.DIALOG_OUTCOME_ANSWERED
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:  # nobody holds it any more
+        await ui.Respond(ext.RespondRequest(id=request.id, confirmed=False))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    events.cancel()
+    await wait_for(lambda: a.bus.count() == 0 and b.bus.count() == 0, what="listeners and streams gone")

@@ -28,6 +28,7 @@ from server.services.ext_ui_dialogs import (
     ShuttingDown,
     TooManyDialogs,
 )
+from server.services.ext_ui_forward import AnswerForwarding, Verdict
 from server.session import session_of
 from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus_pb.uibus.v1 import extension_ui_pb2_grpc
@@ -75,6 +76,8 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
         self.dialogs = PendingDialogs(rt.bus, MAX_PENDING_PER_SESSION)
         self.ui_queue = max(UI_QUEUE, rt.config.queue_size)
         rt.on_shutdown.append(self.dialogs.shutdown)
+        # With a replicated bus, answers given on other replicas are forwarded to this one.
+        self.forwarding = AnswerForwarding(rt.bus, self._verdict) if rt.bus.replicated else None
 
     # ---- agent side: dialogs ----
 
@@ -95,7 +98,13 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
         if dialog is None:
             assert refusal is not None
             await context.abort(*refusal)
-        answer = await self.dialogs.wait(dialog)
+        if self.forwarding is not None:
+            self.forwarding.hold(session)
+        try:
+            answer = await self.dialogs.wait(dialog)
+        finally:
+            if self.forwarding is not None:
+                self.forwarding.release(session, self.dialogs.count(session))
         if answer.outcome == SHUTDOWN:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the server is shutting down; dialog {dialog.id} was closed unanswered")
@@ -201,44 +210,52 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
 
     async def Respond(self, request: pb.RespondRequest, context: grpc.aio.ServicerContext) -> pb.RespondReply:
         session = await session_of(context)
-        abort = context.abort
+        code, details, unknown = self._verdict(session, request)
+        if unknown and self.forwarding is not None:  # perhaps another replica holds it
+            code, details, unknown = await self.forwarding.forward(session, request)
+        if code is not None:
+            await context.abort(code, details)
+        return pb.RespondReply()
+
+    def _verdict(self, session: str, request: pb.RespondRequest) -> Verdict:
+        """Applies an answer if it fits the open dialog; else why not. Synchronous, so the first
+        answer wins; also used for answers forwarded from other replicas."""
         bad = grpc.StatusCode.INVALID_ARGUMENT
         if not request.id:
-            await abort(bad, "id is required: the id of the extension_ui_request being answered")
+            return bad, "id is required: the id of the extension_ui_request being answered", False
         kind = request.WhichOneof("answer")
         if kind is None:
-            await abort(bad, f"dialog {request.id}: answer with value, confirmed or cancelled")
+            return bad, f"dialog {request.id}: answer with value, confirmed or cancelled", False
         dialog = self.dialogs.find(session, request.id)
         if dialog is None:
             outcome = self.dialogs.closed_outcome(session, request.id)
             if outcome == ANSWERED or outcome == CANCELLED:
-                await abort(grpc.StatusCode.FAILED_PRECONDITION,
-                            f"dialog {request.id} was already {'answered' if outcome == ANSWERED else 'dismissed'}"
-                            " by a UI; the first answer wins")
+                return (grpc.StatusCode.FAILED_PRECONDITION,
+                        f"dialog {request.id} was already {'answered' if outcome == ANSWERED else 'dismissed'}"
+                        " by a UI; the first answer wins", False)
             if outcome is not None:
-                await abort(grpc.StatusCode.NOT_FOUND, f"dialog {request.id} {_CLOSED_HOW[outcome]}")
-            await abort(grpc.StatusCode.NOT_FOUND, f"no open dialog {request.id!r} in session {session!r}")
-        assert dialog is not None
+                return grpc.StatusCode.NOT_FOUND, f"dialog {request.id} {_CLOSED_HOW[outcome]}", False
+            return grpc.StatusCode.NOT_FOUND, f"no open dialog {request.id!r} in session {session!r}", True
         method = dialog.method
         if kind == "cancelled":
             if not request.cancelled:
-                await abort(bad, f"dialog {request.id}: cancelled must be true; to answer, send "
-                                 f"{'confirmed' if method == 'confirm' else 'value'}")
+                return bad, (f"dialog {request.id}: cancelled must be true; to answer, send "
+                             f"{'confirmed' if method == 'confirm' else 'value'}"), False
             self.dialogs.close(dialog, CANCELLED)
         elif kind == "confirmed":
             if method != "confirm":
-                await abort(bad, f"dialog {request.id} is a {method}: answer it with value or cancelled")
+                return bad, f"dialog {request.id} is a {method}: answer it with value or cancelled", False
             self.dialogs.close(dialog, ANSWERED, confirmed=request.confirmed)
         else:
             value = request.value
             if method == "confirm":
-                await abort(bad, f"dialog {request.id} is a confirm: answer it with confirmed or cancelled")
+                return bad, f"dialog {request.id} is a confirm: answer it with confirmed or cancelled", False
             if len(value) > checks.MAX_LONG_TEXT:
-                await abort(bad, f"value is {len(value)} characters long; the limit is {checks.MAX_LONG_TEXT}")
+                return bad, f"value is {len(value)} characters long; the limit is {checks.MAX_LONG_TEXT}", False
             if dialog.options is not None and value not in dialog.options:
-                await abort(bad, f"dialog {request.id}: {value[:80]!r} is not one of its options")
+                return bad, f"dialog {request.id}: {value[:80]!r} is not one of its options", False
             self.dialogs.close(dialog, ANSWERED, value=value)
-        return pb.RespondReply()
+        return None, "", False
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ExtensionUiStats:
         session = await session_of(context)
