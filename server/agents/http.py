@@ -9,6 +9,7 @@ generating instead of talking to a pooled socket nobody reads.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,3 +62,16 @@ async def lines(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
             yield raw.decode("utf-8", errors="replace").rstrip("\r\n")
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise AgentError(f"the stream from {resp.url} broke off: {exc or type(exc).__name__}") from exc
+
+
+def json_object(source: str, text: str, what: str) -> dict[str, Any]:
+    """One JSON object from an upstream stream (a JSON line, an SSE `data:` payload); anything
+    else is an AgentError naming the upstream and showing the start of what it sent."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise AgentError(f"{source} sent {'an' if what[0] in 'aeiou' else 'a'} {what} that is not JSON: "
+                         f"{text[:200]!r}") from exc
+    if not isinstance(data, dict):
+        raise AgentError(f"{source} sent an unexpected {what}: {text[:200]!r}")
+    return data

@@ -14,14 +14,13 @@ Options::
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf import json_format
 
 from server.agents import AgentError, AgentSpec, Backend, Final, Piece, Turn, check_options, option, seconds
-from server.agents.http import HttpClient, lines
+from server.agents.http import HttpClient, json_object, lines
 from uibus_pb.neuro_san.api.grpc import chat_pb2
 
 # Call metadata neuro-san servers read; forwarded so upstream logs line up with ours.
@@ -67,12 +66,7 @@ class NeuroSanProxyAgent(Backend):
         raise AgentError(f"{self.url} ended its stream without a final answer")
 
     def parse(self, line: str) -> chat_pb2.ChatMessage | None:
-        try:
-            data = json.loads(line)
-        except ValueError as exc:
-            raise AgentError(f"{self.url} sent a line that is not JSON: {line[:200]!r}") from exc
-        if not isinstance(data, dict):
-            raise AgentError(f"{self.url} sent an unexpected line: {line[:200]!r}")
+        data = json_object(self.url, line, "line")
         response = data.get("response")
         if response is None:
             return None  # keep-alive

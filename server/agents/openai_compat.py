@@ -14,13 +14,12 @@ sees what the session said before even after a restart. Options::
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from server.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option, seconds
-from server.agents.http import HttpClient, lines
+from server.agents.http import HttpClient, json_object, lines
 
 
 class OpenAICompatAgent(Backend):
@@ -71,12 +70,7 @@ class OpenAICompatAgent(Backend):
                     yield piece
 
     def parse(self, data: str) -> str:
-        try:
-            event = json.loads(data)
-        except ValueError as exc:
-            raise AgentError(f"{self.url} sent an event that is not JSON: {data[:200]!r}") from exc
-        if not isinstance(event, dict):
-            raise AgentError(f"{self.url} sent an unexpected event: {data[:200]!r}")
+        event = json_object(self.url, data, "event")
         if "error" in event:
             err = event["error"]
             raise AgentError(f"{self.url}: {err.get('message', err) if isinstance(err, dict) else err}")
