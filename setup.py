@@ -1,9 +1,12 @@
-"""Build hook: generate the protobuf/gRPC Python code from protos/ into the `uibus_pb` package.
+"""Build hook: generate the protobuf/gRPC Python code from protos/ into `uibus.pb`, and map the
+source folders onto the one installed package.
 
-Generated code is never committed. protoc writes imports such as `from cline import common_pb2`,
-which would claim the top-level names `cline` and `neuro_san` in site-packages (and clash with a
-real neuro-san install), so every generated import of our own protos is rewritten to live under
-`uibus_pb`. Re-run `pip install -e .` after editing a .proto file.
+The tree keeps the design's layout (`server/`, `clients/`, `protos/` at the top) while exactly one
+import name, `uibus`, is installed: `server/` is the package `uibus`, `clients/` is `uibus.clients`
+and the generated code is `uibus.pb` (written to `server/pb/`, never committed). protoc writes
+imports such as `from cline import common_pb2`, which would claim the top-level names `cline` and
+`neuro_san` (and clash with a real neuro-san install), so every generated import of our own protos
+is rewritten to live under `uibus.pb`. Re-run `pip install -e .` after editing a .proto file.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 PROTOS = ROOT / "protos"
-OUT = ROOT / "uibus_pb"
+OUT = ROOT / "server" / "pb"
 OWN_PACKAGES = ("cline", "neuro_san", "uibus")
 _IMPORT = re.compile(rf"^(from|import) ((?:{'|'.join(OWN_PACKAGES)})(?:\.\w+)*)", re.MULTILINE)
 
@@ -24,10 +27,12 @@ _IMPORT = re.compile(rf"^(from|import) ((?:{'|'.join(OWN_PACKAGES)})(?:\.\w+)*)"
 def generate() -> None:
     from grpc_tools import protoc  # build requirement (pyproject [build-system])
 
+    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
+    if not sources:
+        raise SystemExit(f"no .proto files under {PROTOS}: the source tree is incomplete")
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir()
-    sources = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
     args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={OUT}", f"--pyi_out={OUT}",
             f"--grpc_python_out={OUT}", *sources]
@@ -35,14 +40,20 @@ def generate() -> None:
         raise SystemExit("protoc failed on " + " ".join(sources))
     for path in OUT.rglob("*.py*"):
         text = path.read_text()
-        path.write_text(_IMPORT.sub(lambda m: f"{m.group(1)} uibus_pb.{m.group(2)}", text))
+        path.write_text(_IMPORT.sub(lambda m: f"{m.group(1)} uibus.pb.{m.group(2)}", text))
     for folder in [OUT, *[p for p in OUT.rglob("*") if p.is_dir()]]:
         (folder / "__init__.py").touch()
     (OUT / "py.typed").touch()
 
 
+def packages(folder: str, name: str) -> list[str]:
+    """`name` and its subpackages, for the source folder `folder`."""
+    return [name, *(f"{name}.{sub}" for sub in find_packages(folder))]
+
+
 generate()
 setup(
-    packages=find_packages(include=["server*", "clients*", "uibus_pb*"]),
-    package_data={"server": ["static/*", "static/**/*"], "uibus_pb": ["py.typed", "**/*.pyi"]},
+    package_dir={"uibus": "server", "uibus.clients": "clients"},
+    packages=[*(p for p in packages("server", "uibus")), *packages("clients", "uibus.clients")],
+    package_data={"uibus": ["py.typed", "static/*"], "uibus.pb": ["py.typed", "**/*.pyi"]},
 )

@@ -20,4 +20,4 @@ if ! "$dir/.venv/bin/python" -c "import grpc, sys; sys.exit(grpc.__version__ != 
     "grpcio-health-checking==$tools" "setuptools==80.9.0"
 fi
 "$dir/.venv/bin/pip" install -q --no-build-isolation --no-deps -e "$dir"
-cd "$dir" && .venv/bin/python -c "import grpc, uibus_pb.cline.ui_pb2_grpc; print('grpcio', grpc.__version__, 'ready in $dir')"
+cd "$dir" && .venv/bin/python -c "import grpc, uibus.pb.cline.ui_pb2_grpc; print('grpcio', grpc.__version__, 'ready in $dir')"

@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
-from uibus_pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus_pb.neuro_san.api.grpc import agent_pb2, agent_pb2_grpc, chat_pb2
-from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
+from uibus.pb.neuro_san.api.grpc import agent_pb2, agent_pb2_grpc, chat_pb2
+from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 
 QUEUE_SIZE = 256  # uibus's default --queue-size
 KIND = "partial_message"

@@ -30,8 +30,8 @@ import grpc
 
 from bench import procstat
 from bench.workers import MD, pct, worker_main
-from uibus_pb.cline import common_pb2
-from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus.pb.cline import common_pb2
+from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -121,7 +121,7 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
         cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks),
                *plan.raw_args]
     else:  # the documented way to run uibus
-        cmd = [python, "-m", "server", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
+        cmd = [python, "-m", "uibus", "serve", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
                "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
     log = tmp / f"{name}.log"
     proc = subprocess.Popen(cmd, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT)

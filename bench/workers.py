@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 
 from bench.procstat import rss_kb
-from uibus_pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus_pb.uibus.v1 import host_pb2_grpc
+from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.pb.uibus.v1 import host_pb2_grpc
 
 SESSION = "bench"
 MD = (("x-uibus-session", SESSION),)

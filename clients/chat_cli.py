@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from clients.connection import Connection
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.clients.connection import Connection
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 
 CANONICAL = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 _AI = chat_pb2.ChatMessage.AI

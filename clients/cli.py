@@ -18,10 +18,10 @@ from collections.abc import Callable
 import grpc
 from google.protobuf import json_format
 
-from clients import ext_ui_stdio
-from clients.connection import Connection, to_json
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.clients import ext_ui_stdio
+from uibus.clients.connection import Connection, to_json
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 SUBSCRIPTIONS = [m for m in ui_pb2.DESCRIPTOR.services_by_name["UiService"].methods_by_name
                  if m.startswith("subscribeTo")]
@@ -118,7 +118,7 @@ def _async_command(fn: Callable[[argparse.Namespace], object]) -> Callable[[argp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from server.main import add_parser as add_serve
+    from uibus.main import add_parser as add_serve
 
     parser = argparse.ArgumentParser(prog="uibus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction, Callable[[argparse.ArgumentParser], None]], None]] = []  # type: ignore[type-arg]
 EXTRA_COMMANDS.append(ext_ui_stdio.add_command)
 
-from clients import chat_cli  # noqa: E402 - registers itself below
+from uibus.clients import chat_cli  # noqa: E402 - registers itself below
 
 EXTRA_COMMANDS.append(chat_cli.add_parser)
 

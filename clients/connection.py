@@ -19,8 +19,8 @@ import grpc
 from google.protobuf import json_format, symbol_database
 from google.protobuf.descriptor import MethodDescriptor
 
-from uibus_pb.cline import ui_pb2_grpc
-from uibus_pb.uibus.v1 import host_pb2_grpc
+from uibus.pb.cline import ui_pb2_grpc
+from uibus.pb.uibus.v1 import host_pb2_grpc
 
 SESSION_KEY = "x-uibus-session"
 
@@ -117,12 +117,12 @@ def to_json(message: Any) -> str:
 
 # Generated modules whose services `call_json` can reach; missing ones are skipped.
 SERVICE_MODULES = (
-    "uibus_pb.cline.ui_pb2",
-    "uibus_pb.uibus.v1.host_pb2",
-    "uibus_pb.uibus.v1.extension_ui_pb2",
-    "uibus_pb.uibus.v1.codebolt_pb2",
-    "uibus_pb.neuro_san.api.grpc.agent_pb2",
-    "uibus_pb.neuro_san.api.grpc.concierge_pb2",
+    "uibus.pb.cline.ui_pb2",
+    "uibus.pb.uibus.v1.host_pb2",
+    "uibus.pb.uibus.v1.extension_ui_pb2",
+    "uibus.pb.uibus.v1.codebolt_pb2",
+    "uibus.pb.neuro_san.api.grpc.agent_pb2",
+    "uibus.pb.neuro_san.api.grpc.concierge_pb2",
 )
 
 

@@ -32,9 +32,9 @@ from typing import Any, BinaryIO
 
 import grpc
 
-from clients.connection import Connection
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus_pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.clients.connection import Connection
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
 
 MAX_LINE_BYTES = 8 * 1024 * 1024  # a 1 Mi-character editor answer, escaped, fits
 _NOTIFY_TYPES = {pb.NOTIFY_TYPE_INFO: "info", pb.NOTIFY_TYPE_WARNING: "warning", pb.NOTIFY_TYPE_ERROR: "error"}

@@ -1,5 +1,7 @@
+"""`python -m uibus` is the `uibus` command."""
+
 import sys
 
-from server.main import main
+from uibus.clients.cli import main
 
 sys.exit(main())

@@ -16,18 +16,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from server import reflection, topics
-from server.auth import BearerTokenInterceptor
-from server.bus import Bus
-from server.codebolt import service as codebolt_service
-from server.config import Config
-from server.services import agent, extension_ui, host, ui, webview
-from server.services.common import Runtime
-from server.store import Store, open_store
-from server.web.metrics import Metrics, instrument
-from server.web.server import HttpServer, start_http
-from uibus_pb.cline import ui_pb2, ui_pb2_grpc
-from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus import reflection, topics
+from uibus.auth import BearerTokenInterceptor
+from uibus.bus import Bus
+from uibus.codebolt import service as codebolt_service
+from uibus.config import Config
+from uibus.pb.cline import ui_pb2, ui_pb2_grpc
+from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus.services import agent, extension_ui, host, ui, webview
+from uibus.services.common import Runtime
+from uibus.store import Store, open_store
+from uibus.web.metrics import Metrics, instrument
+from uibus.web.server import HttpServer, start_http
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
@@ -124,7 +124,7 @@ INSTALLERS: list[Installer] = [_install_ui, extension_ui.install, agent.install,
 def _make_bus(config: Config) -> Bus:
     """In-process bus, or with a Redis URL one that spans every replica sharing that Redis."""
     if config.redis_url:
-        from server.redis_bus import ReplicatedBus
+        from uibus.redis_bus import ReplicatedBus
 
         return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session, topics.POLICIES,
                              presence_kinds=(topics.HOST_REQUEST,))  # openUrl asks "is any host listening?"
@@ -143,7 +143,7 @@ class App:
         if config.auth_token:
             interceptors.append(BearerTokenInterceptor(config.auth_token))
         if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
-            from server.unavailable import StoreUnavailableInterceptor
+            from uibus.unavailable import StoreUnavailableInterceptor
 
             interceptors.append(StoreUnavailableInterceptor())
         self.server = grpc.aio.server(

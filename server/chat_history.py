@@ -19,9 +19,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from server.bus import Bus
-from server.store import Store
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus.bus import Bus
+from uibus.pb.neuro_san.api.grpc import chat_pb2
+from uibus.store import Store
 
 HISTORY_KEY = "chat/history"
 CONTEXT_PREFIX = "chat/context/"

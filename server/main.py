@@ -8,12 +8,12 @@ import logging
 import signal
 import sys
 
-from server import logs
-from server.config import Config
+from uibus import logs
+from uibus.config import Config
 
 
 async def serve(config: Config) -> None:
-    from server.app import App
+    from uibus.app import App
 
     app = App(config)
     await app.start()
@@ -45,8 +45,3 @@ def run(ns: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server", description="Run the uibus server.")
-    Config.add_arguments(parser)
-    return run(parser.parse_args(argv))

@@ -40,8 +40,8 @@ from typing import Any
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
-from server.bus import Bus, Policy, Subscription
-from server.redis_conn import OUTAGE_ERRORS, make_client
+from uibus.bus import Bus, Policy, Subscription
+from uibus.redis_conn import OUTAGE_ERRORS, make_client
 
 log = logging.getLogger("uibus.redis_bus")
 

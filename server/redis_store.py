@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
-from server.redis_conn import OUTAGE_ERRORS, make_client
-from server.store import Store, StoreUnavailable
+from uibus.redis_conn import OUTAGE_ERRORS, make_client
+from uibus.store import Store, StoreUnavailable
 
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 

@@ -121,7 +121,7 @@ class SqliteStore(Store):
 def open_store(path: str, redis_url: str = "") -> Store:
     """Picks the backend from the config: Redis when a URL is given, else SQLite."""
     if redis_url:
-        from server.redis_store import RedisStore  # optional dependency
+        from uibus.redis_store import RedisStore  # optional dependency
 
         return RedisStore(redis_url)
     return SqliteStore(path)

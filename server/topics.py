@@ -3,7 +3,7 @@ the store keys of UI state. Services import names from here instead of spelling 
 
 from __future__ import annotations
 
-from server.bus import Policy
+from uibus.bus import Policy
 
 ADD_TO_INPUT = "add_to_input"
 MCP_BUTTON = "mcp_button"

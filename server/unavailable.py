@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from server.store import StoreUnavailable
+from uibus.store import StoreUnavailable
 
 
 class StoreUnavailableInterceptor(grpc.aio.ServerInterceptor):

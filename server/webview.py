@@ -17,5 +17,5 @@ _FALLBACK = """<!doctype html>
 
 @cache
 def webview_html() -> str:
-    page = resources.files("server").joinpath("static/index.html")
+    page = resources.files("uibus").joinpath("static/index.html")
     return page.read_text(encoding="utf-8") if page.is_file() else _FALLBACK

@@ -12,12 +12,12 @@ from typing import Any
 
 import grpc
 
-from clients.connection import Connection
-from server.app import App
-from server.config import Config
-from server.services.agent import engine_of
-from server.services.chat import ChatEngine
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.services.agent import engine_of
+from uibus.services.chat import ChatEngine
 
 CANONICAL = "dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService"
 MINIMAL, MAXIMAL = agent_pb2.MINIMAL, agent_pb2.MAXIMAL

@@ -22,11 +22,11 @@ from typing import Any
 import grpc
 import pytest
 
-from clients.connection import Connection
-from server.app import App
-from server.config import Config
-from uibus_pb.cline import common_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config
+from uibus.pb.cline import common_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,12 +165,12 @@ async def next_message(stream: Any, timeout: float = 2.0) -> Any:
 
 
 class ServerProcess:
-    """`python -m server` in its own process, as an operator would run it."""
+    """`python -m uibus serve` in its own process, as an operator would run it."""
 
     def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.log = tmp_path / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "uibus", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--http-port", "0", "--store", str(tmp_path / "proc.db"), *args]
         self._log = self.log.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO,

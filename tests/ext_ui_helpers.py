@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from clients.connection import Connection
-from server import topics
-from server.app import App
-from server.services.ext_ui_dialogs import PendingDialogs
 from tests.conftest import wait_for
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus_pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus import topics
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.services.ext_ui_dialogs import PendingDialogs
 
 
 def ext(conn: Connection) -> extension_ui_pb2_grpc.ExtensionUiServiceStub:

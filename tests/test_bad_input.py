@@ -6,8 +6,8 @@ import grpc
 import pytest
 
 from tests.conftest import Reader, next_message, wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -76,7 +76,7 @@ async def test_theme_must_be_json(connect):
 
 @pytest.mark.parametrize("session", ["", "has space", "x" * 200, "semi;colon", "star*"])
 async def test_bad_session_name(app, session):
-    from clients.connection import Connection
+    from uibus.clients.connection import Connection
 
     async with Connection(f"127.0.0.1:{app.port}") as conn:
         md = (("x-uibus-session", session),)

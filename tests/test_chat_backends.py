@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from clients.connection import Connection
-from server import chat_history
-from server.app import App
 from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, request, running, write_agents
 from tests.conftest import free_port, wait_for
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus import chat_history
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 AGENT = chat_pb2.ChatMessage.AGENT
 

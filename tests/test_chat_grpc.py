@@ -12,9 +12,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.connection import Connection
-from server import chat_history
-from server.agents.config import load_agents
 from tests.chatkit import (
     AI,
     FRAMEWORK,
@@ -32,7 +29,10 @@ from tests.chatkit import (
     write_agents,
 )
 from tests.conftest import require
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, concierge_pb2_grpc
+from uibus import chat_history
+from uibus.agents.config import load_agents
+from uibus.clients.connection import Connection
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, concierge_pb2_grpc
 
 GREETING = "Hello from hello_world!"
 
@@ -252,7 +252,7 @@ async def test_uibus_serve_refuses_a_bad_agents_config(tmp_path: Path):
     bad = tmp_path / "agents.json"
     bad.write_text('{"agents": [{"name": "x", "backend": "nope"}]}')
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
+        sys.executable, "-m", "uibus", "serve", "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
         "--store", ":memory:", "--agents", str(bad), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode != 0

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from clients.connection import Connection
-from server import chat_history, topics
 from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, local, request, running, write_agents
 from tests.conftest import wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus import chat_history, topics
+from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 
 async def test_server_continues_the_conversation_when_the_client_sends_no_context(connect):

@@ -19,19 +19,19 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from clients.connection import Connection
-from server import topics
-from server.app import App
-from server.chat_history import CHAT_MESSAGE
-from server.codebolt.asgi import PATH
-from server.codebolt.gateway import Gateway
-from server.config import Config
 from tests.conftest import REPO, Reader, free_port, next_message, wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus_pb.uibus.v1 import codebolt_pb2 as cpb
-from uibus_pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
-from uibus_pb.uibus.v1 import extension_ui_pb2 as xpb
+from uibus import topics
+from uibus.app import App
+from uibus.chat_history import CHAT_MESSAGE
+from uibus.clients.connection import Connection
+from uibus.codebolt.asgi import PATH
+from uibus.codebolt.gateway import Gateway
+from uibus.config import Config
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
+from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
 
 
 @pytest.fixture

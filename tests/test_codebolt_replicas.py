@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
-from clients.connection import Connection
-from server.app import App
-from server.codebolt.asgi import PATH
-from server.config import Config
-from server.redis_bus import ReplicatedBus
 from tests.conftest import free_port, wait_for
 from tests.redisproc import RedisProcess, redis_server
-from uibus_pb.uibus.v1 import codebolt_pb2 as cpb
-from uibus_pb.uibus.v1 import codebolt_pb2_grpc
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.codebolt.asgi import PATH
+from uibus.config import Config
+from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc
+from uibus.redis_bus import ReplicatedBus
 
 __all__ = ["redis_server"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from server.config import Config
+from uibus.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"

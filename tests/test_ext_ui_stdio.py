@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from server import topics
-from server.app import App
 from tests.conftest import REPO, wait_for
 from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus import topics
+from uibus.app import App
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 # The nine request examples of shared/seeds/extension-ui-rpc-protocol.md, verbatim.
 SEED_REQUESTS: list[dict[str, Any]] = [
@@ -232,7 +232,7 @@ def test_split_lines_is_strict_lf_and_bounded(chunk):
     import os
     import threading
 
-    from clients.ext_ui_stdio import TOO_LONG, split_lines
+    from uibus.clients.ext_ui_stdio import TOO_LONG, split_lines
 
     data = ("ab\ncd\r\n" + "x" * 20 + "\nu\u2028v\u2029w\n\nok\n" + "y" * 30 + "\ntail").encode()
     read_fd, write_fd = os.pipe()

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
 CANCELLED = pb.DIALOG_OUTCOME_CANCELLED

@@ -61,7 +61,7 @@ async def test_health_check(app, service):
 
 
 async def test_streaming_call(app, connect):
-    from uibus_pb.uibus.v1 import host_pb2
+    from uibus.pb.uibus.v1 import host_pb2
 
     await connect("curl").host.SetTheme(host_pb2.TextEvent(text='{"k":1}'))
     rc, out, err = await grpcurl(app.port, "cline.UiService/subscribeToTheme", flags=("-max-time", "2"))

@@ -1,4 +1,4 @@
-"""The service as an operator runs it: a real `python -m server` process, signals, restarts,
+"""The service as an operator runs it: a real `python -m uibus serve` process, signals, restarts,
 auth and TLS."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from clients.connection import Connection
-from server.app import App
 from tests.conftest import Reader, next_message, replace, require_binary, wait_for
-from uibus_pb.cline import common_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 EMPTY_REQ = common_pb2.EmptyRequest()
 
@@ -141,8 +141,8 @@ async def test_tls(tmp_path, config):
 def test_bad_config_is_refused(tmp_path):
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "server", "--port", "70000", "--store", str(tmp_path / "x.db")],
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-m", "uibus", "serve", "--port", "70000",
+                           "--store", str(tmp_path / "x.db")], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "port must be within 0..65535" in proc.stderr
 
 
@@ -150,7 +150,7 @@ async def test_port_in_use_fails_clearly(app, tmp_path):
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(app.port), "--http-port", "0",
+        sys.executable, "-m", "uibus", "serve", "--host", "127.0.0.1", "--port", str(app.port), "--http-port", "0",
         "--store", str(tmp_path / "y.db"), stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode != 0

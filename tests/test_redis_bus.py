@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from server.bus import Subscription
-from server.redis_bus import ReplicatedBus
 from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
-from uibus_pb.cline import common_pb2, ui_pb2
+from uibus.bus import Subscription
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.redis_bus import ReplicatedBus
 
 __all__ = ["redis_server"]
 

@@ -13,15 +13,15 @@ from typing import Any
 import grpc
 import pytest
 
-from clients.connection import Connection
-from server import topics
-from server.app import App
-from server.config import Config
-from server.redis_bus import ReplicatedBus
 from tests.conftest import next_message, wait_for
 from tests.redisproc import RedisProcess, redis_server
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus import topics
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
+from uibus.redis_bus import ReplicatedBus
 
 __all__ = ["redis_server"]
 
@@ -68,7 +68,7 @@ async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[
 
 async def test_uses_redis_for_store_and_bus(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
-    from server.redis_store import RedisStore
+    from uibus.redis_store import RedisStore
 
     assert isinstance(a.app.store, RedisStore) and isinstance(b.app.store, RedisStore)
     assert a.bus.replica_id != b.bus.replica_id
@@ -312,7 +312,7 @@ async def wait_for_async(fetch: Callable[[], Any], ok: Callable[[Any], bool], ti
 
 
 async def test_two_server_processes_configured_by_env(redis_server: RedisProcess, spawn: Any) -> None:
-    """As an operator runs it: two `python -m server` processes, Redis given by UIBUS_REDIS_URL."""
+    """As an operator runs it: two `python -m uibus serve` processes, Redis given by UIBUS_REDIS_URL."""
     import signal
 
     env = {"UIBUS_REDIS_URL": redis_server.url}
@@ -341,8 +341,8 @@ async def test_two_server_processes_configured_by_env(redis_server: RedisProcess
 
 async def test_extension_ui_answer_given_on_another_replica(replicas: tuple[Replica, Replica]) -> None:
     """The agent asks on A, the only UI is on B: B's answer is forwarded to A, with A's verdict."""
-    from uibus_pb.uibus.v1 import extension_ui_pb2 as ext
-    from uibus_pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+    from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
+    from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 
     a, b = replicas
     agent = ext_grpc.ExtensionUiServiceStub(a.connect("dlg").channel)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from server.store import SqliteStore, Store
 from tests.redisproc import RedisProcess, redis_server
+from uibus.store import SqliteStore, Store
 
 __all__ = ["redis_server"]
 
@@ -21,7 +21,7 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     if request.param == "sqlite":
         path = str(tmp_path / "store.db")
         return lambda: SqliteStore(path)
-    from server.redis_store import RedisStore
+    from uibus.redis_store import RedisStore
 
     server: RedisProcess = request.getfixturevalue("redis_server")
     return lambda: RedisStore(server.url)
@@ -160,8 +160,8 @@ async def test_concurrent_appends_lose_nothing(store: Store) -> None:
 async def test_redis_outage_is_store_unavailable_not_a_hang(redis_server: RedisProcess) -> None:
     import asyncio
 
-    from server.redis_store import RedisStore
-    from server.store import StoreUnavailable
+    from uibus.redis_store import RedisStore
+    from uibus.store import StoreUnavailable
 
     store = RedisStore(redis_server.url)
     try:

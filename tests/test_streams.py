@@ -8,11 +8,11 @@ import time
 
 import grpc
 
-from clients.connection import Connection
-from server.app import App
 from tests.conftest import Reader, next_message, replace, wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 EMPTY_REQ = common_pb2.EmptyRequest()
 
@@ -72,7 +72,7 @@ async def test_subscription_limit_per_session(tmp_path):
 
 
 def _config(tmp_path):
-    from server.config import Config
+    from uibus.config import Config
 
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "s.db"))
 

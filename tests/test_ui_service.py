@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from tests.conftest import Reader, next_message, wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 EMPTY_REQ = common_pb2.EmptyRequest()
 SIDEBAR, TAB = ui_pb2.SIDEBAR, ui_pb2.TAB

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from clients.connection import Connection
-from server.app import App
 from tests.conftest import require, require_binary, wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -142,8 +142,8 @@ async def test_page_answers_extension_ui_dialogs(web: App, browser: Any, tmp_pat
 
     import grpc
 
-    from uibus_pb.uibus.v1 import extension_ui_pb2 as ext
-    from uibus_pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+    from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
+    from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 
     page = await browser.new_page(viewport={"width": 1100, "height": 700})
     await page.goto(f"http://127.0.0.1:{web.http_port}/?session=dlg")

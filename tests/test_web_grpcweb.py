@@ -20,13 +20,13 @@ import grpc
 import httpx
 import pytest
 
-from server import app as app_module
-from server.app import App
-from server.config import Config
 from tests.conftest import free_port, wait_for
 from tests.webclient import call, call_stream, frame
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus import app as app_module
+from uibus.app import App
+from uibus.config import Config
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 UI = "/cline.UiService/"
 EDGE = "/test.Edge/"
@@ -282,7 +282,7 @@ async def test_shutdown_ends_open_streams_and_readyz(web: App, http: httpx.Async
 
 
 async def test_served_process_http_port_and_sigterm(spawn: Callable[..., Any], http: httpx.AsyncClient) -> None:
-    """`python -m server` binds the HTTP port, fails readiness during the drain, and exits 0."""
+    """`python -m uibus serve` binds the HTTP port, fails readiness during the drain, and exits 0."""
     port = free_port()
     proc = spawn("--http-port", str(port), "--drain-seconds", "1.0")
     await proc.wait_ready()

@@ -10,13 +10,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from clients.connection import Connection
-from server.app import App
-from server.config import Config
 from tests.conftest import wait_for
 from tests.webclient import call_stream
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
 
 async def test_service_gauges_follow_pending_work(web: App, web_connect) -> None:
     """Pending extension-UI dialogs and CodeBolt connections are exported, read at scrape time."""
-    from uibus_pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc
+    from uibus.pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc
 
     agent = extension_ui_pb2_grpc.ExtensionUiServiceStub(web_connect("g").channel)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client:

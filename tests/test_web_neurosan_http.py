@@ -13,9 +13,9 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from server.app import App
-from server.config import Config
 from tests.conftest import free_port
+from uibus.app import App
+from uibus.config import Config
 
 AGENT = "hello_world"  # the built-in local agent
 

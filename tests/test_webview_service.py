@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from tests.conftest import wait_for
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
 
 STREAMS = 11
 

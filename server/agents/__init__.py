@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 Role = str  # "user", "assistant" or "system", as chat-completion APIs name them
 

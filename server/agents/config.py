@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from server.agents import AgentSpec, Backend
+from uibus.agents import AgentSpec, Backend
 
 # backend name -> "module:Class"; imported only when configured.
 BACKENDS = {
-    "local": "server.agents.local:LocalAgent",
-    "openai": "server.agents.openai_compat:OpenAICompatAgent",
-    "neuro-san": "server.agents.neurosan_proxy:NeuroSanProxyAgent",
+    "local": "uibus.agents.local:LocalAgent",
+    "openai": "uibus.agents.openai_compat:OpenAICompatAgent",
+    "neuro-san": "uibus.agents.neurosan_proxy:NeuroSanProxyAgent",
 }
 # An agent name is a proto package (`<name>.AgentService`), so it must be an identifier.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from server.agents import AgentError
+from uibus.agents import AgentError
 
 MAX_ERROR_BODY = 2_000
 

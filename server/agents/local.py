@@ -15,8 +15,8 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from server.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option
+from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 MAX_CHUNKS = 100_000
 MAX_DELAY_MS = 10_000.0

@@ -19,9 +19,9 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from server.agents import AgentError, AgentSpec, Backend, Final, Piece, Turn, check_options, option, seconds
-from server.agents.http import HttpClient, json_object, lines
-from uibus_pb.neuro_san.api.grpc import chat_pb2
+from uibus.agents import AgentError, AgentSpec, Backend, Final, Piece, Turn, check_options, option, seconds
+from uibus.agents.http import HttpClient, json_object, lines
+from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 # Call metadata neuro-san servers read; forwarded so upstream logs line up with ours.
 FORWARD_METADATA = ("user_id", "request_id")

@@ -18,8 +18,8 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from server.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option, seconds
-from server.agents.http import HttpClient, json_object, lines
+from uibus.agents import AgentError, AgentSpec, Backend, Piece, Turn, check_options, option, seconds
+from uibus.agents.http import HttpClient, json_object, lines
 
 
 class OpenAICompatAgent(Backend):

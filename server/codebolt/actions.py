@@ -21,13 +21,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from server import chat_history, topics
-from server.bus import Subscription
-from server.codebolt.inprocess import CallFailed, InProcess
-from server.codebolt.protocol import Request
-from server.services.common import Runtime
-from uibus_pb.cline import ui_pb2
-from uibus_pb.uibus.v1 import extension_ui_pb2 as xpb
+from uibus import chat_history, topics
+from uibus.bus import Subscription
+from uibus.codebolt.inprocess import CallFailed, InProcess
+from uibus.codebolt.protocol import Request
+from uibus.pb.cline import ui_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
+from uibus.services.common import Runtime
 
 SOURCE = "codebolt"
 MAX_TEXT = 64 * 1024

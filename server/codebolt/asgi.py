@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 from urllib.parse import parse_qs
 
-from server.codebolt import protocol
-from server.codebolt.gateway import Gateway
-from server.session import DEFAULT_SESSION, SESSION_KEY, BadSession, check_session
-from server.web.asgi import Receive, Scope, Send, bearer_ok, header, respond
+from uibus.codebolt import protocol
+from uibus.codebolt.gateway import Gateway
+from uibus.session import DEFAULT_SESSION, SESSION_KEY, BadSession, check_session
+from uibus.web.asgi import Receive, Scope, Send, bearer_ok, header, respond
 
 PATH = "/agent-to-app"
 # Where the codeboltjs library itself connects (`ws://localhost:$SOCKET_PORT/codebolt?id=…`), so an

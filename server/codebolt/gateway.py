@@ -14,13 +14,13 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from server import chat_history
-from server.bus import BusClosed, Subscription, SubscriptionLimit
-from server.codebolt import actions, protocol
-from server.codebolt.actions import BadRequest, Context, Reply
-from server.codebolt.inprocess import CallFailed, InProcess
-from server.codebolt.protocol import EnvelopeError, Request
-from server.services.common import Runtime
+from uibus import chat_history
+from uibus.bus import BusClosed, Subscription, SubscriptionLimit
+from uibus.codebolt import actions, protocol
+from uibus.codebolt.actions import BadRequest, Context, Reply
+from uibus.codebolt.inprocess import CallFailed, InProcess
+from uibus.codebolt.protocol import EnvelopeError, Request
+from uibus.services.common import Runtime
 
 log = logging.getLogger("uibus.codebolt")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import grpc
 
-from server.session import SESSION_KEY
-from server.web.context import HttpServicerContext
-from server.web.invoke import responses
+from uibus.session import SESSION_KEY
+from uibus.web.context import HttpServicerContext
+from uibus.web.invoke import responses
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
 

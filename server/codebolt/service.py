@@ -12,16 +12,16 @@ from typing import Any
 
 import grpc
 
-from server import chat_history
-from server.codebolt import actions
-from server.codebolt.asgi import CODEBOLTJS_PATH, PATH, AgentToApp
-from server.codebolt.gateway import Gateway
-from server.codebolt.inprocess import InProcess
-from server.services.common import Runtime
-from server.session import session_of
-from uibus_pb.cline import ui_pb2
-from uibus_pb.uibus.v1 import codebolt_pb2 as pb
-from uibus_pb.uibus.v1 import codebolt_pb2_grpc
+from uibus import chat_history
+from uibus.codebolt import actions
+from uibus.codebolt.asgi import CODEBOLTJS_PATH, PATH, AgentToApp
+from uibus.codebolt.gateway import Gateway
+from uibus.codebolt.inprocess import InProcess
+from uibus.pb.cline import ui_pb2
+from uibus.pb.uibus.v1 import codebolt_pb2 as pb
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc
+from uibus.services.common import Runtime
+from uibus.session import session_of
 
 USER_SOURCE = "ui"
 

@@ -21,11 +21,11 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool, struct_pb2
 
-from server.agents.config import AgentTable, load_agents
-from server.services.chat import ChatEngine, ChatInputError, UnknownAgent, check_request
-from server.services.common import Runtime
-from server.session import session_of
-from uibus_pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
+from uibus.agents.config import AgentTable, load_agents
+from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
+from uibus.services.chat import ChatEngine, ChatInputError, UnknownAgent, check_request
+from uibus.services.common import Runtime
+from uibus.session import session_of
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 CANONICAL = _SERVICE.full_name

@@ -26,12 +26,12 @@ from contextlib import aclosing
 
 from google.protobuf import json_format
 
-from server import chat_history, topics
-from server.agents import AgentSpec, Backend, Final, Turn
-from server.agents.config import AgentTable
-from server.services.common import Runtime
-from uibus_pb.cline import ui_pb2
-from uibus_pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus import chat_history, topics
+from uibus.agents import AgentSpec, Backend, Final, Turn
+from uibus.agents.config import AgentTable
+from uibus.pb.cline import ui_pb2
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.services.common import Runtime
 
 log = logging.getLogger("uibus.chat")
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import grpc
 
-from server.bus import Bus, BusClosed, SubscriptionLimit
-from server.config import Config
-from server.store import Store
+from uibus.bus import Bus, BusClosed, SubscriptionLimit
+from uibus.config import Config
+from uibus.store import Store
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 MAX_TITLE = 4096
 MAX_TEXT = 64 * 1024  # confirm message, placeholder, notify message, status text

@@ -17,9 +17,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from server import topics
-from server.bus import Bus
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus import topics
+from uibus.bus import Bus
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
 CANCELLED = pb.DIALOG_OUTCOME_CANCELLED

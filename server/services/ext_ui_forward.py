@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import grpc
 
-from server.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 FORWARD = "ext_ui_answer"
 FORWARD_RESULT = "ext_ui_answer_result"

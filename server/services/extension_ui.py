@@ -15,11 +15,13 @@ from typing import Any
 
 import grpc
 
-from server import topics
-from server.bus import BusClosed, SubscriptionLimit
-from server.services import ext_ui_checks as checks
-from server.services.common import Runtime
-from server.services.ext_ui_dialogs import (
+from uibus import topics
+from uibus.bus import BusClosed, SubscriptionLimit
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.services import ext_ui_checks as checks
+from uibus.services.common import Runtime
+from uibus.services.ext_ui_dialogs import (
     ANSWERED,
     CANCELLED,
     SHUTDOWN,
@@ -28,10 +30,8 @@ from server.services.ext_ui_dialogs import (
     ShuttingDown,
     TooManyDialogs,
 )
-from server.services.ext_ui_forward import AnswerForwarding, Verdict
-from server.session import session_of
-from uibus_pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus_pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.services.ext_ui_forward import AnswerForwarding, Verdict
+from uibus.session import session_of
 
 MAX_PENDING_PER_SESSION = 256
 MAX_STATE_KEYS = 256  # status entries and widgets per session

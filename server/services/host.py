@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from server import topics
-from server.services.common import Runtime, stream_topic
-from server.session import session_of
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus import topics
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
+from uibus.services.common import Runtime, stream_topic
+from uibus.session import session_of
 
 MAX_THEME_CHARS = 256 * 1024
 _EMPTY = common_pb2.Empty()

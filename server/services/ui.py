@@ -15,11 +15,11 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from server import topics
-from server.services.common import Runtime, stream_topic
-from server.session import session_of
-from uibus_pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus_pb.uibus.v1 import host_pb2
+from uibus import topics
+from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
+from uibus.pb.uibus.v1 import host_pb2
+from uibus.services.common import Runtime, stream_topic
+from uibus.session import session_of
 
 MAX_URL_CHARS = 2048
 _PROVIDER_TYPES = frozenset(ui_pb2.WebviewProviderType.values())
@@ -134,7 +134,7 @@ class UiService(ui_pb2_grpc.UiServiceServicer):
 
     async def getWebviewHtml(self, request: common_pb2.EmptyRequest,
                              context: grpc.aio.ServicerContext) -> common_pb2.String:
-        from server.webview import webview_html
+        from uibus.webview import webview_html
 
         return common_pb2.String(value=webview_html())
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 
-from server.services.common import Runtime
-from uibus_pb.cline import common_pb2, ui_pb2
-from uibus_pb.uibus.v1 import webview_pb2, webview_pb2_grpc
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
+from uibus.services.common import Runtime
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
 _EMPTY = common_pb2.EmptyRequest()

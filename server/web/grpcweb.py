@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import grpc
 
-from server.web.asgi import (
+from uibus.web.asgi import (
     BodyTooLarge,
     ClientGone,
     Headers,
@@ -33,8 +33,8 @@ from server.web.asgi import (
     read_body,
     until_disconnect,
 )
-from server.web.context import HttpServicerContext, Metadata
-from server.web.invoke import responses
+from uibus.web.context import HttpServicerContext, Metadata
+from uibus.web.invoke import responses
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
 Observe = Callable[[str, str, float, str], None]

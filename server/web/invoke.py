@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from server.web.context import Aborted, HttpServicerContext
+from uibus.web.context import Aborted, HttpServicerContext
 
 log = logging.getLogger("uibus.web")
 _DONE = object()

@@ -20,7 +20,8 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
-from server.web.asgi import (
+from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
+from uibus.web.asgi import (
     BodyTooLarge,
     ClientGone,
     Receive,
@@ -31,10 +32,9 @@ from server.web.asgi import (
     respond_json,
     until_disconnect,
 )
-from server.web.context import HttpServicerContext
-from server.web.grpcweb import Lookup, Observe, metadata_of, peer_of
-from server.web.invoke import responses
-from uibus_pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
+from uibus.web.context import HttpServicerContext
+from uibus.web.grpcweb import Lookup, Observe, metadata_of, peer_of
+from uibus.web.invoke import responses
 
 PREFIX = "/api/v1/"
 CONCIERGE_LIST = "/dev.cognizant_ai.neuro_san.api.grpc.concierge.ConciergeService/List"

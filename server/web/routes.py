@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.web.asgi import ASGIApp, Receive, Scope, Send, header, respond
-from server.web.cors import Cors
-from server.web.grpcweb import GrpcWeb, Lookup, is_grpc_web
-from server.web.metrics import CONTENT_TYPE, Metrics
-from server.web.neurosan_http import PREFIX, NeuroSanHttp
+from uibus.web.asgi import ASGIApp, Receive, Scope, Send, header, respond
+from uibus.web.cors import Cors
+from uibus.web.grpcweb import GrpcWeb, Lookup, is_grpc_web
+from uibus.web.metrics import CONTENT_TYPE, Metrics
+from uibus.web.neurosan_http import PREFIX, NeuroSanHttp
 
 
 class Routes:

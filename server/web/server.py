@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from server.web.asgi import ASGIApp
-from server.web.routes import Routes, build
+from uibus.web.asgi import ASGIApp
+from uibus.web.routes import Routes, build
 
 if TYPE_CHECKING:
-    from server.app import App
+    from uibus.app import App
 
 log = logging.getLogger("uibus.web")
 
@@ -66,7 +66,7 @@ class HttpServer:
 
 async def start_http(app: App) -> HttpServer:
     """Builds the HTTP side for `app` and binds `Config.http_port` (0 there means no HTTP server)."""
-    from server.webview import webview_html
+    from uibus.webview import webview_html
 
     cfg = app.config
     routes = Routes(app.registry.lookup, app.metrics, webview_html, lambda: app.stopping, cfg.auth_token,
