@@ -1,214 +1,262 @@
-"""Assembly and lifecycle: one process, one event loop, one grpc.aio server (plus HTTP later).
+"""Assembly and lifecycle: one process, one event loop, one grpc.aio server and one HTTP server.
 
-`App` builds the shared runtime (config, bus, store), installs every service, and owns the one
-graceful-shutdown path: health NOT_SERVING → optional drain → end every bus stream → stop the
-server within the grace period → close the store.
+`App` owns every resource as a pair of setup and teardown, started in order and undone in
+reverse: the store, the bus, the agents, each installer's services, then the servers. A start
+that fails half way undoes what it started. Shutdown has two phases:
+
+* `begin_shutdown()`: readiness fails and health turns NOT_SERVING (Watch streams see it), the
+  optional drain passes, then new streams and dialogs are refused and the open ones end (every
+  stream with status OK, every waiting dialog "shutdown", every CodeBolt wait answered);
+* `aclose()`: the servers stop within the grace period, then everything else is closed in
+  reverse order of its start, the store last; every teardown runs even when one fails.
+
+Use it as `async with App(config) as app:`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from uibus import reflection, topics
-from uibus.auth import BearerTokenInterceptor
+from uibus import reflection
+from uibus.agents.config import load_agents
 from uibus.bus import Bus
-from uibus.codebolt import service as codebolt_service
 from uibus.config import Config
-from uibus.pb.cline import ui_pb2, ui_pb2_grpc
-from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
-from uibus.services import agent, extension_ui, host, ui, webview
-from uibus.services.common import Runtime
-from uibus.store import Store, open_store
-from uibus.web.metrics import Metrics, instrument
-from uibus.web.server import HttpServer, start_http
+from uibus.domain.core import Core
+from uibus.installers import INSTALLERS
+from uibus.metrics import Metrics
+from uibus.pipeline import Pipeline
+from uibus.store import SqliteStore, Store
+from uibus.transports.http import HttpServer
+from uibus.transports.inprocess import Channel
+from uibus.transports.routes import Routes
+from uibus.webview import webview_html
+from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
+T = TypeVar("T")
 
 
+def open_store(config: Config) -> Store:
+    """The configured session store: Redis when a URL is given, else the SQLite file."""
+    if config.redis_url:
+        from uibus.redis_store import RedisStore
 
-class Registry:
-    """Stands in for the grpc.aio server while services install, and remembers their handlers.
-
-    The HTTP side (gRPC-Web, neuro-san HTTP API) dispatches to the very same method handlers
-    in-process through `lookup`, so both transports share servicers, validation and behaviour.
-    """
-
-    def __init__(self, server: grpc.aio.Server, wrap: Wrap | None = None) -> None:
-        self.server = server
-        self._wrap = wrap
-        self._generic: list[grpc.GenericRpcHandler] = []
-        self._methods: dict[str, grpc.RpcMethodHandler] = {}
-
-    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._generic.extend(handlers)
-        wrap = self._wrap
-        self.server.add_generic_rpc_handlers([_Wrapped(h, wrap) for h in handlers] if wrap else handlers)
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        for name, handler in handlers.items():
-            self._methods[f"/{service}/{name}"] = handler
-        wrap = self._wrap
-        if wrap:
-            handlers = {name: wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
-        self.server.add_registered_method_handlers(service, handlers)
-
-    def lookup(self, method: str, metadata: Sequence[tuple[str, str | bytes]] = ()) -> grpc.RpcMethodHandler | None:
-        """The handler gRPC would run for `method` (a `/package.Service/Method` path)."""
-        handler = self._methods.get(method)
-        if handler is not None:
-            return handler
-        details = _CallDetails(method, tuple(metadata))
-        for generic in self._generic:
-            handler = generic.service(details)
-            if handler is not None:
-                return handler
-        return None
+        return RedisStore(config.redis_url)
+    return SqliteStore(config.store)
 
 
-Wrap = Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
-
-
-class _Wrapped(grpc.GenericRpcHandler):
-    """A generic handler whose method handlers are wrapped once per path (then cached), so the
-    native server pays the wrapping cost once, not per call. `lookup` sees the unwrapped ones."""
-
-    _CACHE_LIMIT = 4096  # paths are chosen by callers (e.g. unknown agents): keep the cache bounded
-
-    def __init__(self, inner: grpc.GenericRpcHandler, wrap: Wrap) -> None:
-        self._inner = inner
-        self._wrap = wrap
-        self._cache: dict[str, grpc.RpcMethodHandler] = {}
-
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method = details.method
-        handler = self._cache.get(method)
-        if handler is None:
-            raw = self._inner.service(details)
-            if raw is None:
-                return None
-            handler = self._wrap(method, raw)
-            if len(self._cache) < self._CACHE_LIMIT:
-                self._cache[method] = handler
-        return handler
-
-
-class _CallDetails(grpc.HandlerCallDetails):
-    def __init__(self, method: str, invocation_metadata: tuple[tuple[str, str | bytes], ...]) -> None:
-        self.method = method
-        self.invocation_metadata = invocation_metadata
-
-
-Installer = Callable[[Registry, Runtime], list[str]]
-
-
-def _install_ui(server: Registry, rt: Runtime) -> list[str]:
-    ui_pb2_grpc.add_UiServiceServicer_to_server(ui.UiService(rt), server)
-    host_pb2_grpc.add_HostServiceServicer_to_server(host.HostService(rt), server)
-    return [ui_pb2.DESCRIPTOR.services_by_name["UiService"].full_name,
-            host_pb2.DESCRIPTOR.services_by_name["HostService"].full_name]
-
-
-# Each installer adds its servicers and returns the full names it serves (for health/reflection).
-INSTALLERS: list[Installer] = [_install_ui, extension_ui.install, agent.install, webview.install,
-                               codebolt_service.install]  # CodeBoltService + the /agent-to-app WebSocket
-
-
-def _make_bus(config: Config) -> Bus:
+def make_bus(config: Config) -> Bus:
     """In-process bus, or with a Redis URL one that spans every replica sharing that Redis."""
     if config.redis_url:
         from uibus.redis_bus import ReplicatedBus
 
-        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session, topics.POLICIES,
-                             presence_kinds=(topics.HOST_REQUEST,))  # openUrl asks "is any host listening?"
-    return Bus(config.queue_size, config.max_streams_per_session, topics.POLICIES)
+        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session)
+    return Bus(config.queue_size, config.max_streams_per_session)
+
+
+class Resources:
+    """Teardowns in the order their setups ran. `aclose` undoes them in reverse and runs every one
+    even when some fail (as aiohttp's cleanup contexts); the failures are logged and raised together."""
+
+    def __init__(self) -> None:
+        self._exits: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
+
+    async def enter(self, name: str, resource: AbstractAsyncContextManager[T]) -> T:
+        value = await resource.__aenter__()
+        self._exits.append((name, lambda: resource.__aexit__(None, None, None)))
+        return value
+
+    def callback(self, name: str, teardown: Callable[[], Awaitable[Any]]) -> None:
+        self._exits.append((name, teardown))
+
+    async def aclose(self) -> None:
+        errors: list[Exception] = []
+        while self._exits:
+            name, teardown = self._exits.pop()
+            try:
+                await teardown()
+            except Exception as exc:
+                log.error("teardown failed", extra={"fields": {"part": name, "error": f"{type(exc).__name__}: {exc}"}})
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise ExceptionGroup("several parts failed to close", errors)
 
 
 class App:
-    def __init__(self, config: Config, store: Store | None = None) -> None:
+    def __init__(self, config: Config, *, installers: Sequence[Installer] = INSTALLERS,
+                 store: Store | None = None) -> None:
+        """`installers` are the parts to serve (uibus.installers.INSTALLERS by default); a `store`
+        given here is used instead of the configured one, and closed with the app."""
         self.config = config
-        self.bus = _make_bus(config)
-        self.store = store or open_store(config.store, config.redis_url)
-        self.rt = Runtime(config, self.bus, self.store)
+        self._installers = tuple(installers)
+        self._store = store
+        self._resources = Resources()
         self.health = HealthServicer()
-        self.metrics = Metrics(self.bus, self.rt.gauges)
-        interceptors: list[grpc.aio.ServerInterceptor] = []
-        if config.auth_token:
-            interceptors.append(BearerTokenInterceptor(config.auth_token))
-        if config.redis_url:  # a networked store can be down: say UNAVAILABLE, not UNKNOWN
-            from uibus.unavailable import StoreUnavailableInterceptor
-
-            interceptors.append(StoreUnavailableInterceptor())
-        self.server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-                ("grpc.max_send_message_length", config.max_message_bytes),
-                ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
-            ],
-        )
-        self.registry = Registry(self.server, wrap=instrument(self.metrics))
+        self.core: Core | None = None
+        self.registry: Registry | None = None
+        self.metrics: Metrics | None = None
         self.service_names: list[str] = []
-        for install in INSTALLERS:
-            self.service_names += install(self.registry, self.rt)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.registry)  # type: ignore[arg-type]
-        self.service_names += reflection.enable(self.registry, [*self.service_names, HEALTH])  # type: ignore[arg-type]
-        self.port = 0
-        self.http: HttpServer | None = None
+        self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
+        self._server: grpc.aio.Server | None = None
+        self._http: HttpServer | None = None
+        self._setup: Setup | None = None
+        self._grace = config.grace_seconds
+        self._started = False
         self._stopping = False
+        self._shutdown: asyncio.Task[None] | None = None
+        self._closing: asyncio.Task[None] | None = None
+
+    # ---- what a running app offers ------------------------------------------------------------
 
     @property
     def stopping(self) -> bool:
-        """True from the moment shutdown starts (readiness probes fail from then on)."""
+        """True from the moment shutdown begins (readiness probes fail from then on)."""
         return self._stopping
 
+    @property
+    def bus(self) -> Bus:
+        return self._core().bus
+
+    @property
+    def store(self) -> Store:
+        return self._core().store
+
+    def _core(self) -> Core:
+        if self.core is None:
+            raise RuntimeError("the app has not started")
+        return self.core
+
+    def __getitem__(self, key: AppKey[T]) -> T:
+        """What an installer provided under `key` (e.g. uibus.installers.CODEBOLT)."""
+        if self._setup is None or key not in self._setup.provided:
+            raise KeyError(f"{key!r} was not provided by this app's installers")
+        return self._setup.provided[key]  # type: ignore[no-any-return]
+
+    def channel(self, metadata: Iterable[tuple[str, str | bytes]] = ()) -> Channel:
+        """An in-process channel to this app (see uibus.transports.inprocess)."""
+        if self.registry is None:
+            raise RuntimeError("the app has not started")
+        return Channel(self.registry.lookup, metadata)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> App:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
     async def start(self) -> None:
+        """Starts every part in order; if one fails, what started is undone and the error raised."""
+        if self._started:
+            raise RuntimeError("an App starts once")
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            try:
+                await self._resources.aclose()
+            except Exception as exc:  # already logged; the start failure is the one to raise
+                log.debug("teardown after a failed start also failed", exc_info=exc)
+            raise
+
+    async def _start(self) -> None:
         cfg = self.config
+        res = self._resources
+        store = await res.enter("store", self._store or open_store(cfg))
+        bus = await res.enter("bus", make_bus(cfg))
+        agents = await res.enter("agents", load_agents(cfg.agents))
+        core = self.core = Core.build(cfg, bus, store, agents)
+        gauges: Gauges = {}
+        metrics = self.metrics = Metrics(bus, gauges)
+        pipeline = Pipeline(metrics, cfg.auth_token)
+        server = self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+        ])
+        registry = self.registry = Registry(server, pipeline)
+        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges)
+        for install in self._installers:
+            await res.enter(getattr(install, "__name__", "installer"), install(setup))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)  # type: ignore[arg-type]
+        names = [*setup.service_names, HEALTH]
+        self.service_names = [*names, *reflection.enable(registry, names)]
+
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls_cert:
             creds = grpc.ssl_server_credentials(
                 [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])  # noqa: ASYNC240
-            self.port = self.server.add_secure_port(address, creds)
+            self.port = server.add_secure_port(address, creds)
         else:
-            self.port = self.server.add_insecure_port(address)
-        await self.server.start()
-        await self.bus.start()
+            self.port = server.add_insecure_port(address)
+        await server.start()
+        res.callback("servers", self._stop_servers)
         if cfg.http_port:
-            self.http = await start_http(self)
-            self.http_port = self.http.port
-        for name in ["", *self.service_names, HEALTH]:
+            routes = Routes(registry.lookup, metrics, webview_html, lambda: self._stopping, cfg.max_message_bytes,
+                            setup.mounts)
+            self._http = HttpServer(routes, cfg.cors_origins, cfg.host, cfg.http_port, cfg.grace_seconds)
+            await self._http.start()
+            self.http_port = self._http.port
+        for name in ["", *self.service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "http": self.http_port,
                                               "tls": bool(cfg.tls_cert), "store": cfg.redis_url or cfg.store}})
 
-    async def stop(self, grace: float | None = None) -> None:
-        """The graceful-shutdown switch; safe to call more than once."""
-        if self._stopping:
-            return
+    async def _stop_servers(self) -> None:
+        """Stops accepting calls, lets running ones finish within the grace period, cancels the rest."""
+        stops: list[Awaitable[Any]] = []
+        if self._server is not None:
+            stops.append(self._server.stop(self._grace))
+        if self._http is not None:
+            stops.append(self._http.stop())
+        await asyncio.gather(*stops)
+
+    async def begin_shutdown(self) -> None:
+        """Phase one: NOT_SERVING, the drain, then no new work and every open stream ended."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._begin_shutdown())
+        await asyncio.shield(self._shutdown)
+
+    async def _begin_shutdown(self) -> None:
         self._stopping = True
-        grace = self.config.grace_seconds if grace is None else grace
-        log.info("shutting down", extra={"fields": {"grace_s": grace, "open_streams": self.bus.count()}})
+        log.info("shutting down", extra={"fields": {
+            "grace_s": self._grace, "open_streams": self.core.bus.count() if self.core else 0}})
         await self.health.enter_graceful_shutdown()
         if self.config.drain_seconds > 0:
             await asyncio.sleep(self.config.drain_seconds)
-        self.bus.close()
-        for hook in self.rt.on_shutdown:
-            hook()
-        if self.http is not None:
-            await asyncio.gather(self.server.stop(grace), self.http.stop())
-        else:
-            await self.server.stop(grace)
-        await self.bus.stop()
-        await self.store.close()
-        log.info("stopped")
+        if self.core is not None:
+            self.core.begin_shutdown()
+        for hook in self._setup.shutdown_hooks if self._setup is not None else ():
+            try:
+                hook()
+            except Exception as exc:
+                log.error("shutdown hook failed", exc_info=exc, extra={"fields": {"hook": repr(hook)}})
 
-    async def wait(self) -> None:
-        await self.server.wait_for_termination()
+    async def aclose(self, grace: float | None = None) -> None:
+        """Phase two (after phase one, if it has not run): stop the servers within `grace` seconds
+        (default: the config's), then close every part in reverse order. Safe to call twice."""
+        if self._closing is None:
+            if grace is not None:
+                self._grace = grace
+            self._closing = asyncio.ensure_future(self._aclose())
+        await asyncio.shield(self._closing)
+
+    async def _aclose(self) -> None:
+        await self.begin_shutdown()
+        await self._resources.aclose()
+        log.info("stopped")

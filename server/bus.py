@@ -1,35 +1,29 @@
 """The topic bus: per-(session, kind[, target]) topics, one bounded mailbox per subscriber.
 
 Publishing never awaits: it appends to each subscriber's mailbox and wakes its reader, so a slow
-subscriber can only hurt itself. What happens when a mailbox is full is a per-kind policy, and
-every drop or coalesce is counted. A subscription is removed by `unsubscribe`, which the stream
-handlers call in a `finally` right beside `subscribe`, so a stream that ends for any reason
-(cancel, disconnect, deadline, shutdown) leaves nothing behind.
+subscriber can only hurt itself. What happens when a mailbox is full is the kind's policy
+(`uibus.kinds`), and every drop or coalesce is counted. A subscription is removed by
+`unsubscribe`, which the streams call in a `finally` right beside `subscribe`, so a stream that
+ends for any reason (cancel, disconnect, deadline, shutdown) leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-
-class Policy(enum.Enum):
-    """What a full mailbox does with one more event."""
-
-    DROP_OLDEST = "drop_oldest"  # clicks and notices: the newest events matter most
-    COALESCE = "coalesce"  # partial messages: a newer state of the same key replaces the queued one
-    LATEST = "latest"  # state such as the theme: only the newest value is worth delivering
+from uibus.errors import ResourceExhausted, Unavailable
+from uibus.kinds import Kind, Policy
 
 
-class SubscriptionLimit(Exception):
+class SubscriptionLimit(ResourceExhausted):
     """The session already has as many open subscriptions as the config allows."""
 
 
-class BusClosed(Exception):
+class BusClosed(Unavailable):
     """The bus is shutting down and takes no new subscriptions."""
 
 
@@ -51,7 +45,7 @@ class Subscription:
     def __init__(self, session: str, kind: str, target: str, maxsize: int, policy: Policy,
                  counters: KindCounters) -> None:
         self.session = session
-        self.kind = kind
+        self.kind = kind  # the kind's name
         self.target = target
         self._maxsize = maxsize
         self._policy = policy
@@ -112,12 +106,10 @@ class Bus:
 
     replicated = False  # True when events also reach other replicas (ReplicatedBus)
 
-    def __init__(self, queue_size: int = 256, max_per_session: int = 10_000,
-                 policies: dict[str, Policy] | None = None) -> None:
+    def __init__(self, queue_size: int = 256, max_per_session: int = 10_000) -> None:
         self.queue_size = queue_size
         self.max_per_session = max_per_session
-        self._policies: dict[str, Policy] = dict(policies or {})
-        # (session, kind) -> target -> subscriptions; target "" is "no target".
+        # (session, kind name) -> target -> subscriptions; target "" is "no target".
         self._topics: dict[tuple[str, str], dict[str, set[Subscription]]] = {}
         self._per_session: dict[str, int] = {}
         self.counters: dict[str, KindCounters] = {}
@@ -129,8 +121,13 @@ class Bus:
     async def stop(self) -> None:
         """Disconnects from peers after the server has stopped."""
 
-    def set_policy(self, kind: str, policy: Policy) -> None:
-        self._policies[kind] = policy
+    async def __aenter__(self) -> Bus:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await self.stop()
 
     def _counters(self, kind: str) -> KindCounters:
         c = self.counters.get(kind)
@@ -138,17 +135,17 @@ class Bus:
             c = self.counters[kind] = KindCounters()
         return c
 
-    def subscribe(self, session: str, kind: str, target: str = "", maxsize: int | None = None) -> Subscription:
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
         if self._closed:
             raise BusClosed("the server is shutting down")
         open_now = self._per_session.get(session, 0)
         if open_now >= self.max_per_session:
             raise SubscriptionLimit(f"session {session!r} already has {open_now} open subscriptions "
                                     f"(limit {self.max_per_session})")
-        counters = self._counters(kind)
-        sub = Subscription(session, kind, target, maxsize or self.queue_size,
-                           self._policies.get(kind, Policy.DROP_OLDEST), counters)
-        self._topics.setdefault((session, kind), {}).setdefault(target, set()).add(sub)
+        name = kind.name
+        counters = self._counters(name)
+        sub = Subscription(session, name, target, maxsize or self.queue_size, kind.policy, counters)
+        self._topics.setdefault((session, name), {}).setdefault(target, set()).add(sub)
         self._per_session[session] = open_now + 1
         counters.subscriptions += 1
         return sub
@@ -174,13 +171,16 @@ class Bus:
         else:
             del self._per_session[sub.session]
 
-    def publish(self, session: str, kind: str, item: Any, target: str | None = None,
+    def publish(self, session: str, kind: Kind, item: Any, target: str | None = None,
                 key: Hashable = None) -> int:
         """Queues `item` for the topic's subscribers; returns how many it reached.
 
         `target=None` reaches every target of (session, kind); a target string reaches the
         subscribers of that target and those that subscribed with no target ("").
         """
+        return self._deliver(session, kind.name, item, target, key)
+
+    def _deliver(self, session: str, kind: str, item: Any, target: str | None, key: Hashable) -> int:
         counters = self._counters(kind)
         counters.published += 1
         topic = self._topics.get((session, kind))
@@ -199,20 +199,22 @@ class Bus:
         counters.delivered += n
         return n
 
-    def count(self, kind: str | None = None, session: str | None = None) -> int:
-        """Live subscriptions, optionally of one kind and/or one session."""
-        if kind is None and session is None:
+    def count(self, kind: Kind | str | None = None, session: str | None = None) -> int:
+        """Live subscriptions, optionally of one kind (a record or its name) and/or one session."""
+        name = kind.name if isinstance(kind, Kind) else kind
+        if name is None and session is None:
             return sum(self._per_session.values())
-        if session is not None and kind is None:
+        if session is not None and name is None:
             return self._per_session.get(session, 0)
         if session is None:
-            c = self.counters.get(kind or "")
+            c = self.counters.get(name or "")
             return c.subscriptions if c else 0
-        return sum(len(s) for s in self._topics.get((session, kind or ""), {}).values())
+        return sum(len(s) for s in self._topics.get((session, name or ""), {}).values())
 
-    def subscriptions(self, session: str, kind: str) -> list[Subscription]:
+    def subscriptions(self, session: str, kind: Kind | str) -> list[Subscription]:
         """The open subscriptions of one topic (every target), for inspection."""
-        return [sub for subs in self._topics.get((session, kind), {}).values() for sub in subs]
+        name = kind.name if isinstance(kind, Kind) else kind
+        return [sub for subs in self._topics.get((session, name), {}).values() for sub in subs]
 
     def close(self) -> None:
         """Graceful-shutdown switch: refuse new subscriptions and end every open stream."""

@@ -15,14 +15,12 @@ from uibus.config import Config
 async def serve(config: Config) -> None:
     from uibus.app import App
 
-    app = App(config)
-    await app.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await app.stop()
+    async with App(config):
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -40,7 +38,7 @@ def run(ns: argparse.Namespace) -> int:
     logs.setup(config.log_level)
     try:
         asyncio.run(serve(config))
-    except (RuntimeError, OSError) as exc:  # port taken, unreadable TLS files, unwritable store
+    except (RuntimeError, OSError, ValueError) as exc:  # port taken, unreadable TLS files, bad agents file
         logging.getLogger("uibus").error("cannot start", extra={"fields": {"error": str(exc)}})
         return 1
     return 0

@@ -16,8 +16,8 @@ Why it is shaped like this:
   Protobuf items travel as their serialized bytes with the message's full name, resolved on the
   receiving side through the default descriptor pool; JSON-able plain items travel as JSON.
 * `publish` returns how many subscribers it reached. Locally that is exact; remote subscribers are
-  known only by announcement, so for `presence_kinds` (by default host requests, which openUrl
-  uses to tell whether any host can open a URL) each replica announces its subscription counts
+  known only by announcement, so for kinds marked `presence` (host requests, which openUrl uses to
+  tell whether any host can open a URL) each replica announces its subscription counts
   on change and as a periodic heartbeat, and `publish` adds the other replicas' fresh counts and
   sends those kinds only when some other replica listens, so a caller told "nobody listens" never
   has its event delivered later. A crashed replica's counts expire after three heartbeats. For
@@ -40,7 +40,8 @@ from typing import Any
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
-from uibus.bus import Bus, Policy, Subscription
+from uibus.bus import Bus, Subscription
+from uibus.kinds import Kind
 from uibus.redis_conn import OUTAGE_ERRORS, make_client
 
 log = logging.getLogger("uibus.redis_bus")
@@ -67,11 +68,9 @@ class ReplicatedBus(Bus):
 
     replicated = True
 
-    def __init__(self, redis_url: str, queue_size: int = 256, max_per_session: int = 10_000,
-                 policies: dict[str, Policy] | None = None, *, channel: str = "uibus:bus",
-                 outbox_size: int = 10_000, presence_kinds: Iterable[str] = (),
-                 heartbeat_s: float = 5.0) -> None:
-        super().__init__(queue_size, max_per_session, policies)
+    def __init__(self, redis_url: str, queue_size: int = 256, max_per_session: int = 10_000, *,
+                 channel: str = "uibus:bus", outbox_size: int = 10_000, heartbeat_s: float = 5.0) -> None:
+        super().__init__(queue_size, max_per_session)
         self.replica_id = uuid.uuid4().hex[:16]
         self.channel = channel
         self.stats = ReplicationStats()
@@ -85,7 +84,7 @@ class ReplicatedBus(Bus):
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self._classes: dict[str, type[Message]] = {}
-        self._presence_kinds = frozenset(presence_kinds)
+        self._presence_kinds: set[str] = set()  # names of the presence kinds subscribed to here
         self._heartbeat_s = heartbeat_s
         # (session, kind) -> origin replica -> (count, monotonic expiry)
         self._remote: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
@@ -100,9 +99,8 @@ class ReplicatedBus(Bus):
         if self._tasks:
             return
         self._tasks = [asyncio.create_task(self._listen_loop(), name="uibus-bus-listen"),
-                       asyncio.create_task(self._write_loop(), name="uibus-bus-write")]
-        if self._presence_kinds:
-            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="uibus-bus-heartbeat"))
+                       asyncio.create_task(self._write_loop(), name="uibus-bus-write"),
+                       asyncio.create_task(self._heartbeat_loop(), name="uibus-bus-heartbeat")]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._listening.wait(), wait_s)
 
@@ -127,11 +125,12 @@ class ReplicatedBus(Bus):
 
     # -- publishing -----------------------------------------------------------------------------
 
-    def publish(self, session: str, kind: str, item: Any, target: str | None = None,
+    def publish(self, session: str, kind: Kind, item: Any, target: str | None = None,
                 key: Hashable = None) -> int:
-        n = super().publish(session, kind, item, target, key)
-        if kind in self._presence_kinds:
-            remote = self.remote_count(session, kind)
+        name = kind.name
+        n = self._deliver(session, name, item, target, key)
+        if kind.presence:
+            remote = self.remote_count(session, name)
             if not remote:  # no other replica listens: sending would deliver to nobody, or worse, to
                 return n  # a subscriber that joins later, after the caller was told "nobody is listening"
             n += remote
@@ -144,7 +143,7 @@ class ReplicatedBus(Bus):
                 self.stats.unreplicable += 1
                 return n
         try:
-            head = json.dumps([self.replica_id, session, kind, target, key, type_name], separators=(",", ":"))
+            head = json.dumps([self.replica_id, session, name, target, key, type_name], separators=(",", ":"))
         except (TypeError, ValueError):  # a key JSON cannot carry
             self.stats.unreplicable += 1
             return n
@@ -240,7 +239,7 @@ class ReplicatedBus(Bus):
         except (ValueError, TypeError, KeyError, DecodeError):
             self.stats.bad += 1
             return
-        Bus.publish(self, session, kind, item, target, tuple(key) if isinstance(key, list) else key)
+        self._deliver(session, kind, item, target, tuple(key) if isinstance(key, list) else key)
 
     def _message_class(self, full_name: str) -> type[Message]:
         cls = self._classes.get(full_name)
@@ -251,10 +250,11 @@ class ReplicatedBus(Bus):
 
     # -- presence: how many subscribers other replicas have -------------------------------------
 
-    def subscribe(self, session: str, kind: str, target: str = "", maxsize: int | None = None) -> Subscription:
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
         sub = super().subscribe(session, kind, target, maxsize)
-        if kind in self._presence_kinds:
-            self._announce([(session, kind)])
+        if kind.presence:
+            self._presence_kinds.add(kind.name)
+            self._announce([(session, kind.name)])
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
@@ -263,9 +263,9 @@ class ReplicatedBus(Bus):
         if sub.kind in self._presence_kinds and self.count(sub.kind, sub.session) != before:
             self._announce([(sub.session, sub.kind)])
 
-    def remote_count(self, session: str, kind: str) -> int:
+    def remote_count(self, session: str, kind: Kind | str) -> int:
         """Subscribers other replicas announced for (session, kind) and that have not expired."""
-        origins = self._remote.get((session, kind))
+        origins = self._remote.get((session, kind.name if isinstance(kind, Kind) else kind))
         if not origins:
             return 0
         now = time.monotonic()

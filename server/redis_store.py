@@ -15,8 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+from uibus.errors import StoreUnavailable
 from uibus.redis_conn import OUTAGE_ERRORS, make_client
-from uibus.store import Store, StoreUnavailable
+from uibus.store import Store
 
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 

@@ -1,21 +1,25 @@
 """Sessions: every call belongs to the session named by the `x-uibus-session` metadata key.
 
 Names are validated once here so no service has to guess what a bad name does to a store key or
-a metric label.
+a metric label. A bad name is an `InvalidArgument` like any other bad input, so every transport
+reports it the same way.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import grpc
+
+from uibus.errors import InvalidArgument
 
 SESSION_KEY = "x-uibus-session"
 DEFAULT_SESSION = "default"
 _VALID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
-class BadSession(ValueError):
+class BadSession(InvalidArgument):
     pass
 
 
@@ -26,18 +30,14 @@ def check_session(name: str) -> str:
     return name
 
 
-def session_from_metadata(metadata: object) -> str:
+def session_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The session of a call's metadata (a sequence of (key, value) pairs)."""
-    for key, value in metadata or ():  # type: ignore[attr-defined]
+    for key, value in metadata or ():
         if key == SESSION_KEY:
-            return check_session(value if isinstance(value, str) else value.decode())
+            return check_session(value if isinstance(value, str) else value.decode(errors="replace"))
     return DEFAULT_SESSION
 
 
-async def session_of(context: grpc.aio.ServicerContext) -> str:
-    """The calling session, or aborts the call with INVALID_ARGUMENT."""
-    try:
-        return session_from_metadata(context.invocation_metadata())
-    except BadSession as exc:
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        raise  # unreachable: abort raises
+def session_of(context: grpc.aio.ServicerContext) -> str:
+    """The calling session; BadSession (INVALID_ARGUMENT) when the name is invalid."""
+    return session_from_metadata(context.invocation_metadata())

@@ -3,7 +3,8 @@
 Services keep their state here (theme, announcement, ChatContext per agent, chat history,
 extension-UI status, CodeBolt state) under keys they own, so a backend only has to implement
 five operations. The embedded default is one SQLite file that survives restarts; a Redis
-backend implements the same `Store` for several replicas.
+backend (`uibus.redis_store`) implements the same `Store` for several replicas. A store is an
+async context manager: leaving it flushes and closes the backend.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+from uibus.errors import StoreUnavailable
 
-class StoreUnavailable(Exception):
-    """A networked backend cannot be reached right now; the call may succeed if retried."""
+__all__ = ["SqliteStore", "Store", "StoreUnavailable"]
 
 
 class Store(abc.ABC):
@@ -43,6 +44,12 @@ class Store(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Flushes and releases the backend."""
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class SqliteStore(Store):
@@ -117,11 +124,3 @@ class SqliteStore(Store):
         finally:
             self._db.close()
 
-
-def open_store(path: str, redis_url: str = "") -> Store:
-    """Picks the backend from the config: Redis when a URL is given, else SQLite."""
-    if redis_url:
-        from uibus.redis_store import RedisStore  # optional dependency
-
-        return RedisStore(redis_url)
-    return SqliteStore(path)

@@ -16,8 +16,6 @@ from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus.services.agent import engine_of
-from uibus.services.chat import ChatEngine
 
 CANONICAL = "dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService"
 MINIMAL, MAXIMAL = agent_pb2.MINIMAL, agent_pb2.MAXIMAL
@@ -42,17 +40,8 @@ def local(name: str, **options: Any) -> dict[str, Any]:
 @asynccontextmanager
 async def running(config: Config, agents_file: str = "") -> AsyncIterator[App]:
     app = App(replace(config, agents=agents_file))
-    await app.start()
-    try:
+    async with app:
         yield app
-    finally:
-        await app.stop(grace=1.0)
-
-
-def engine(app: App) -> ChatEngine:
-    found = engine_of(app.registry)
-    assert found is not None
-    return found
 
 
 class Agent:

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -25,8 +25,10 @@ import pytest
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
+from uibus.installers import INSTALLERS
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
+from uibus.wiring import Installer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,14 +60,14 @@ def config(tmp_path: Path) -> Config:
 
 
 @asynccontextmanager
-async def running(config: Config) -> AsyncIterator[App]:
+async def running(config: Config, installers: Sequence[Installer] = INSTALLERS) -> AsyncIterator[App]:
     """A started App, stopped (gracefully) on exit."""
-    app = App(config)
+    app = App(config, installers=installers)
     await app.start()
     try:
         yield app
     finally:
-        await app.stop(grace=1.0)
+        await app.aclose(grace=1.0)
 
 
 @asynccontextmanager
@@ -86,8 +88,14 @@ async def connections(app: App) -> AsyncIterator[Callable[..., Connection]]:
 
 
 @pytest.fixture
-async def app(config: Config) -> AsyncIterator[App]:
-    async with running(config) as app:
+def installers() -> Sequence[Installer]:
+    """The parts the `app` and `web` fixtures install (a module may add test-only ones)."""
+    return INSTALLERS
+
+
+@pytest.fixture
+async def app(config: Config, installers: Sequence[Installer]) -> AsyncIterator[App]:
+    async with running(config, installers) as app:
         yield app
 
 
@@ -104,9 +112,9 @@ def web_config(config: Config) -> Config:
 
 
 @pytest.fixture
-async def web(web_config: Config) -> AsyncIterator[App]:
+async def web(web_config: Config, installers: Sequence[Installer]) -> AsyncIterator[App]:
     """An App serving HTTP too (gRPC-Web, neuro-san HTTP API, webview, /metrics)."""
-    async with running(web_config) as app:
+    async with running(web_config, installers) as app:
         yield app
 
 

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, request, running, write_agents
+from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, request, running, write_agents
 from tests.conftest import free_port, wait_for
-from uibus import chat_history
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.neuro_san.api.grpc import chat_pb2
@@ -138,7 +137,7 @@ async def test_openai_failures_end_the_stream_normally_with_the_error(config, se
         final = await answer(conn, "offline", "hello", filter_type=MAXIMAL)
         assert final.text.startswith("Error from offline: cannot reach http://127.0.0.1:")
         assert await app.store.get("fail", "chat/context/gpt") is None
-        history = await chat_history.read(app.store, "fail")
+        history = await app.core.history.read("fail")
         assert [e.get("error", False) for e in history if e["role"] == "assistant"] == [True, True, True]
         # A bad event in the middle of a stream is a failure too.
 
@@ -261,7 +260,7 @@ async def test_backends_are_closed_at_shutdown(config, serve, tmp_path: Path):
     path = write_agents(tmp_path, [openai_agent(up)])
     async with running(config, path) as app, Connection(f"127.0.0.1:{app.port}") as conn:
         await answer(conn, "gpt", "hi")
-        backend = engine(app).backend("gpt")
+        backend = app.core.chat.backend("gpt")
         session = backend.http._session  # type: ignore[attr-defined]
         assert session is not None and not session.closed
     assert isinstance(app, App)

@@ -21,7 +21,6 @@ from tests.chatkit import (
     Agent,
     answer,
     chat,
-    engine,
     local,
     request,
     running,
@@ -29,7 +28,6 @@ from tests.chatkit import (
     write_agents,
 )
 from tests.conftest import require
-from uibus import chat_history
 from uibus.agents.config import load_agents
 from uibus.clients.connection import Connection
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, concierge_pb2_grpc
@@ -108,7 +106,7 @@ async def test_empty_user_text_gets_one_empty_response(app, connect):
     for req in (agent_pb2.ChatRequest(), request("", filter_type=MAXIMAL)):
         responses = [r async for r in Agent(conn, "hello_world").StreamingChat(req)]
         assert responses == [agent_pb2.ChatResponse()]
-    assert await chat_history.read(app.store, "empty") == []
+    assert await app.core.history.read("empty") == []
 
 
 async def test_unknown_agent_is_unimplemented_and_names_the_known_ones(connect):
@@ -145,7 +143,7 @@ async def test_bad_enum_values_and_session_names_are_invalid_argument(app, conne
     bad = connect("bad name!")
     err = await stream_error(Agent(bad, "hello_world").StreamingChat(request("hi")))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "session name" in err.details()
-    assert await chat_history.read(app.store, "bad") == []  # nothing was run or stored
+    assert await app.core.history.read("bad") == []  # nothing was run or stored
 
 
 async def test_registry_lookup_resolves_per_agent_paths(app):
@@ -196,23 +194,14 @@ async def test_reflection_lists_and_describes_per_agent_services(app):
 
 
 async def test_registry_dispatch_in_process_runs_the_same_chat(app):
-    """What the HTTP side does: look a handler up and run it with its own context object."""
-    handler = app.registry.lookup("/hello_world.AgentService/StreamingChat")
-
-    class Context:
-        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-            return (("x-uibus-session", "inproc"),)
-
-        async def abort(self, code: grpc.StatusCode, details: str) -> None:
-            raise AssertionError(f"{code}: {details}")
-
-    req = handler.request_deserializer(request("in process", filter_type=MAXIMAL, sly={"chunks": 3})
-                                       .SerializeToString())
-    out = [r async for r in handler.unary_stream(req, Context())]
+    """What the HTTP side does: look a handler up and run it in-process (an in-process channel)."""
+    chat = app.channel([("x-uibus-session", "inproc")]).unary_stream(
+        "/hello_world.AgentService/StreamingChat", request_serializer=agent_pb2.ChatRequest.SerializeToString,
+        response_deserializer=agent_pb2.ChatResponse.FromString)
+    out = [r async for r in chat(request("in process", filter_type=MAXIMAL, sly={"chunks": 3}))]
     assert [r.response.type for r in out] == [PROGRESS, AI, AI, AI, FRAMEWORK]
-    assert handler.response_serializer(out[-1])  # serialisable for gRPC-Web
-    assert [e["role"] for e in await chat_history.read(app.store, "inproc")] == ["user", "assistant"]
-    assert engine(app).backend("hello_world").active == 0
+    assert [e["role"] for e in await app.core.history.read("inproc")] == ["user", "assistant"]
+    assert app.core.chat.backend("hello_world").active == 0
 
 
 @pytest.mark.parametrize(("data", "problem"), [

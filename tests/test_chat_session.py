@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, engine, local, request, running, write_agents
+from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, local, request, running, write_agents
 from tests.conftest import wait_for
-from uibus import chat_history, topics
+from uibus import kinds
+from uibus.calls import CallContext
 from uibus.clients.connection import Connection
+from uibus.domain.history import CONTEXT_PREFIX
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 
@@ -44,7 +46,7 @@ async def test_a_context_sent_by_the_client_wins(app, connect):
     # An empty context starts over, and the stored conversation becomes the client's.
     fresh = await answer(conn, "hello_world", "new start", context=chat_pb2.ChatContext())
     assert "This is the start of our conversation." in fresh.text
-    stored = await chat_history.load_context(app.store, "wins", "hello_world")
+    stored = await app.core.history.load_context("wins", "hello_world")
     assert [m.text for m in stored.chat_histories[0].messages][0::2] == ["new start"]
     after = await answer(conn, "hello_world", "next")
     assert 'Earlier you said: "new start" (this is turn 2).' in after.text
@@ -62,7 +64,7 @@ async def test_sessions_and_agents_never_see_each_others_context(config, tmp_pat
             assert 'Earlier you said: "beta"' in (await answer(b, "one", "again")).text
             assert 'Earlier you said: "gamma"' in (await answer(a, "two", "again")).text
             assert "start of our conversation" in (await answer(b, "two", "first")).text
-            assert sorted((await app.store.scan("a", chat_history.CONTEXT_PREFIX)).keys()) == [
+            assert sorted((await app.store.scan("a", CONTEXT_PREFIX)).keys()) == [
                 "chat/context/one", "chat/context/two"]
 
 
@@ -81,32 +83,32 @@ async def test_context_survives_a_restart_with_the_sqlite_store(spawn):
 
 async def test_chat_history_is_appended_per_session_and_readable(app, connect):
     conn = connect("hist")
-    watcher = app.bus.subscribe("hist", chat_history.CHAT_MESSAGE)
+    watcher = app.bus.subscribe("hist", kinds.CHAT_MESSAGE)
     first = await answer(conn, "hello_world", "one")
     second = await answer(conn, "hello_world", "two")
-    entries = await chat_history.read(app.store, "hist")
+    entries = await app.core.history.read("hist")
     assert [(e["role"], e["text"]) for e in entries] == [
         ("user", "one"), ("assistant", first.text), ("user", "two"), ("assistant", second.text)]
     assert {(e["agent"], e["source"]) for e in entries} == {("hello_world", "neuro-san")}
     assert entries == sorted(entries, key=lambda e: e["ts"])
     # Other sides append to the same list and read it back.
-    await chat_history.append(app.store, "hist", "user", "from the UI", source="webview", bus=app.bus)
-    assert (await chat_history.read(app.store, "hist", last=1))[0]["text"] == "from the UI"
-    assert await chat_history.read(app.store, "other") == []
+    await app.core.history.append("hist", "user", "from the UI", source="webview")
+    assert (await app.core.history.read("hist", last=1))[0]["text"] == "from the UI"
+    assert await app.core.history.read("other") == []
     # Each entry was announced on the bus as it was stored.
     announced = [await asyncio.wait_for(watcher.__anext__(), 1) for _ in range(5)]
-    assert announced == [*entries, (await chat_history.read(app.store, "hist", last=1))[0]]
+    assert announced == [*entries, (await app.core.history.read("hist", last=1))[0]]
     app.bus.unsubscribe(watcher)
-    assert app.bus.count(chat_history.CHAT_MESSAGE) == 0
+    assert app.bus.count(kinds.CHAT_MESSAGE) == 0
     with pytest.raises(ValueError, match="role 'robot' is not one of user, assistant, system"):
-        await chat_history.append(app.store, "hist", "robot", "beep")
+        await app.core.history.append("hist", "robot", "beep")
 
 
 async def test_a_cline_subscriber_sees_the_chat_grow_and_finish(app, connect):
     viewer, other = connect("live"), connect("elsewhere")
     stream = viewer.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
     other_stream = other.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE) == 2, what="both subscriptions")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 2, what="both subscriptions")
     chatter = connect("live")
     # 70 ms between pieces is above the engine's 50 ms publish interval, so every piece shows.
     responses = await chat(chatter, "hello_world", "show me", filter_type=MAXIMAL,
@@ -126,8 +128,8 @@ async def test_a_cline_subscriber_sees_the_chat_grow_and_finish(app, connect):
     await answer(chatter, "hello_world", "again")
     later = await asyncio.wait_for(stream.read(), 2)
     assert later.ts > seen[0].ts
-    assert app.bus.count(topics.PARTIAL_MESSAGE, "elsewhere") == 1
-    assert app.bus.counters[topics.PARTIAL_MESSAGE].published >= 8
+    assert app.bus.count(kinds.PARTIAL_MESSAGE, "elsewhere") == 1
+    assert app.bus.counters[kinds.PARTIAL_MESSAGE.name].published >= 8
     try:
         leaked = await asyncio.wait_for(other_stream.read(), 0.2)
     except TimeoutError:
@@ -135,14 +137,14 @@ async def test_a_cline_subscriber_sees_the_chat_grow_and_finish(app, connect):
     assert leaked is None, leaked
     stream.cancel()
     other_stream.cancel()
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE) == 0, what="subscriptions removed")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 0, what="subscriptions removed")
 
 
 async def test_cancelling_a_chat_stops_the_local_agent_at_once(app, connect):
     conn = connect("cancel")
-    backend = engine(app).backend("hello_world")
+    backend = app.core.chat.backend("hello_world")
     viewer = conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE, "cancel") == 1, what="viewer subscribed")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE, "cancel") == 1, what="viewer subscribed")
     call = Agent(conn, "hello_world").StreamingChat(
         request("long one", filter_type=MAXIMAL, sly={"chunks": 50, "delay_ms": 200}))
     types = [(await call.read()).response.type for _ in range(2)]
@@ -158,8 +160,8 @@ async def test_cancelling_a_chat_stops_the_local_agent_at_once(app, connect):
     while not states or states[-1].partial:
         states.append(await asyncio.wait_for(viewer.read(), 2))
     assert states[-1].partial is False and "Hello from".startswith(states[-1].text)
-    assert [e["role"] for e in await chat_history.read(app.store, "cancel")] == ["user"]
-    assert (await chat_history.load_context(app.store, "cancel", "hello_world")).chat_histories == []
+    assert [e["role"] for e in await app.core.history.read("cancel")] == ["user"]
+    assert (await app.core.history.load_context("cancel", "hello_world")).chat_histories == []
     viewer.cancel()
     await wait_for(lambda: app.bus.count() == 0, what="all subscriptions gone")
     # The server goes on serving the session.
@@ -171,30 +173,16 @@ async def test_a_chat_parked_between_pieces_is_closed_when_the_call_ends(app):
     """A cancel that lands while gRPC is sending finds the chat parked at a `yield`; the call's
     done-callback must still stop the backend at once (here driven through the registry, as the
     HTTP side does, with a context that records its done-callbacks)."""
-    backend = engine(app).backend("hello_world")
+    backend = app.core.chat.backend("hello_world")
     handler = app.registry.lookup("/hello_world.AgentService/StreamingChat")
-
-    class Context:
-        def __init__(self) -> None:
-            self.callbacks: list = []
-
-        def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-            return (("x-uibus-session", "parked"),)
-
-        async def abort(self, code: object, details: str) -> None:
-            raise AssertionError(details)
-
-        def add_done_callback(self, fn) -> None:
-            self.callbacks.append(fn)
-
-    context = Context()
+    context = CallContext((("x-uibus-session", "parked"),), "test", "inprocess")
     responses = handler.unary_stream(request("park me", filter_type=MAXIMAL, sly={"chunks": 20, "delay_ms": 50}),
                                      context)
     assert (await responses.__anext__()).response.type != FRAMEWORK  # progress
     assert (await responses.__anext__()).response.type == AI  # now parked at a yield
-    assert backend.active == 1 and len(context.callbacks) == 1
+    assert backend.active == 1
     ended_at = time.monotonic()
-    context.callbacks[0](context)  # the RPC ended (cancel, deadline, disconnect)
+    context.finish(cancelled=True)  # the RPC ended (cancel, deadline, disconnect): done callbacks run
     await wait_for(lambda: backend.active == 0, timeout=1, what="backend closed")
     assert time.monotonic() - ended_at < 0.1 and backend.cancelled == 1
     await responses.aclose()

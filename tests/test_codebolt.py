@@ -20,18 +20,18 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import REPO, Reader, free_port, next_message, wait_for
-from uibus import topics
+from uibus import kinds
 from uibus.app import App
-from uibus.chat_history import CHAT_MESSAGE
 from uibus.clients.connection import Connection
-from uibus.codebolt.asgi import PATH
-from uibus.codebolt.gateway import Gateway
 from uibus.config import Config
+from uibus.installers import CODEBOLT
+from uibus.kinds import CHAT_MESSAGE
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
+from uibus.transports.codebolt_ws import PATH
 
 
 @pytest.fixture
@@ -43,10 +43,6 @@ def app(web: App) -> App:
 @pytest.fixture
 def connect(web_connect: Callable[..., Connection]) -> Callable[..., Connection]:
     return web_connect
-
-
-def gateway_of(app: App) -> Gateway:
-    return app.rt.http_mounts[PATH].gateway  # type: ignore[no-any-return]
 
 
 class Agent:
@@ -110,7 +106,7 @@ def spec(action: str, rid: str, family: str = "chatEvent", **message: Any) -> di
 async def test_spec_send_message_reaches_webview_and_history(app: App, agent: Any, connect: Any) -> None:
     webview = Reader(connect("s1").ui.subscribeToPartialMessage(common_pb2.EmptyRequest()))
     other = Reader(connect("s2").ui.subscribeToPartialMessage(common_pb2.EmptyRequest()))
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE) == 2, what="webview subscriptions")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 2, what="webview subscriptions")
     a = await agent("s1")
 
     reply = await a.call(spec("sendMessage", "req-1", message="Hello from the agent"))
@@ -131,7 +127,7 @@ async def test_spec_send_message_reaches_webview_and_history(app: App, agent: An
 
 async def test_flat_form_as_codeboltjs_sends_it(app: App, agent: Any, connect: Any) -> None:
     webview = Reader(connect("s1").ui.subscribeToPartialMessage(common_pb2.EmptyRequest()))
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE, "s1") == 1, what="webview subscription")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE, "s1") == 1, what="webview subscription")
     a = await agent("s1")
     # Fire-and-forget (no requestId): no reply, or codeboltjs would take it for a user message.
     await a.send({"type": "sendMessage", "message": "first", "payload": {"x": 1}})
@@ -158,7 +154,7 @@ async def test_session_from_header(app: App, agent: Any) -> None:
 async def test_wait_for_reply_resolves_on_user_message(app: App, agent: Any, connect: Any) -> None:
     ui = connect("s1")
     webview = Reader(ui.ui.subscribeToPartialMessage(common_pb2.EmptyRequest()))
-    await wait_for(lambda: app.bus.count(topics.PARTIAL_MESSAGE, "s1") == 1, what="webview subscription")
+    await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE, "s1") == 1, what="webview subscription")
     a = await agent("s1")
     await a.send({"type": "waitforReply", "message": "Which database?", "requestId": "req_7_1"})
     assert (await next_message(webview)).text == "Which database?"  # the prompt is shown
@@ -205,7 +201,7 @@ async def test_bad_user_message_is_invalid_argument(app: App, connect: Any) -> N
 async def test_confirmation_answered_by_extension_ui(app: App, agent: Any, connect: Any) -> None:
     ui = connect("s1")
     events = ext(ui).Subscribe(xpb.SubscribeRequest())
-    await wait_for(lambda: app.bus.count(topics.EXTENSION_UI, "s1") == 1, what="extension UI stream")
+    await wait_for(lambda: app.bus.count(kinds.EXTENSION_UI, "s1") == 1, what="extension UI stream")
     a = await agent("s1")
 
     await a.send(spec("confirmationRequest", "c1", message="Deploy to production?", buttons=["Deploy", "Cancel"]))
@@ -247,7 +243,7 @@ async def test_confirmation_answered_by_extension_ui(app: App, agent: Any, conne
 async def test_notification_and_process_status(app: App, agent: Any, connect: Any) -> None:
     ui = connect("s1")
     events = ext(ui).Subscribe(xpb.SubscribeRequest())
-    await wait_for(lambda: app.bus.count(topics.EXTENSION_UI, "s1") == 1, what="extension UI stream")
+    await wait_for(lambda: app.bus.count(kinds.EXTENSION_UI, "s1") == 1, what="extension UI stream")
     a = await agent("s1")
     await a.send({"type": "notificationEvent", "message": "Build passed", "eventType": "terminal"})
     await a.send({"type": "processStarted"})
@@ -295,7 +291,7 @@ async def test_state_and_memory_round_trip_and_persist(web_config: Config, agent
     other = await agent("other")
     assert (await other.call(spec("memoryGet", "o", family="memoryEvent", key="ctx")))["data"]["found"] is False
 
-    await app.stop(grace=0.5)
+    await app.aclose(grace=0.5)
     second = App(replace(web_config, http_port=free_port()))
     await second.start()
     try:
@@ -305,7 +301,7 @@ async def test_state_and_memory_round_trip_and_persist(web_config: Config, agent
             state = await b.call({"type": "agentStateEvent", "action": "getAgentState", "requestId": "g"})
             assert state["payload"] == {"mode": "fast", "plan": "step 2"}
     finally:
-        await second.stop(grace=0.5)
+        await second.aclose(grace=0.5)
 
 
 @pytest.mark.parametrize(("family", "action"), [
@@ -349,7 +345,7 @@ async def test_bad_envelopes_answered_and_connection_stays(app: App, agent: Any,
 
 async def test_oversized_and_binary_frames(app: App, agent: Any) -> None:
     a = await agent("s1")
-    limit = gateway_of(app).max_message_bytes
+    limit = app[CODEBOLT].max_message_bytes
     reply = await a.call(json.dumps(spec("sendMessage", "big", message="x" * limit)))
     assert reply["success"] is False and f"the limit is {limit}" in reply["error"]
     reply = await a.call(b"\xff\xfe")
@@ -361,7 +357,7 @@ async def test_oversized_and_binary_frames(app: App, agent: Any) -> None:
 async def test_closing_mid_wait_leaves_nothing(app: App, agent: Any, connect: Any) -> None:
     ui = connect("s1")
     events = ext(ui).Subscribe(xpb.SubscribeRequest())
-    await wait_for(lambda: app.bus.count(topics.EXTENSION_UI, "s1") == 1, what="extension UI stream")
+    await wait_for(lambda: app.bus.count(kinds.EXTENSION_UI, "s1") == 1, what="extension UI stream")
     a = await agent("s1")
     await a.send(spec("waitforReply", "w1"))
     await a.send(spec("confirmationRequest", "c1", message="Sure?", withFeedback=True))
@@ -369,10 +365,10 @@ async def test_closing_mid_wait_leaves_nothing(app: App, agent: Any, connect: An
     await wait_pending(ui, 2)
     stats = await ext(ui).GetStats(xpb.StatsRequest())
     assert stats.session_pending_dialogs == 1 and app.bus.count(CHAT_MESSAGE, "s1") == 2
-    assert gateway_of(app).count() == 1
+    assert app[CODEBOLT].count() == 1
 
     await a.ws.close()
-    await wait_for(lambda: gateway_of(app).count() == 0 and gateway_of(app).pending() == 0, what="gateway cleanup")
+    await wait_for(lambda: app[CODEBOLT].count() == 0 and app[CODEBOLT].pending() == 0, what="gateway cleanup")
     assert app.bus.count(CHAT_MESSAGE) == 0
     assert (await ext(ui).GetStats(xpb.StatsRequest())).pending_dialogs == 0
     closed = await asyncio.wait_for(events.read(), 3)
@@ -382,7 +378,7 @@ async def test_closing_mid_wait_leaves_nothing(app: App, agent: Any, connect: An
 
 
 async def test_waits_per_connection_are_bounded(app: App, agent: Any, connect: Any) -> None:
-    gateway_of(app).max_waits = 2
+    app[CODEBOLT].max_waits = 2
     a = await agent("s1")
     for rid in ("w1", "w2"):
         await a.send(spec("waitforReply", rid))
@@ -408,23 +404,25 @@ async def test_token_required_when_configured(web_config: Config) -> None:
         url = f"ws://127.0.0.1:{app.http_port}{PATH}?session=t"
         with pytest.raises(InvalidStatus) as refused:
             await ws_connect(url)
-        assert refused.value.response.status_code == 403
+        # As on the HTTP API: 401 with the status in the body.
+        assert refused.value.response.status_code == 401
+        assert json.loads(refused.value.response.body)["code"] == "UNAUTHENTICATED"
         async with ws_connect(url, additional_headers={"authorization": "Bearer s3cret"}) as ws:
             assert (await Agent(ws).call(spec("getChatHistory", "r")))["success"] is True
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 async def test_shutdown_answers_waits_and_closes(app: App, agent: Any, connect: Any) -> None:
     a = await agent("s1")
     await a.send(spec("waitforReply", "w1"))
     await wait_pending(connect("s1"), 1)
-    await app.stop(grace=1.0)
+    await app.aclose(grace=1.0)
     reply = await a.recv()
     assert reply["requestId"] == "w1" and reply["success"] is False and "shutting down" in reply["error"]
     with pytest.raises(ConnectionClosed):
         await a.recv()
-    assert gateway_of(app).count() == 0 and app.bus.count(CHAT_MESSAGE) == 0
+    assert app[CODEBOLT].count() == 0 and app.bus.count(CHAT_MESSAGE) == 0
 
 
 async def test_a_wait_gets_the_first_of_a_burst(app: App, agent: Any, connect: Any) -> None:
@@ -464,7 +462,7 @@ async def test_codeboltjs_connection_path(app: App) -> None:
         await a.send({"type": "sendMessage", "message": "via the codeboltjs path"})
         reply = await a.call({"type": "getChatHistory", "requestId": "req_1_1"})
         assert [e["text"] for e in reply["data"]] == ["via the codeboltjs path"]
-        assert gateway_of(app).count("default") == 1
+        assert app[CODEBOLT].count("default") == 1
 
 
 async def test_plain_http_is_told_to_upgrade(app: App) -> None:

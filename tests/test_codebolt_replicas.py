@@ -16,11 +16,12 @@ from tests.conftest import free_port, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.codebolt.asgi import PATH
 from uibus.config import Config
+from uibus.installers import CODEBOLT
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc
 from uibus.redis_bus import ReplicatedBus
+from uibus.transports.codebolt_ws import PATH
 
 __all__ = ["redis_server"]
 
@@ -40,7 +41,7 @@ async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[
         yield apps[0], apps[1]
     finally:
         for app in apps:
-            await app.stop(grace=0.5)
+            await app.aclose(grace=0.5)
 
 
 async def call(ws: Any, obj: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +56,7 @@ async def test_agent_on_a_user_on_b(replicas: tuple[App, App]) -> None:
         memory = {"type": "memoryEvent", "action": "set", "key": "k", "value": [1, 2], "requestId": "m1"}
         assert (await call(ws, memory))["success"] is True
         await ws.send(json.dumps({"type": "waitforReply", "requestId": "w1"}))
-        await wait_for(lambda: a.rt.http_mounts[PATH].gateway.pending("r1") == 1, what="the wait on replica a")
+        await wait_for(lambda: a[CODEBOLT].pending("r1") == 1, what="the wait on replica a")
         # The user's message is written on b and announced through Redis to the wait on a.
         sent = await codebolt_pb2_grpc.CodeBoltServiceStub(user.channel).SendUserMessage(cpb.UserMessage(text="hi"))
         assert sent.answered == 0  # nobody waits on b itself

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, wait_for
-from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
-from uibus import topics
+from tests.ext_ui_helpers import ext, open_uis, read
+from uibus import kinds
 from uibus.app import App
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
@@ -89,13 +89,13 @@ async def bridge(app: App) -> AsyncIterator[Callable[..., Any]]:
     procs: list[asyncio.subprocess.Process] = []
 
     async def start(session: str = "default", *args: str) -> BridgeProcess:
-        before = app.bus.count(topics.EXTENSION_UI, session)
+        before = app.bus.count(kinds.EXTENSION_UI, session)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "clients.cli", "ext-ui-stdio", "--target", f"127.0.0.1:{app.port}",
             "--session", session, *args, cwd=REPO, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE)
         procs.append(proc)
-        await wait_for(lambda: app.bus.count(topics.EXTENSION_UI, session) == before + 1 or
+        await wait_for(lambda: app.bus.count(kinds.EXTENSION_UI, session) == before + 1 or
                        proc.returncode is not None, timeout=30, what="the bridge to subscribe")
         assert proc.returncode is None, "the bridge exited"
         return BridgeProcess(proc)
@@ -132,7 +132,7 @@ async def test_seed_examples_round_trip(app, connect, bridge):
 
     # the editor is still open; its agent gives up, and the strict framing prints nothing for it
     calls[3].cancel()
-    await wait_for(lambda: dialogs_of(app).count() == 0, what="the editor dialog to close")
+    await wait_for(lambda: app.core.dialogs.count() == 0, what="the editor dialog to close")
     await agent.SetTitle(pb.SetTitleRequest(title="next"))
     assert (await b.line())["title"] == "next"
     assert await b.close_stdin() == 0
@@ -192,7 +192,7 @@ async def test_late_bridge_gets_state_and_waiting_dialogs_and_close_events(app, 
     await agent.SetWidget(pb.SetWidgetRequest(key="w", lines=["l1"]))
     waiting = asyncio.ensure_future(agent.Select(pb.SelectRequest(title="pick", options=["a", "b"],
                                                                   timeout_ms=20_000)))
-    await wait_for(lambda: dialogs_of(app).count() == 1, what="the dialog to open")
+    await wait_for(lambda: app.core.dialogs.count() == 1, what="the dialog to open")
 
     b = await bridge("default", "--close-events")
     status, widget, dialog = await b.line(), await b.line(), await b.line()
@@ -223,7 +223,7 @@ async def test_late_bridge_gets_state_and_waiting_dialogs_and_close_events(app, 
 
 async def test_bridge_exits_when_server_stops(app, bridge):
     b = await bridge()
-    await app.stop(grace=1.0)
+    await app.aclose(grace=1.0)
     assert await asyncio.wait_for(b.proc.wait(), 10) == 1
 
 

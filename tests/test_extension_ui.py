@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from tests.conftest import wait_for
-from tests.ext_ui_helpers import dialogs_of, ext, open_uis, read
+from tests.ext_ui_helpers import ext, open_uis, read
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
@@ -46,7 +46,7 @@ async def test_dialog_first_answer_wins_and_other_ui_is_told(app, connect, metho
     req = seen_a.request
     assert req.WhichOneof("method") == method and getattr(req, method) == request
     assert req.id and req.ts > 0 and req.expires_at_ms == 0 and not req.replayed
-    assert dialogs_of(app).count() == 1
+    assert app.core.dialogs.count() == 1
 
     answer.id = req.id
     await ext(ui_conn).Respond(answer)
@@ -62,7 +62,7 @@ async def test_dialog_first_answer_wins_and_other_ui_is_told(app, connect, metho
         await ext(ui_conn).Respond(pb.RespondRequest(id=req.id, cancelled=True))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "already answered" in err.value.details()
-    assert dialogs_of(app).count() == 0
+    assert app.core.dialogs.count() == 0
 
 
 @pytest.mark.parametrize("method", list(DIALOGS))
@@ -111,7 +111,7 @@ async def test_timeouts_resolve_to_defaults_on_time(app, connect):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await ext(ui_conn).Respond(pb.RespondRequest(id=next(iter(ids)), cancelled=True))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "timed out" in err.value.details()
-    assert dialogs_of(app).count() == 0
+    assert app.core.dialogs.count() == 0
 
 
 async def test_agent_cancel_closes_the_dialog_on_every_ui(app, connect):
@@ -123,7 +123,7 @@ async def test_agent_cancel_closes_the_dialog_on_every_ui(app, connect):
     call.cancel()
     for ui in uis:
         assert (await read(ui)).closed == pb.DialogClosed(id=dialog_id, reason=CALLER_CANCELLED)
-    assert dialogs_of(app).count() == 0
+    assert app.core.dialogs.count() == 0
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await ext(ui_conn).Respond(pb.RespondRequest(id=dialog_id, confirmed=True))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "cancelled by the agent" in err.value.details()
@@ -134,7 +134,7 @@ async def test_agent_cancel_closes_the_dialog_on_every_ui(app, connect):
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     dialog_id = (await read(uis[0])).request.id
     assert (await read(uis[0])).closed == pb.DialogClosed(id=dialog_id, reason=CALLER_CANCELLED)
-    await wait_for(lambda: dialogs_of(app).count() == 0, what="pending dialogs to drain")
+    await wait_for(lambda: app.core.dialogs.count() == 0, what="pending dialogs to drain")
 
 
 async def test_fire_and_forget_reach_every_ui(app, connect):
@@ -177,7 +177,7 @@ async def test_late_ui_gets_state_then_pending_dialogs_then_live(app, connect):
     # a dialog asked while no UI is connected waits for the first one
     call = asyncio.ensure_future(agent.Select(pb.SelectRequest(title="pick", options=["p", "q"],
                                                                timeout_ms=30_000)))
-    await wait_for(lambda: dialogs_of(app).count() == 1, what="the dialog to open")
+    await wait_for(lambda: app.core.dialogs.count() == 1, what="the dialog to open")
 
     (ui,) = await open_uis(app, late_conn, 1)
     first = [(await read(ui)).request for _ in range(5)]
@@ -261,14 +261,14 @@ async def test_bad_requests_are_invalid_argument(app, connect):
     await responder.Respond(pb.RespondRequest(id=ids["confirm"], confirmed=False))
     assert (await select).value == "b"
     assert (await confirm).outcome == ANSWERED
-    assert dialogs_of(app).count() == 0
+    assert app.core.dialogs.count() == 0
 
 
 async def test_pending_dialogs_per_session_are_bounded(app, connect):
     agent = ext(connect("busy"))
-    limit = dialogs_of(app).max_per_session
+    limit = app.core.dialogs.pending.max_per_session
     calls = [agent.Input(pb.InputRequest(title=f"q{i}")) for i in range(limit)]
-    await wait_for(lambda: dialogs_of(app).count("busy") == limit, what="dialogs to open")
+    await wait_for(lambda: app.core.dialogs.count("busy") == limit, what="dialogs to open")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await agent.Input(pb.InputRequest(title="one too many"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit" in err.value.details()
@@ -279,25 +279,25 @@ async def test_pending_dialogs_per_session_are_bounded(app, connect):
     assert (stats.pending_dialogs, stats.session_pending_dialogs) == (limit, limit)
     for c in calls:
         c.cancel()
-    await wait_for(lambda: dialogs_of(app).count() == 0, what="cancelled dialogs to close")
+    await wait_for(lambda: app.core.dialogs.count() == 0, what="cancelled dialogs to close")
 
 
 async def test_shutdown_releases_waiting_agents(app, connect):
     agent = ext(connect())
     call = agent.Editor(pb.EditorRequest(title="t", prefill="p"))
-    await wait_for(lambda: dialogs_of(app).count() == 1, what="the dialog to open")
+    await wait_for(lambda: app.core.dialogs.count() == 1, what="the dialog to open")
     started = time.monotonic()
-    await app.stop(grace=1.0)
+    await app.aclose(grace=1.0)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await call
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
     assert time.monotonic() - started < 1.0  # released at once, not at the end of the grace period
-    assert dialogs_of(app).count() == 0
+    assert app.core.dialogs.count() == 0
 
 
 async def test_thousand_dialogs_across_fifty_sessions(app, connect):
     sessions, per_session = 50, 20
-    registry = dialogs_of(app)
+    registry = app.core.dialogs
     uis = {}
     for s in range(sessions):
         conn = connect(f"s{s}")

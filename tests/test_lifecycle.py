@@ -79,7 +79,7 @@ async def test_state_survives_restart(tmp_path, config):
                     assert state.announcement.last_shown_announcement_id == "a7"
                     theme.cancel()
         finally:
-            await app.stop(grace=0.5)
+            await app.aclose(grace=0.5)
 
 
 async def test_state_survives_process_restart(spawn, tmp_path):
@@ -115,7 +115,7 @@ async def test_bearer_token(config):
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == 1
         assert app.bus.count() == 0
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 async def test_tls(tmp_path, config):
@@ -135,7 +135,7 @@ async def test_tls(tmp_path, config):
             with pytest.raises(grpc.aio.AioRpcError):
                 await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=2)
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 def test_bad_config_is_refused(tmp_path):
@@ -161,7 +161,7 @@ async def test_watchers_see_not_serving_when_stop_starts(app):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
         watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service="cline.UiService"))
         assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.SERVING
-        stopping = asyncio.ensure_future(app.stop(grace=0.5))
+        stopping = asyncio.ensure_future(app.aclose(grace=0.5))
         assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await stopping
     await wait_for(lambda: app.bus.count() == 0)

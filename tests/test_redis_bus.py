@@ -14,10 +14,14 @@ import pytest
 from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus.bus import Subscription
+from uibus.kinds import Kind
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.redis_bus import ReplicatedBus
 
 __all__ = ["redis_server"]
+
+K = Kind("k", object)  # a test kind: any payload, the default overflow policy
+HOST = Kind("host", common_pb2.String, presence=True)
 
 
 @pytest.fixture
@@ -40,17 +44,17 @@ async def drain(sub: Subscription, n: int, timeout: float = 3.0) -> list[object]
 
 async def test_protobuf_and_json_items_cross_with_target_and_key(buses: tuple[ReplicatedBus, ReplicatedBus]) -> None:
     a, b = buses
-    tab = b.subscribe("s", "k", "TAB")
-    anyone = b.subscribe("s", "k")
+    tab = b.subscribe("s", K, "TAB")
+    anyone = b.subscribe("s", K)
     msg = ui_pb2.ClineMessage(ts=5, type=ui_pb2.ASK, ask=ui_pb2.FOLLOWUP, text="?", images=["x"])
-    assert a.publish("s", "k", msg, target="TAB", key=5) == 0  # nobody on A
-    a.publish("s", "k", {"plain": ["json", 1]}, target=None, key=("tuple", 1))
-    a.publish("s", "k", common_pb2.String(value="sidebar only"), target="SIDEBAR")
+    assert a.publish("s", K, msg, target="TAB", key=5) == 0  # nobody on A
+    a.publish("s", K, {"plain": ["json", 1]}, target=None, key=("tuple", 1))
+    a.publish("s", K, common_pb2.String(value="sidebar only"), target="SIDEBAR")
     got_tab = await drain(tab, 2)
     assert got_tab == [msg, {"plain": ["json", 1]}] and isinstance(got_tab[0], ui_pb2.ClineMessage)
     assert await drain(anyone, 3) == [msg, {"plain": ["json", 1]}, common_pb2.String(value="sidebar only")]
     assert len(tab) == 0
-    assert a.publish("s", "k", object()) == 0 and a.stats.unreplicable == 1  # local only, counted
+    assert a.publish("s", K, object()) == 0 and a.stats.unreplicable == 1  # local only, counted
     b.unsubscribe(tab)
     b.unsubscribe(anyone)
     assert b.count() == 0
@@ -58,10 +62,10 @@ async def test_protobuf_and_json_items_cross_with_target_and_key(buses: tuple[Re
 
 async def test_own_envelopes_are_not_delivered_twice(buses: tuple[ReplicatedBus, ReplicatedBus]) -> None:
     a, b = buses
-    sub_a = a.subscribe("s", "k")
-    sub_b = b.subscribe("s", "k")
-    assert a.publish("s", "k", common_pb2.String(value="one")) == 1
-    a.publish("s", "k", common_pb2.String(value="two"))
+    sub_a = a.subscribe("s", K)
+    sub_b = b.subscribe("s", K)
+    assert a.publish("s", K, common_pb2.String(value="one")) == 1
+    a.publish("s", K, common_pb2.String(value="two"))
     assert [m.value for m in await drain(sub_b, 2)] == ["one", "two"]  # type: ignore[attr-defined]
     assert [m.value for m in await drain(sub_a, 2)] == ["one", "two"]  # type: ignore[attr-defined]
     assert len(sub_a) == 0 and a.stats.received == 0
@@ -72,13 +76,13 @@ async def test_own_envelopes_are_not_delivered_twice(buses: tuple[ReplicatedBus,
 async def test_stalled_redis_never_blocks_publish_and_recovers(
         buses: tuple[ReplicatedBus, ReplicatedBus], redis_server: RedisProcess) -> None:
     a, b = buses
-    local = a.subscribe("s", "k", maxsize=10_000)
-    remote = b.subscribe("s", "k", maxsize=10_000)
+    local = a.subscribe("s", K, maxsize=10_000)
+    remote = b.subscribe("s", K, maxsize=10_000)
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # accepts bytes, answers nothing: a hung Redis
     try:
         for i in range(200):  # bounded; publish is synchronous, so it cannot wait on Redis
-            assert a.publish("s", "k", common_pb2.String(value=str(i))) == 1
+            assert a.publish("s", K, common_pb2.String(value=str(i))) == 1
         assert [m.value for m in await drain(local, 200)] == [str(i) for i in range(200)]  # type: ignore[attr-defined]
         await wait_for(lambda: a.stats.dropped >= 200 - 8, timeout=10, what="outbox overflow counted")
     finally:
@@ -86,7 +90,7 @@ async def test_stalled_redis_never_blocks_publish_and_recovers(
     await wait_for(lambda: a.connected and b.connected, timeout=15, what="replication back")
     start = time.monotonic()
     while True:  # the first envelopes after the stall may still be in flight: look for a fresh one
-        a.publish("s", "k", common_pb2.String(value="fresh"))
+        a.publish("s", K, common_pb2.String(value="fresh"))
         try:
             while (await asyncio.wait_for(remote.__anext__(), 0.5)).value != "fresh":  # type: ignore[attr-defined]
                 pass
@@ -101,9 +105,9 @@ async def test_stalled_redis_never_blocks_publish_and_recovers(
 async def test_stop_while_redis_is_down_does_not_hang(redis_server: RedisProcess) -> None:
     bus = ReplicatedBus(redis_server.url)
     await bus.start()
-    sub = bus.subscribe("s", "k")
+    sub = bus.subscribe("s", K)
     redis_server.kill()
-    bus.publish("s", "k", common_pb2.String(value="x"))
+    bus.publish("s", K, common_pb2.String(value="x"))
     await wait_for(lambda: not bus.connected, timeout=5, what="outage noticed")
     bus.unsubscribe(sub)
     await asyncio.wait_for(bus.stop(), 5)
@@ -115,33 +119,33 @@ async def test_start_without_redis_serves_locally(tmp_path: object) -> None:
     bus = ReplicatedBus(f"redis://127.0.0.1:{free_port()}/0")
     await asyncio.wait_for(bus.start(wait_s=0.5), 5)
     assert not bus.connected
-    sub = bus.subscribe("s", "k")
-    assert bus.publish("s", "k", common_pb2.String(value="local")) == 1
+    sub = bus.subscribe("s", K)
+    assert bus.publish("s", K, common_pb2.String(value="local")) == 1
     assert (await drain(sub, 1))[0] == common_pb2.String(value="local")
     bus.unsubscribe(sub)
     await asyncio.wait_for(bus.stop(), 5)
 
 
 async def test_presence_is_kept_by_heartbeats_and_expires_with_a_dead_replica(redis_server: RedisProcess) -> None:
-    a = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
-    b = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
+    a = ReplicatedBus(redis_server.url, heartbeat_s=0.1)
+    b = ReplicatedBus(redis_server.url, heartbeat_s=0.1)
     await a.start()
     await b.start()
     try:
-        assert a.publish("s", "host", common_pb2.String(value="nobody")) == 0
-        hosts = [b.subscribe("s", "host"), b.subscribe("s", "host")]
-        await wait_for(lambda: a.remote_count("s", "host") == 2, what="A learns of B's two hosts")
+        assert a.publish("s", HOST, common_pb2.String(value="nobody")) == 0
+        hosts = [b.subscribe("s", HOST), b.subscribe("s", HOST)]
+        await wait_for(lambda: a.remote_count("s", HOST) == 2, what="A learns of B's two hosts")
         await asyncio.sleep(0.6)  # twice the expiry: heartbeats keep it fresh
-        assert a.remote_count("s", "host") == 2
-        assert a.publish("s", "host", common_pb2.String(value="to b")) == 2
+        assert a.remote_count("s", HOST) == 2
+        assert a.publish("s", HOST, common_pb2.String(value="to b")) == 2
         assert [m.value for m in await drain(hosts[0], 1)] == ["to b"]  # type: ignore[attr-defined]
-        late = ReplicatedBus(redis_server.url, presence_kinds=("host",), heartbeat_s=0.1)
+        late = ReplicatedBus(redis_server.url, heartbeat_s=0.1)
         await late.start()  # a replica that joins later learns within a heartbeat
-        await wait_for(lambda: late.remote_count("s", "host") == 2, what="newcomer learns of B's hosts")
+        await wait_for(lambda: late.remote_count("s", HOST) == 2, what="newcomer learns of B's hosts")
         await late.stop()
         await b.stop()  # B dies without unsubscribing: its announcement must expire
-        await wait_for(lambda: a.remote_count("s", "host") == 0, timeout=3, what="B's hosts expire on A")
-        assert a.publish("s", "host", common_pb2.String(value="gone")) == 0
+        await wait_for(lambda: a.remote_count("s", HOST) == 0, timeout=3, what="B's hosts expire on A")
+        assert a.publish("s", HOST, common_pb2.String(value="gone")) == 0
         for sub in hosts:
             b.unsubscribe(sub)
     finally:

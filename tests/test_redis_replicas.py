@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import next_message, wait_for
 from tests.redisproc import RedisProcess, redis_server
-from uibus import topics
+from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -63,7 +63,7 @@ async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[
         for conn in opened:
             await conn.close()
         for app in apps:
-            await app.stop(grace=0.5)
+            await app.aclose(grace=0.5)
 
 
 async def test_uses_redis_for_store_and_bus(replicas: tuple[Replica, Replica]) -> None:
@@ -81,19 +81,19 @@ async def test_theme_set_on_a_is_current_on_b_then_changes_flow(replicas: tuple[
     stream = b.connect().ui.subscribeToTheme(common_pb2.EmptyRequest())
     first = await next_message(stream)
     assert first.value == '{"name":"dark"}'  # B read A's write from the shared store
-    await b.subscribed(topics.THEME)
+    await b.subscribed(kinds.THEME)
     await host.host.SetTheme(host_pb2.TextEvent(text='{"name":"light"}'))
     assert (await next_message(stream)).value == '{"name":"light"}'
     state = await b.connect().host.GetSessionState(common_pb2.Empty())
     assert state.theme == '{"name":"light"}'
     stream.cancel()
-    await b.subscribed(topics.THEME, n=0)
+    await b.subscribed(kinds.THEME, n=0)
 
 
 async def test_partial_messages_cross_replicas_in_order(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     stream = b.connect().ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
-    await b.subscribed(topics.PARTIAL_MESSAGE)
+    await b.subscribed(kinds.PARTIAL_MESSAGE)
     host = a.connect().host
     texts = ["Hel", "Hello", "Hello, wor", "Hello, world"]
     for i, text in enumerate(texts):
@@ -106,13 +106,13 @@ async def test_partial_messages_cross_replicas_in_order(replicas: tuple[Replica,
     assert {m.ts for m in got} == {1700000000123}
     assert got[0].type == ui_pb2.SAY and got[0].say == ui_pb2.TEXT
     stream.cancel()
-    await b.subscribed(topics.PARTIAL_MESSAGE, n=0)
+    await b.subscribed(kinds.PARTIAL_MESSAGE, n=0)
 
 
 async def test_coalescing_key_survives_the_hop(replicas: tuple[Replica, Replica]) -> None:
     """A slow subscriber on B keeps only the newest state of each `ts`, as it would locally."""
     a, b = replicas
-    sub = b.bus.subscribe("default", topics.PARTIAL_MESSAGE, maxsize=2)
+    sub = b.bus.subscribe("default", kinds.PARTIAL_MESSAGE, maxsize=2)
     try:
         host = a.connect().host
         for ts, text in [(1, "a"), (2, "b"), (1, "aa"), (2, "bb"), (1, "aaa"), (2, "bbb")]:
@@ -120,7 +120,7 @@ async def test_coalescing_key_survives_the_hop(replicas: tuple[Replica, Replica]
         await wait_for(lambda: b.bus.stats.received >= 6, what="six envelopes on B")
         b.bus.unsubscribe(sub)  # closes the mailbox: iterating yields what is queued, then ends
         assert [(m.ts, m.text) async for m in sub] == [(1, "aaa"), (2, "bbb")]
-        assert b.bus.counters[topics.PARTIAL_MESSAGE].coalesced == 4
+        assert b.bus.counters[kinds.PARTIAL_MESSAGE.name].coalesced == 4
     finally:
         b.bus.unsubscribe(sub)
     assert b.bus.count() == 0
@@ -132,8 +132,8 @@ async def test_button_clicks_filtered_by_provider_type(replicas: tuple[Replica, 
     sidebar = ui.subscribeToHistoryButtonClicked(ui_pb2.WebviewProviderTypeRequest(provider_type=ui_pb2.SIDEBAR))
     tab = ui.subscribeToHistoryButtonClicked(ui_pb2.WebviewProviderTypeRequest(provider_type=ui_pb2.TAB))
     chat = ui.subscribeToChatButtonClicked(common_pb2.EmptyRequest())
-    await b.subscribed(topics.HISTORY_BUTTON, n=2)
-    await b.subscribed(topics.CHAT_BUTTON)
+    await b.subscribed(kinds.HISTORY_BUTTON, n=2)
+    await b.subscribed(kinds.CHAT_BUTTON)
     host = a.connect().host
     await host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_HISTORY, provider_type=ui_pb2.TAB))
     await host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_HISTORY))  # no type: everyone
@@ -146,7 +146,7 @@ async def test_button_clicks_filtered_by_provider_type(replicas: tuple[Replica, 
     await host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_HISTORY,
                                                        provider_type=ui_pb2.SIDEBAR))
     await next_message(sidebar)
-    assert b.bus.counters[topics.HISTORY_BUTTON].delivered == 4  # TAB 2 + SIDEBAR 2
+    assert b.bus.counters[kinds.HISTORY_BUTTON.name].delivered == 4  # TAB 2 + SIDEBAR 2
     for s in (sidebar, tab, chat):
         s.cancel()
     await wait_for(lambda: b.bus.count() == 0, what="all subscriptions gone")
@@ -157,26 +157,26 @@ async def test_focus_reaches_only_its_client_id(replicas: tuple[Replica, Replica
     ui = b.connect().ui
     c1 = ui.subscribeToFocusChatInput(common_pb2.StringRequest(value="c1"))
     c2 = ui.subscribeToFocusChatInput(common_pb2.StringRequest(value="c2"))
-    await b.subscribed(topics.FOCUS_CHAT_INPUT, n=2)
+    await b.subscribed(kinds.FOCUS_CHAT_INPUT, n=2)
     host = a.connect().host
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="c2"))
     await next_message(c2)
     await wait_for(lambda: b.bus.stats.received >= 1, what="envelope on B")
-    assert b.bus.counters[topics.FOCUS_CHAT_INPUT].delivered == 1
+    assert b.bus.counters[kinds.FOCUS_CHAT_INPUT.name].delivered == 1
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="c1"))
     await next_message(c1)
-    assert b.bus.counters[topics.FOCUS_CHAT_INPUT].delivered == 2
+    assert b.bus.counters[kinds.FOCUS_CHAT_INPUT.name].delivered == 2
     c1.cancel()
     c2.cancel()
-    await b.subscribed(topics.FOCUS_CHAT_INPUT, n=0)
+    await b.subscribed(kinds.FOCUS_CHAT_INPUT, n=0)
 
 
 async def test_sessions_stay_isolated_across_replicas(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     s1 = b.connect("s1").ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     s2 = b.connect("s2").ui.subscribeToAddToInput(common_pb2.EmptyRequest())
-    await b.subscribed(topics.ADD_TO_INPUT, "s1")
-    await b.subscribed(topics.ADD_TO_INPUT, "s2")
+    await b.subscribed(kinds.ADD_TO_INPUT, "s1")
+    await b.subscribed(kinds.ADD_TO_INPUT, "s2")
     await a.connect("s1").host.PublishAddToInput(host_pb2.TextEvent(text="for s1"))
     await a.connect("s2").host.PublishAddToInput(host_pb2.TextEvent(text="for s2"))
     assert (await next_message(s1)).value == "for s1"
@@ -196,14 +196,14 @@ async def test_open_url_sees_a_host_on_the_other_replica(replicas: tuple[Replica
         await webview.openUrl(common_pb2.StringRequest(value="https://example.com/"))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     requests = b.connect().host.SubscribeHostRequests(common_pb2.Empty())
-    await b.subscribed(topics.HOST_REQUEST)
-    await wait_for(lambda: a.bus.remote_count("default", topics.HOST_REQUEST) == 1, what="A learns of B's host")
+    await b.subscribed(kinds.HOST_REQUEST)
+    await wait_for(lambda: a.bus.remote_count("default", kinds.HOST_REQUEST) == 1, what="A learns of B's host")
     await webview.openUrl(common_pb2.StringRequest(value="https://example.com/docs"))
     got = await next_message(requests)
     assert got.WhichOneof("request") == "open_url" and got.open_url.url == "https://example.com/docs"
     requests.cancel()
-    await b.subscribed(topics.HOST_REQUEST, n=0)
-    await wait_for(lambda: a.bus.remote_count("default", topics.HOST_REQUEST) == 0, what="A learns host left")
+    await b.subscribed(kinds.HOST_REQUEST, n=0)
+    await wait_for(lambda: a.bus.remote_count("default", kinds.HOST_REQUEST) == 0, what="A learns host left")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await webview.openUrl(common_pb2.StringRequest(value="https://example.com/"))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -222,8 +222,8 @@ async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
     a, b = replicas
     on_a = a.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     on_b = b.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
-    await a.subscribed(topics.ADD_TO_INPUT)
-    await b.subscribed(topics.ADD_TO_INPUT)
+    await a.subscribed(kinds.ADD_TO_INPUT)
+    await b.subscribed(kinds.ADD_TO_INPUT)
     host_a, host_b = a.connect().host, b.connect().host
     await host_a.PublishAddToInput(host_pb2.TextEvent(text="before"))
     assert (await next_message(on_a)).value == "before"
@@ -273,7 +273,7 @@ async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
 async def test_bad_envelopes_are_counted_not_fatal(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
     stream = b.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
-    await b.subscribed(topics.ADD_TO_INPUT)
+    await b.subscribed(kinds.ADD_TO_INPUT)
     raw = b.bus._redis  # the same Redis both replicas listen to
     await raw.publish(b.bus.channel, b"not json\nxx")
     await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"no.such.Type"]\n')
@@ -282,7 +282,7 @@ async def test_bad_envelopes_are_counted_not_fatal(replicas: tuple[Replica, Repl
     await a.connect().host.PublishAddToInput(host_pb2.TextEvent(text="still fine"))
     assert (await next_message(stream)).value == "still fine"
     stream.cancel()
-    await b.subscribed(topics.ADD_TO_INPUT, n=0)
+    await b.subscribed(kinds.ADD_TO_INPUT, n=0)
 
 
 async def test_stop_releases_redis_connections(redis_server: RedisProcess, tmp_path: Path) -> None:
@@ -298,7 +298,7 @@ async def test_stop_releases_redis_connections(redis_server: RedisProcess, tmp_p
             return {c["name"] for c in clients}
 
         assert {"uibus-store", "uibus-bus"} <= names(await probe.client_list())
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
         await wait_for_async(lambda: probe.client_list(), lambda cl: not names(cl) & {"uibus-store", "uibus-bus"})
     finally:
         await probe.aclose()
@@ -348,7 +348,7 @@ async def test_extension_ui_answer_given_on_another_replica(replicas: tuple[Repl
     agent = ext_grpc.ExtensionUiServiceStub(a.connect("dlg").channel)
     ui = ext_grpc.ExtensionUiServiceStub(b.connect("dlg").channel)
     events = ui.Subscribe(ext.SubscribeRequest())
-    await b.subscribed(topics.EXTENSION_UI, "dlg")
+    await b.subscribed(kinds.EXTENSION_UI, "dlg")
     ask = asyncio.ensure_future(agent.Confirm(ext.ConfirmRequest(title="Deploy?", message="prod", timeout_ms=10_000)))
     request = (await next_message(events, timeout=5)).request
     assert request.confirm.title == "Deploy?"

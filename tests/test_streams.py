@@ -9,6 +9,7 @@ import time
 import grpc
 
 from tests.conftest import Reader, next_message, replace, wait_for
+from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2
@@ -68,7 +69,7 @@ async def test_subscription_limit_per_session(tmp_path):
                 r.cancel()
             await wait_for(lambda: app.bus.count() == 0)
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 def _config(tmp_path):
@@ -116,7 +117,7 @@ async def test_never_reading_subscriber_is_bounded_and_does_not_slow_others(tmp_
             fast.cancel()
             await wait_for(lambda: app.bus.count() == 0)
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 async def test_partial_message_overflow_coalesces_by_ts(tmp_path):
@@ -125,11 +126,11 @@ async def test_partial_message_overflow_coalesces_by_ts(tmp_path):
     await app.start()
     try:
         bus = app.bus
-        sub = bus.subscribe("s", "partial_message")
+        sub = bus.subscribe("s", kinds.PARTIAL_MESSAGE)
         for ts in (1, 2, 3, 4):
-            bus.publish("s", "partial_message", ("state", ts, 0), key=ts)
+            bus.publish("s", kinds.PARTIAL_MESSAGE, ("state", ts, 0), key=ts)
         for version in range(1, 50):  # a long-growing message 2 while the reader is stuck
-            bus.publish("s", "partial_message", ("state", 2, version), key=2)
+            bus.publish("s", kinds.PARTIAL_MESSAGE, ("state", 2, version), key=2)
         got = [sub._items.popleft()[1] for _ in range(len(sub))]
         assert got == [("state", 1, 0), ("state", 2, 49), ("state", 3, 0), ("state", 4, 0)]
         assert bus.counters["partial_message"].coalesced == 49
@@ -137,21 +138,21 @@ async def test_partial_message_overflow_coalesces_by_ts(tmp_path):
         bus.unsubscribe(sub)
         assert bus.count() == 0
     finally:
-        await app.stop(grace=0.5)
+        await app.aclose(grace=0.5)
 
 
 async def test_theme_overflow_keeps_latest(connect, app):
-    sub = app.bus.subscribe("t", "theme", maxsize=2)
+    sub = app.bus.subscribe("t", kinds.THEME, maxsize=2)
     for i in range(10):
-        app.bus.publish("t", "theme", i)
+        app.bus.publish("t", kinds.THEME, i)
     assert [sub._items.popleft()[1] for _ in range(len(sub))] == [8, 9]
     app.bus.unsubscribe(sub)
 
 
 async def test_click_overflow_drops_oldest(app):
-    sub = app.bus.subscribe("c", "chat_button", maxsize=3)
+    sub = app.bus.subscribe("c", kinds.CHAT_BUTTON, maxsize=3)
     for i in range(10):
-        app.bus.publish("c", "chat_button", i)
+        app.bus.publish("c", kinds.CHAT_BUTTON, i)
     assert [sub._items.popleft()[1] for _ in range(len(sub))] == [7, 8, 9]
     assert app.bus.counters["chat_button"].dropped == 7
     app.bus.unsubscribe(sub)

@@ -13,6 +13,7 @@ import itertools
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -22,11 +23,12 @@ import pytest
 
 from tests.conftest import free_port, wait_for
 from tests.webclient import call, call_stream, frame
-from uibus import app as app_module
 from uibus.app import App
 from uibus.config import Config
+from uibus.installers import INSTALLERS
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
+from uibus.wiring import Installer, Setup
 
 UI = "/cline.UiService/"
 EDGE = "/test.Edge/"
@@ -57,29 +59,33 @@ class EdgeService:
             await context.write(_S(value=f"w{i}"))
 
 
-def _install_edge(registry: app_module.Registry, rt: object) -> list[str]:
+@asynccontextmanager
+async def install_edge(setup: Setup) -> AsyncIterator[None]:
+    """Installer of the test-only test.Edge service."""
     svc = EdgeService()
     kw = {"request_deserializer": _S.FromString, "response_serializer": _S.SerializeToString}
-    registry.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Edge", {
+    setup.registry.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Edge", {
         "Empty": grpc.unary_stream_rpc_method_handler(svc.Empty, **kw),
         "FailAfter": grpc.unary_stream_rpc_method_handler(svc.FailAfter, **kw),
         "Echo": grpc.unary_unary_rpc_method_handler(svc.Echo, **kw),
         "Written": grpc.unary_stream_rpc_method_handler(svc.Written, **kw),
     })])
-    return []
+    yield
+
+
+EDGE_INSTALLERS = (*INSTALLERS, install_edge)
 
 
 async def _start(cfg: Config) -> App:
-    app = App(cfg)
+    app = App(cfg, installers=EDGE_INSTALLERS)
     await app.start()
     return app
 
 
 @pytest.fixture
-def web_config(web_config: Config, monkeypatch: pytest.MonkeyPatch) -> Config:
-    """Adds the test.Edge service (edge cases no real service has) to every App built here."""
-    monkeypatch.setattr(app_module, "INSTALLERS", [*app_module.INSTALLERS, _install_edge])
-    return web_config
+def installers() -> tuple[Installer, ...]:
+    """Every App built here also serves test.Edge (edge cases no real service has)."""
+    return EDGE_INSTALLERS
 
 
 @pytest.fixture
@@ -169,7 +175,7 @@ async def test_deadline_ends_live_stream_and_unsubscribes(web: App, http: httpx.
 
 async def test_bad_timeout_header(web: App, http: httpx.AsyncClient) -> None:
     reply = await call(http, url(web, UI + "getWebviewHtml"), b"", headers={"grpc-timeout": "soon"})
-    assert reply.status == grpc.StatusCode.INTERNAL.value[0] and "grpc-timeout" in reply.message
+    assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "grpc-timeout" in reply.message
 
 
 async def test_client_abort_removes_subscription(web: App, http: httpx.AsyncClient, web_connect) -> None:
@@ -212,11 +218,11 @@ async def test_bad_requests(web: App, http: httpx.AsyncClient) -> None:
     assert reply.status == grpc.StatusCode.UNIMPLEMENTED.value[0] and "/nope.Service/Method" in reply.message
     r = await http.post(url(web, UI + "getWebviewHtml"), content=b"\x00\x00\x00\x00\x09abc",
                         headers={"content-type": "application/grpc-web+proto"})
-    assert r.headers["grpc-status"] == str(grpc.StatusCode.INTERNAL.value[0])
+    assert r.headers["grpc-status"] == str(grpc.StatusCode.INVALID_ARGUMENT.value[0])  # as native gRPC answers
     reply = await call(http, url(web, UI + "subscribeToTheme"), b"", headers={"x-uibus-session": "bad session!"})
     assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "session" in reply.message
     reply = await call(http, url(web, UI + "scrollToSettings"), b"\xff\xff\xff")
-    assert reply.status == grpc.StatusCode.INTERNAL.value[0]
+    assert reply.status == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     # after all that, the server still answers
     ok = await call(http, url(web, UI + "getWebviewHtml"), b"")
     assert ok.status == 0 and b"<html" in common_pb2.String.FromString(ok.messages[0]).value.encode().lower()
@@ -249,7 +255,7 @@ async def test_cors(web_config: Config, http: httpx.AsyncClient) -> None:
         reply = await call(http, url(app, UI + "scrollToSettings"), b"", headers={"origin": own})
         assert reply.status == 0
     finally:
-        await app.stop(grace=1.0)
+        await app.aclose(grace=1.0)
 
 
 async def test_bearer_token_required(web_config: Config, http: httpx.AsyncClient) -> None:
@@ -264,7 +270,7 @@ async def test_bearer_token_required(web_config: Config, http: httpx.AsyncClient
         health = await call(http, url(app, "/grpc.health.v1.Health/Check"), b"")
         assert health.status == 0  # probes carry no token
     finally:
-        await app.stop(grace=1.0)
+        await app.aclose(grace=1.0)
 
 
 async def test_shutdown_ends_open_streams_and_readyz(web: App, http: httpx.AsyncClient) -> None:
@@ -274,7 +280,7 @@ async def test_shutdown_ends_open_streams_and_readyz(web: App, http: httpx.Async
     stream = call_stream(http, url(web, UI + "subscribeToAddToInput"), b"")
     await anext(stream)
     await wait_for(lambda: web.bus.count() == 1, what="subscribed")
-    stopping = asyncio.ensure_future(web.stop(grace=2.0))
+    stopping = asyncio.ensure_future(web.aclose(grace=2.0))
     rest = [item async for item in stream]
     assert rest[-1][0] == "trailers"  # the stream ended cleanly with a status
     await stopping

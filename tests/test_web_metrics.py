@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_for
 from tests.webclient import call_stream
+from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -60,7 +61,7 @@ async def test_metrics_follow_events_and_rpcs(web: App) -> None:
         await conn.host.PublishAddToInput(host_pb2.TextEvent(text="x"))
         # a burst faster than any reader: the subscriber's queue (bound 2) coalesces by ts
         for i in range(6):
-            web.bus.publish("m", "partial_message", ui_pb2.ClineMessage(ts=6, text=f"b{i}"), key=6)
+            web.bus.publish("m", kinds.PARTIAL_MESSAGE, ui_pb2.ClineMessage(ts=6, text=f"b{i}"), key=6)
         after = await scrape(client)
         assert get(after, "uibus_events_published_total", kind="partial_message") == 12
         assert get(after, "uibus_events_delivered_total", kind="partial_message") == 12

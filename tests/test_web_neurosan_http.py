@@ -101,4 +101,4 @@ async def test_bearer_token(config: Config) -> None:
             assert ok.status_code == 200
             assert (await client.get("/healthz")).status_code == 200
     finally:
-        await app.stop(grace=1.0)
+        await app.aclose(grace=1.0)

@@ -1,7 +1,7 @@
 """Chat backends ("agents"): what answers a neuro-san `StreamingChat` turn.
 
 A backend only turns one user turn into a stream of pieces; the chat engine
-(server/services/chat.py) owns everything around it — filters, ChatContext, the session store and
+(uibus.domain.chat) owns everything around it — filters, ChatContext, the session store and
 the UI feed — so a new backend is one small module with no gRPC in it. Pieces are:
 
 * `str` — the next piece of the reply text (streamed as an `AI` message under MAXIMAL),

@@ -64,6 +64,12 @@ class AgentTable:
         for backend in self.backends.values():
             await backend.aclose()
 
+    async def __aenter__(self) -> AgentTable:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
 
 def read_config(path: str) -> dict[str, Any]:
     """The parsed file, or the built-in default when `path` is empty."""

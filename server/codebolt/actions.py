@@ -1,33 +1,34 @@
 """What the served CodeBolt actions do, on the shared session store and bus.
 
-* chatEvent: messages go to the session's chat history (the chat service's `server.chat_history`,
-  so neuro-san chat and CodeBolt share one conversation) and to subscribeToPartialMessage as
-  finished ClineMessages; confirmations, notices and process status go through
-  ExtensionUiService, so any extension-UI client answers them; waitforReply waits for the next
-  user entry of the session's chat history (CodeBoltService.SendUserMessage or a StreamingChat
-  turn), announced on the bus by `chat_history.append`.
+* chatEvent: messages go to the session's chat history (the domain's `ChatHistory`, so
+  neuro-san chat and CodeBolt share one conversation) and to subscribeToPartialMessage as
+  finished ClineMessages; confirmations, notices and process status are extension-UI dialogs and
+  requests (the domain's `Dialogs`), so any extension-UI client answers them; waitforReply waits
+  for the next user entry of the session's chat history (CodeBoltService.SendUserMessage or a
+  StreamingChat turn), announced on the bus by `ChatHistory.append`.
 * stateEvent / memoryEvent: one store key per entry (`codebolt/agent/<key>`,
   `codebolt/project/<key>`, `codebolt/memory/<key>`), so a write never reads-modifies-writes and
   two agents writing different keys cannot lose each other's update.
 
-Each action returns a `Reply`; the connection (server.codebolt.gateway) sends it.
+Each action returns a `Reply`; the connection (uibus.codebolt.gateway) sends it. A failure the
+agent should hear about is a domain error, which the handler pipeline turns into a success:false
+reply carrying its status code, exactly as it would on any other transport.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from uibus import chat_history, topics
 from uibus.bus import Subscription
-from uibus.codebolt.inprocess import CallFailed, InProcess
 from uibus.codebolt.protocol import Request
+from uibus.domain.core import Core
+from uibus.domain.history import MAX_HISTORY
+from uibus.errors import InvalidArgument, UibusError, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
-from uibus.services.common import Runtime
 
 SOURCE = "codebolt"
 MAX_TEXT = 64 * 1024
@@ -37,7 +38,6 @@ DEFAULT_BUTTONS = ("Yes", "No")
 HISTORY_DEFAULT = 1000
 STATUS_KEY = "codebolt"
 _STATUS_TEXT = {"processStarted": "running", "processStoped": "stopped", "processFinished": "finished"}
-_EXT = "/uibus.v1.ExtensionUiService/"
 AGENT_PREFIX = "codebolt/agent/"
 PROJECT_PREFIX = "codebolt/project/"
 MEMORY_PREFIX = "codebolt/memory/"
@@ -56,25 +56,14 @@ def fail(error: str) -> Reply:
     return Reply(False, error=error)
 
 
-class BadRequest(ValueError):
+class BadRequest(InvalidArgument):
     """A field of the action's payload is missing or of the wrong kind."""
 
 
 @dataclass(slots=True)
 class Context:
-    rt: Runtime
-    calls: InProcess
+    core: Core
     session: str
-
-
-_ts_last = 0
-
-
-def next_ts() -> int:
-    """Unix ms, strictly increasing in this process: a webview replaces messages with equal ts."""
-    global _ts_last
-    _ts_last = max(int(time.time() * 1000), _ts_last + 1)
-    return _ts_last
 
 
 def _text(fields: dict[str, Any], *names: str, required: bool = True) -> str:
@@ -102,17 +91,11 @@ def _key(fields: dict[str, Any]) -> str:
     return key
 
 
-def say(rt: Runtime, session: str, ts: int, text: str, kind: int) -> int:
-    """Publishes a finished ClineMessage (SAY `kind`) to the session's webviews."""
-    msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=kind, text=text, partial=False)  # type: ignore[arg-type]
-    return rt.bus.publish(session, topics.PARTIAL_MESSAGE, msg, key=ts)
-
-
 async def post_agent_message(ctx: Context, text: str) -> dict[str, Any]:
-    ts = next_ts()
-    await chat_history.append(ctx.rt.store, ctx.session, "assistant", text, agent=SOURCE, source=SOURCE, ts=ts,
-                              bus=ctx.rt.bus)
-    return {"ts": ts, "subscribers": say(ctx.rt, ctx.session, ts, text, ui_pb2.TEXT)}
+    core = ctx.core
+    ts = core.clock.next()
+    await core.history.append(ctx.session, "assistant", text, agent=SOURCE, source=SOURCE, ts=ts)
+    return {"ts": ts, "subscribers": core.feed.say(ctx.session, text, ui_pb2.TEXT, ts=ts)}
 
 
 # ---- chatEvent: immediate ----
@@ -123,21 +106,21 @@ async def send_message(ctx: Context, req: Request) -> Reply:
 
 async def get_chat_history(ctx: Context, req: Request) -> Reply:
     limit = req.fields.get("limit", HISTORY_DEFAULT)
-    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= chat_history.MAX_HISTORY:
-        raise BadRequest(f"`limit` must be an integer within 1..{chat_history.MAX_HISTORY}")
-    return Reply(True, await chat_history.read(ctx.rt.store, ctx.session, last=limit))
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_HISTORY:
+        raise BadRequest(f"`limit` must be an integer within 1..{MAX_HISTORY}")
+    return Reply(True, await ctx.core.history.read(ctx.session, last=limit))
 
 
 async def notification(ctx: Context, req: Request) -> Reply:
     text = _text(req.fields, "message", "text")
-    reply = await ctx.calls.unary(_EXT + "Notify", xpb.NotifyRequest(message=text, notify_type=xpb.NOTIFY_TYPE_INFO),
-                                  ctx.session)
+    reply = await ctx.core.dialogs.notify(ctx.session, xpb.NotifyRequest(message=text,
+                                                                         notify_type=xpb.NOTIFY_TYPE_INFO))
     return Reply(True, {"id": reply.id, "subscribers": reply.subscribers})
 
 
 async def process_status(ctx: Context, req: Request) -> Reply:
     text = _STATUS_TEXT[req.action]
-    reply = await ctx.calls.unary(_EXT + "SetStatus", xpb.SetStatusRequest(key=STATUS_KEY, text=text), ctx.session)
+    reply = await ctx.core.dialogs.set_status(ctx.session, xpb.SetStatusRequest(key=STATUS_KEY, text=text))
     return Reply(True, {"status": text, "subscribers": reply.subscribers})
 
 
@@ -155,7 +138,7 @@ async def next_user_message(sub: Subscription) -> dict[str, Any]:
     async for entry in sub:
         if entry.get("role") == "user":
             return entry  # type: ignore[no-any-return]
-    raise StopAsyncIteration  # the bus closed the subscription: shutdown
+    raise Unavailable("uibus is shutting down")  # the bus closed the subscription
 
 
 async def wait_for_reply(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
@@ -181,7 +164,7 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
         if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
             raise BadRequest("`timeoutMs` must be a positive integer (milliseconds)")
         request.timeout_ms = timeout
-    dialog = asyncio.ensure_future(ctx.calls.unary(_EXT + "Select", request, ctx.session))
+    dialog = asyncio.ensure_future(ctx.core.dialogs.ask(ctx.session, request))
     feedback = asyncio.ensure_future(next_user_message(sub)) if sub is not None else None
     try:
         await asyncio.wait([t for t in (dialog, feedback) if t is not None], return_when=asyncio.FIRST_COMPLETED)
@@ -195,11 +178,11 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
         return Reply(True, {"feedback": user["text"], "ts": user["ts"]}, reply_type="feedbackResponse",
                      extra={"message": {"feedbackMessage": user["text"]}})
     if dialog.cancelled():  # the user-message subscription ended first: the bus closed for shutdown
-        return fail("uibus is shutting down")
+        raise Unavailable("uibus is shutting down")
     try:
         result = dialog.result()
-    except CallFailed as exc:
-        return fail(f"confirmation dialog failed: {exc}")
+    except UibusError as exc:  # the dialog could not be shown: say why, with its status
+        raise type(exc)(f"confirmation dialog failed: {exc}") from None
     if result.outcome == xpb.DIALOG_OUTCOME_ANSWERED:
         return Reply(True, {"button": result.value, "dialogId": result.id},
                      extra={"message": {"feedbackMessage": result.value}})
@@ -221,7 +204,7 @@ async def _put(ctx: Context, prefix: str, fields: dict[str, Any]) -> str:
     if "value" not in fields:
         raise BadRequest("`value` is required (any JSON value; null deletes the key)")
     value = fields["value"]
-    store = ctx.rt.store
+    store = ctx.core.store
     if value is not None and await store.get(ctx.session, prefix + key) is None:
         if len(await store.scan(ctx.session, prefix)) >= MAX_KEYS:
             raise BadRequest(f"this session already keeps {MAX_KEYS} keys under {prefix!r}; delete one first")
@@ -230,7 +213,7 @@ async def _put(ctx: Context, prefix: str, fields: dict[str, Any]) -> str:
 
 
 async def _all(ctx: Context, prefix: str) -> dict[str, Any]:
-    return {k[len(prefix):]: v for k, v in (await ctx.rt.store.scan(ctx.session, prefix)).items()}
+    return {k[len(prefix):]: v for k, v in (await ctx.core.store.scan(ctx.session, prefix)).items()}
 
 
 async def add_agent_state(ctx: Context, req: Request) -> Reply:
@@ -266,7 +249,7 @@ async def memory_set(ctx: Context, req: Request) -> Reply:
 
 async def memory_get(ctx: Context, req: Request) -> Reply:
     key = _key(_entry(req.fields))
-    value = await ctx.rt.store.get(ctx.session, MEMORY_PREFIX + key)
+    value = await ctx.core.store.get(ctx.session, MEMORY_PREFIX + key)
     return Reply(True, {"key": key, "value": value, "found": value is not None}, extra={"value": value})
 
 

@@ -1,10 +1,18 @@
-"""The transport-agnostic gateway: one `AgentConnection` per agent socket, fed text frames.
+"""The CodeBolt agent-to-app protocol engine: one `AgentConnection` per agent socket, fed text frames.
+
+Every frame runs as a call through the handler pipeline: its action is a method
+(`/codebolt.AgentToApp/<family>.<action>`, see `handlers`), so a frame gets the same policies as
+any gRPC call — a frame that does not parse or breaks a limit is refused with INVALID_ARGUMENT or
+RESOURCE_EXHAUSTED, an unreachable store is UNAVAILABLE, a bug is INTERNAL, each counted under
+transport "websocket" — and the failure goes back as `success:false` with that status `code`.
 
 Immediate actions run in frame order and answer before the next frame is read. Waiting actions
 (waitforReply, confirmationRequest) run as tasks so one connection can wait for a user and keep
 talking; each connection bounds how many it has in flight. Closing a connection cancels its
 waits at once: their bus subscriptions are dropped by a done-callback (which runs even for a task
-cancelled before it started) and an open confirmation dialog closes for every UI.
+cancelled before it started) and an open confirmation dialog closes for every UI. At shutdown the
+waits end by themselves (the bus and the dialogs close first) with an UNAVAILABLE reply, then
+every socket closes.
 """
 
 from __future__ import annotations
@@ -12,15 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from uibus import chat_history
-from uibus.bus import BusClosed, Subscription, SubscriptionLimit
+import grpc
+
+from uibus.bus import Subscription
+from uibus.calls import CallContext, Metadata, Rejected, decode, unary
 from uibus.codebolt import actions, protocol
-from uibus.codebolt.actions import BadRequest, Context, Reply
-from uibus.codebolt.inprocess import CallFailed, InProcess
-from uibus.codebolt.protocol import EnvelopeError, Request
-from uibus.services.common import Runtime
+from uibus.codebolt.actions import Reply
+from uibus.codebolt.protocol import Request
+from uibus.domain.core import Core
+from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from uibus.session import session_of
 
 log = logging.getLogger("uibus.codebolt")
 
@@ -29,22 +42,95 @@ MAX_WAITS = 64  # waitforReply + confirmationRequest in flight per connection
 # A wait reads the session's chat entries up to the first user message after it began: room for
 # a burst (the bus drops the oldest at the bound) so that later entries cannot push it out.
 USER_QUEUE = 64
+SHUTDOWN_WAIT_S = 2.0  # how long shutdown lets waits answer before it cancels them
+SERVICE = "codebolt.AgentToApp"  # the method prefix of frames in the pipeline (metrics, logs)
+CONNECT = f"/{SERVICE}/connect"
+FRAME = f"/{SERVICE}/frame"  # a frame that did not parse: it has no action
 Send = Callable[[str], Awaitable[None]]
 
 
+def method_of(name: str) -> str:
+    return f"/{SERVICE}/{name}"
+
+
+@dataclass(slots=True)
+class Upgrade:
+    """The request of CONNECT: how to talk to the socket being opened."""
+
+    send: Send
+    close: Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Frame:
+    """What an action handler gets besides its request (`CallContext.state`)."""
+
+    connection: AgentConnection
+    sub: Subscription | None = None  # the user-message subscription of a wait, taken up front
+
+
 class Gateway:
-    def __init__(self, rt: Runtime, calls: InProcess, max_message_bytes: int = MAX_MESSAGE_BYTES,
-                 max_waits: int = MAX_WAITS) -> None:
-        self.rt = rt
-        self.calls = calls
+    """The open agent connections of an app, and the pipeline-wrapped handlers frames run.
+
+    `methods()` gives the protocol's method handlers; whoever builds the gateway wraps them with
+    the app's pipeline (`wrap`) before any connection opens.
+    """
+
+    def __init__(self, core: Core, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_waits: int = MAX_WAITS) -> None:
+        self.core = core
         self.max_message_bytes = max_message_bytes
         self.max_waits = max_waits
         self.connections: set[AgentConnection] = set()
         self.closing = False
-        rt.on_shutdown.append(self.shutdown)
+        self._closers: set[asyncio.Task[None]] = set()
+        self.handlers: Mapping[str, grpc.RpcMethodHandler] = {m: wrap(m, h) for m, h in self.methods().items()}
 
-    def connect(self, session: str, send: Send, close: Callable[[], Awaitable[None]]) -> AgentConnection:
-        conn = AgentConnection(self, session, send, close)
+    def methods(self) -> dict[str, grpc.RpcMethodHandler]:
+        """Every method of the protocol: CONNECT, FRAME, and one per action of the AsyncAPI
+        document (served ones run the action; the rest answer UNIMPLEMENTED naming it)."""
+
+        async def connect(request: Upgrade, context: grpc.aio.ServicerContext) -> AgentConnection:
+            return self.connect(session_of(context), context.invocation_metadata(), context.peer(),
+                                request.send, request.close)
+
+        async def frame(request: Any, context: grpc.aio.ServicerContext) -> Reply:
+            raise Unimplemented("a frame is answered by its action")  # a parsed frame never comes here
+
+        def action(name: str) -> Callable[..., Awaitable[Reply]]:
+            immediate = actions.IMMEDIATE.get(name)
+            waiting = actions.WAITING.get(name)
+
+            async def run(request: Request, context: grpc.aio.ServicerContext) -> Reply:
+                state: Frame = context.state  # type: ignore[attr-defined]
+                ctx = actions.Context(self.core, state.connection.session)
+                if immediate is not None:
+                    return await immediate(ctx, request)
+                if waiting is not None:
+                    return await waiting[0](ctx, request, state.sub)
+                raise Unimplemented(protocol.unsupported(request))
+            return run
+
+        out = {CONNECT: grpc.unary_unary_rpc_method_handler(connect),
+               FRAME: grpc.unary_unary_rpc_method_handler(frame)}
+        for family, names in protocol.FAMILIES.items():
+            for name in names:
+                out[method_of(f"{family}.{name}")] = grpc.unary_unary_rpc_method_handler(action(f"{family}.{name}"))
+        return out
+
+    async def open(self, metadata: Metadata, peer: str, send: Send, close: Callable[[], Awaitable[None]]
+                   ) -> tuple[AgentConnection | None, grpc.StatusCode, str]:
+        """Opens a connection through the pipeline (auth, session, shutdown); on refusal, why."""
+        ctx = CallContext(metadata, peer, "websocket")
+        conn = await unary(self.handlers[CONNECT], Upgrade(send, close), ctx)
+        code, details = ctx.status()
+        return conn, code, details
+
+    def connect(self, session: str, metadata: Metadata, peer: str, send: Send,
+                close: Callable[[], Awaitable[None]]) -> AgentConnection:
+        if self.closing:
+            raise Unavailable("uibus is shutting down")
+        conn = AgentConnection(self, session, metadata, peer, send, close)
         self.connections.add(conn)
         return conn
 
@@ -59,23 +145,26 @@ class Gateway:
         return sum(1 for c in self.connections if session is None or c.session == session)
 
     def shutdown(self) -> None:
-        """Shutdown hook: waits end with a "shutting down" reply and every socket closes."""
+        """Shutdown hook: no new connections; every socket closes once its waits have answered."""
         self.closing = True
         for conn in list(self.connections):
-            conn.shutdown()
+            closer = asyncio.ensure_future(conn.shutdown())
+            self._closers.add(closer)
+            closer.add_done_callback(self._closers.discard)
 
 
 class AgentConnection:
-    def __init__(self, gateway: Gateway, session: str, send: Send, close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, gateway: Gateway, session: str, metadata: Metadata, peer: str, send: Send,
+                 close: Callable[[], Awaitable[None]]) -> None:
         self.gateway = gateway
         self.session = session
-        self.ctx = Context(gateway.rt, gateway.calls, session)
+        self.metadata = metadata
+        self.peer = peer
         self._send = send
         self._close_socket = close
         self._send_lock = asyncio.Lock()
         self.waits: set[asyncio.Task[None]] = set()
         self.user_subs: set[Subscription] = set()  # of the waits that a user message answers
-        self._tasks: set[asyncio.Task[None]] = set()  # shutdown's socket close
         self.closed = False
 
     async def send(self, text: str) -> None:
@@ -83,60 +172,45 @@ class AgentConnection:
         async with self._send_lock:
             await self._send(text)
 
+    async def receive_bytes(self, data: bytes) -> None:
+        """A binary frame: UTF-8 JSON text is read as a text frame."""
+        text = decode(bytes.decode, data, "frame")
+        if isinstance(text, Rejected):
+            await self._call(FRAME, Rejected(InvalidArgument("a binary frame must hold UTF-8 JSON text")),
+                             Frame(self), None)
+            return
+        await self.receive(text)
+
     async def receive(self, text: str) -> None:
-        """Handles one text frame; every problem is answered with success:false."""
+        """Handles one text frame; every problem is answered with success:false and its code."""
+        gateway = self.gateway
         size = len(text) if text.isascii() else len(text.encode())
-        if size > self.gateway.max_message_bytes:
-            await self.send(protocol.response("", False, error=f"message is {size} bytes; the limit is "
-                                              f"{self.gateway.max_message_bytes}", reply_type="error"))
+        if size > gateway.max_message_bytes:
+            req: Request | Rejected = Rejected(ResourceExhausted(
+                f"message is {size} bytes; the limit is {gateway.max_message_bytes}"))
+        else:
+            req = decode(protocol.parse, text, "frame")
+        if isinstance(req, Rejected):
+            await self._call(FRAME, req, Frame(self), None)
             return
-        try:
-            req = protocol.parse(text)
-        except EnvelopeError as exc:
-            await self.send(protocol.response(exc.request_id, False, error=str(exc), reply_type="error"))
+        method = method_of(req.name)
+        wait = actions.WAITING.get(req.name)
+        if wait is None:
+            await self._call(method, req, Frame(self), req)
             return
-        if req.name in actions.WAITING:
-            await self._start_wait(req)
+        if len(self.waits) >= gateway.max_waits:
+            refused = Rejected(ResourceExhausted(f"this connection already has {len(self.waits)} requests waiting "
+                                                 f"for a user (limit {gateway.max_waits})"))
+            await self._call(method, refused, Frame(self), req)
             return
-        action = actions.IMMEDIATE.get(req.name)
-        if action is None:
-            await self._reply(req, actions.fail(protocol.unsupported(req)))
-            return
-        await self._reply(req, await self._run(action(self.ctx, req), req))
-
-    async def _run(self, work: Awaitable[Reply], req: Request) -> Reply:
-        try:
-            return await work
-        except BadRequest as exc:
-            return actions.fail(f"{req.name}: {exc}")
-        except CallFailed as exc:
-            return actions.fail(f"{req.name}: {exc}")
-        except (asyncio.CancelledError, StopAsyncIteration):
-            raise
-        except Exception as exc:  # a bug or a store failure: answer, keep the connection
-            log.exception("codebolt action failed", extra={"fields": {"action": req.name}})
-            return actions.fail(f"{req.name}: internal error ({type(exc).__name__}); see the server log")
-
-    async def _reply(self, req: Request, reply: Reply) -> None:
-        if reply.success and not req.wants_reply:
-            return
-        await self.send(protocol.response(req.request_id, reply.success, reply.data, reply.error,
-                                          reply.reply_type or req.reply_type, **reply.extra))
-
-    async def _start_wait(self, req: Request) -> None:
-        if len(self.waits) >= self.gateway.max_waits:
-            await self._reply(req, actions.fail(f"{req.name}: this connection already has {len(self.waits)} requests "
-                                                f"waiting for a user (limit {self.gateway.max_waits})"))
-            return
-        work, wants_user = actions.WAITING[req.name]
         sub: Subscription | None = None
-        if wants_user(req):
+        if wait[1](req):
             try:  # taken now, before any await: a user message sent from here on is seen
-                sub = self.gateway.rt.bus.subscribe(self.session, chat_history.CHAT_MESSAGE, maxsize=USER_QUEUE)
-            except (BusClosed, SubscriptionLimit) as exc:
-                await self._reply(req, actions.fail(f"{req.name}: {exc}"))
+                sub = gateway.core.history.follow(self.session, USER_QUEUE)
+            except (Unavailable, ResourceExhausted) as exc:  # shutting down; too many streams
+                await self._call(method, Rejected(exc), Frame(self), req)
                 return
-        task = asyncio.ensure_future(self._wait(work, req, sub))
+        task = asyncio.ensure_future(self._call(method, req, Frame(self, sub), req))
         self.waits.add(task)
         if sub is not None:
             self.user_subs.add(sub)
@@ -147,21 +221,26 @@ class AgentConnection:
             self.waits.discard(task)
             if sub is not None:
                 self.user_subs.discard(sub)
-                self.gateway.rt.bus.unsubscribe(sub)
+                self.gateway.core.bus.unsubscribe(sub)
         return done
 
-    async def _wait(self, work: actions.Waiting, req: Request, sub: Subscription | None) -> None:
-        try:
-            reply = await self._run(work(self.ctx, req, sub), req)
-        except asyncio.CancelledError:
-            if self.gateway.closing and not self.closed:
-                with contextlib.suppress(Exception):
-                    await self._reply(req, actions.fail(f"{req.name}: uibus is shutting down"))
-            raise
-        except StopAsyncIteration:  # the bus closed the subscription: shutdown
-            reply = actions.fail(f"{req.name}: uibus is shutting down")
+    async def _call(self, method: str, request: Request | Rejected, state: Frame, req: Request | None) -> None:
+        """Runs one frame's handler through the pipeline and answers the agent."""
+        ctx = CallContext(self.metadata, self.peer, "websocket", state=state)
+        reply = await unary(self.gateway.handlers[method], request, ctx)
+        code, details = ctx.status()
+        rid = req.request_id if req is not None else getattr(getattr(request, "error", None), "request_id", "")
+        reply_type = req.reply_type if req is not None else "error"
+        if code == grpc.StatusCode.OK and reply is not None:
+            if reply.success and req is not None and not req.wants_reply:
+                return
+            text = protocol.response(rid, reply.success, reply.data, reply.error, reply.reply_type or reply_type,
+                                     **reply.extra)
+        else:
+            error = f"{req.name}: {details}" if req is not None and not details.startswith(req.name) else details
+            text = protocol.response(rid, False, error=error, reply_type=reply_type, code=code.name)
         with contextlib.suppress(Exception):  # the socket may be gone; nothing else to tell
-            await self._reply(req, reply)
+            await self.send(text)
 
     async def close(self) -> None:
         """The socket is gone: cancel every wait and forget the connection, before returning."""
@@ -175,15 +254,13 @@ class AgentConnection:
         finally:  # counted until its waits are really gone, so stats never under-report
             self.gateway.connections.discard(self)
 
-    def shutdown(self) -> None:
-        for task in list(self.waits):
-            task.cancel()
-        closer = asyncio.ensure_future(self._shutdown_close())
-        self._tasks.add(closer)
-        closer.add_done_callback(self._tasks.discard)
-
-    async def _shutdown_close(self) -> None:
-        if self.waits:
-            await asyncio.gather(*self.waits, return_exceptions=True)
+    async def shutdown(self) -> None:
+        """Lets the waits answer (the bus and the dialogs are closed by now), then closes."""
+        waits = list(self.waits)
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=SHUTDOWN_WAIT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._close_socket()

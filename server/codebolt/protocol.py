@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from uibus.errors import InvalidArgument
+
 # Every event family of the AsyncAPI document and its actions (the schema's enums).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "fsEvent": ("createFile", "createFolder", "readFile", "updateFile", "deleteFile", "deleteFolder", "fileList",
@@ -87,8 +89,9 @@ FIRE_AND_FORGET = frozenset({"sendMessage", "processStarted", "processStoped", "
 _ENVELOPE_KEYS = frozenset({"type", "action", "requestId"})
 
 
-class EnvelopeError(ValueError):
-    """The text is not an envelope uibus can read; the message says what is wrong."""
+class EnvelopeError(InvalidArgument):
+    """The text is not an envelope uibus can read; the message says what is wrong (and the reply
+    still carries the requestId, when one could be read)."""
 
     def __init__(self, message: str, request_id: str = "") -> None:
         super().__init__(message)
@@ -184,8 +187,9 @@ def timestamp() -> str:
 
 
 def response(request_id: str, success: bool, data: Any = None, error: str = "", reply_type: str = "",
-             **extra: Any) -> str:
-    """A ServiceResponse as JSON text; `reply_type` and `extra` are the codeboltjs-facing fields."""
+             code: str = "", **extra: Any) -> str:
+    """A ServiceResponse as JSON text; `reply_type` and `extra` are the codeboltjs-facing fields,
+    `code` the status name of a failure (the same one every other transport reports)."""
     out: dict[str, Any] = {"requestId": request_id, "success": success}
     if reply_type:
         out["type"] = reply_type
@@ -193,6 +197,8 @@ def response(request_id: str, success: bool, data: Any = None, error: str = "", 
         out["data"] = data
     if error:
         out["error"] = error
+    if code:
+        out["code"] = code
     out["timestamp"] = timestamp()
     out.update(extra)
     return json.dumps(out, separators=(",", ":"), ensure_ascii=False)

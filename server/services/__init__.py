@@ -1,1 +1,2 @@
-"""gRPC servicers. Each depends on the bus and the store, never the other way round."""
+"""The gRPC servicers: each translates its protocol's messages to calls on the domain core and
+back. They raise domain errors and never abort by hand: the handler pipeline reports them."""

@@ -19,12 +19,10 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, struct_pb2
+from google.protobuf import descriptor_pb2, descriptor_pool
 
-from uibus.agents.config import AgentTable, load_agents
+from uibus.domain.chat import Chat, UnknownAgent
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
-from uibus.services.chat import ChatEngine, ChatInputError, UnknownAgent, check_request
-from uibus.services.common import Runtime
 from uibus.session import session_of
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
@@ -33,16 +31,11 @@ CONCIERGE = concierge_pb2.DESCRIPTOR.services_by_name["ConciergeService"].full_n
 AGENT_NAME_KEY = "agent_name"
 METHODS = tuple(m.name for m in _SERVICE.methods)
 _SUFFIX = ".AgentService"
+UNKNOWN_AGENT = "<unknown>"  # how every agent not served here is named in metrics: callers pick names
 
 
 def per_agent_service(agent: str) -> str:
     return agent + _SUFFIX
-
-
-def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    s.update(value)
-    return s
 
 
 def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
@@ -50,70 +43,44 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 
 
 class AgentServicer:
-    """The three AgentService methods for a given agent name; transport-neutral apart from the
-    context calls every ServicerContext offers (metadata, abort)."""
+    """The three AgentService methods for a given agent name."""
 
-    def __init__(self, engine: ChatEngine) -> None:
-        self.engine = engine
+    def __init__(self, chat: Chat) -> None:
+        self.chat = chat
         self._closing: set[asyncio.Task[None]] = set()
-
-    async def _check(self, agent: str, context: grpc.aio.ServicerContext) -> None:
-        try:
-            self.engine.spec(agent)
-        except UnknownAgent as exc:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
 
     async def function(self, agent: str, request: agent_pb2.FunctionRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.FunctionResponse:
-        await self._check(agent, context)
-        spec, backend = self.engine.spec(agent), self.engine.backend(agent)
-        function = agent_pb2.Function(description=spec.description)
-        if spec.parameters:
-            function.parameters.update(spec.parameters)
-        schema = spec.sly_data_schema if spec.sly_data_schema is not None else backend.sly_data_schema()
-        if schema:
-            function.sly_data_schema.update(schema)
-        return agent_pb2.FunctionResponse(function=function)
+        return self.chat.function(agent)
 
     async def connectivity(self, agent: str, request: agent_pb2.ConnectivityRequest,
                            context: grpc.aio.ServicerContext) -> agent_pb2.ConnectivityResponse:
-        await self._check(agent, context)
-        spec = self.engine.spec(agent)
-        info = agent_pb2.ConnectivityInfo(origin=agent, tools=list(spec.tools), display_as=spec.display_as)
-        return agent_pb2.ConnectivityResponse(
-            connectivity_info=[info],
-            metadata=_struct({"description": spec.description, "tags": list(spec.tags), "backend": spec.backend}))
+        return self.chat.connectivity(agent)
 
     def streaming_chat(self, agent_of: Callable[[grpc.aio.ServicerContext], str]) -> Callable[..., Any]:
         """The StreamingChat handler for the agent `agent_of(context)` names. It is an async
         generator function itself (gRPC decides how to run a handler by inspecting it)."""
-        engine = self.engine
+        chat = self.chat
 
         async def streaming_chat(request: agent_pb2.ChatRequest,
                                  context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ChatResponse]:
-            session = await session_of(context)
+            session = session_of(context)
             agent = agent_of(context)
-            await self._check(agent, context)
-            try:
-                check_request(request)
-            except ChatInputError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            chat = engine.stream(session, agent, request, _metadata(context))
-            on_done = getattr(context, "add_done_callback", None)
-            if on_done is not None:
-                on_done(lambda _ctx: self._close_if_parked(chat))
-            async with aclosing(chat):
-                async for response in chat:
+            chat.check(agent, request)  # bad input fails before the stream starts
+            turn = chat.turn(session, agent, request, _metadata(context))
+            context.add_done_callback(lambda _ctx: self._close_if_parked(turn))
+            async with aclosing(turn):
+                async for response in turn:
                     yield response
 
         return streaming_chat
 
-    def _close_if_parked(self, chat: Any) -> None:
+    def _close_if_parked(self, turn: Any) -> None:
         """A cancel that lands while gRPC is sending leaves our generator parked at a `yield`,
         where no CancelledError can reach it; close it now so the backend stops (and drops its
         upstream connection) at once instead of whenever the generator is collected."""
-        if chat.ag_frame is not None and not chat.ag_running:
-            task = asyncio.get_running_loop().create_task(chat.aclose())
+        if turn.ag_frame is not None and not turn.ag_running:
+            task = asyncio.get_running_loop().create_task(turn.aclose())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
@@ -148,25 +115,29 @@ def _handlers(servicer: AgentServicer, agent_of: Callable[[grpc.aio.ServicerCont
 def _unknown_agent(agent: str, method: str, known: list[str]) -> grpc.RpcMethodHandler:
     message = f"agent {agent!r} is not served here; known agents: {', '.join(known)}"
 
-    async def deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, message)
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
+        raise UnknownAgent(message)
+
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        raise UnknownAgent(message)
+        yield  # an async generator: the shape of StreamingChat
 
     if method == "StreamingChat":
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 class AgentRouter(grpc.GenericRpcHandler):
     """Resolves every AgentService path; `service()` is what gRPC and `Registry.lookup` call."""
 
-    def __init__(self, servicer: AgentServicer, agents: AgentTable) -> None:
-        self.engine = servicer.engine
-        self._known = agents.names()
+    def __init__(self, servicer: AgentServicer) -> None:
+        chat = servicer.chat
+        self._known = chat.names()
         self._paths: dict[str, grpc.RpcMethodHandler] = {}
         for agent in self._known:
             for method, handler in _handlers(servicer, lambda _ctx, a=agent: a).items():
                 self._paths[f"/{per_agent_service(agent)}/{method}"] = handler
-        default = agents.default
+        default = chat.default_agent
 
         def by_metadata(context: grpc.aio.ServicerContext) -> str:
             for key, value in context.invocation_metadata() or ():
@@ -187,25 +158,20 @@ class AgentRouter(grpc.GenericRpcHandler):
             return _unknown_agent(service[:-len(_SUFFIX)], method, self._known)
         return None
 
-
-def engine_of(registry: Any) -> ChatEngine | None:
-    """The chat engine installed on `registry` (an app's Registry), for in-process callers that
-    want the chat itself rather than a gRPC method handler (tests, future transports)."""
-    for handler in getattr(registry, "_generic", ()):
-        if isinstance(handler, AgentRouter):
-            return handler.engine
-    return None
+    def label(self, path: str) -> str:
+        """The metrics name of `path`: itself for served agents, one name for all others."""
+        if path in self._paths:
+            return path
+        return f"/{UNKNOWN_AGENT}{_SUFFIX}/{path.rpartition('/')[2]}"
 
 
 class ConciergeServicer(concierge_pb2_grpc.ConciergeServiceServicer):
-    def __init__(self, agents: AgentTable) -> None:
-        self.response = concierge_pb2.ConciergeResponse(agents=[
-            concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
-            for s in agents.specs.values()])
+    def __init__(self, chat: Chat) -> None:
+        self.chat = chat
 
     async def List(self, request: concierge_pb2.ConciergeRequest,
                    context: grpc.aio.ServicerContext) -> concierge_pb2.ConciergeResponse:
-        return self.response
+        return self.chat.directory
 
 
 def add_descriptors(agents: list[str]) -> None:
@@ -233,18 +199,9 @@ def add_descriptors(agents: list[str]) -> None:
                 from exc
 
 
-def install(registry: Any, rt: Runtime) -> list[str]:
-    """Installer for server.app.INSTALLERS: the agents from the config, their routes and names."""
-    agents = load_agents(rt.config.agents)
-    engine = ChatEngine(rt, agents)
-    servicer = AgentServicer(engine)
-    registry.add_generic_rpc_handlers([AgentRouter(servicer, agents)])
-    concierge_pb2_grpc.add_ConciergeServiceServicer_to_server(ConciergeServicer(agents), registry)
-    add_descriptors(agents.names())
-    closing: list[asyncio.Task[None]] = []
-
-    def shutdown() -> None:
-        closing.append(asyncio.get_running_loop().create_task(agents.aclose()))
-
-    rt.on_shutdown.append(shutdown)
-    return [*(per_agent_service(a) for a in agents.names()), CANONICAL, CONCIERGE]
+def add_to(registry: Any, chat: Chat) -> list[str]:
+    """Registers the agents' routes and the concierge; returns the service names served."""
+    registry.add_generic_rpc_handlers([AgentRouter(AgentServicer(chat))])
+    concierge_pb2_grpc.add_ConciergeServiceServicer_to_server(ConciergeServicer(chat), registry)
+    add_descriptors(chat.names())
+    return [*(per_agent_service(a) for a in chat.names()), CANONICAL, CONCIERGE]

@@ -1,30 +1,26 @@
 """uibus.v1.WebviewService: every cline.UiService subscription of a webview over one stream.
 
 Browsers keep at most six HTTP/1.1 connections per server and a gRPC-Web stream holds one, so the
-webview page cannot open UiService's eleven streams. This service runs the very same UiService
-subscribe handlers (looked up in the handler registry) and multiplexes their messages, so
-behaviour (current theme first, provider-type filtering, targeted focus) cannot drift apart.
+webview page cannot open UiService's eleven streams. This service reads the very same feed streams
+UiService serves (the feed's one table, `UI_STREAMS`) and multiplexes their messages, so behaviour
+(current theme first, provider-type filtering, targeted focus) cannot drift apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from uibus.domain.feed import UI_STREAMS, UiFeed, UiStream
+from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
-from uibus.services.common import Runtime
+from uibus.session import session_of
 
-Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
-_EMPTY = common_pb2.EmptyRequest()
-_SIGNALS = ("subscribeToChatButtonClicked", "subscribeToAccountButtonClicked", "subscribeToRelinquishControl",
-            "subscribeToDidBecomeVisible")
-_BY_PROVIDER = ("subscribeToMcpButtonClicked", "subscribeToHistoryButtonClicked",
-                "subscribeToSettingsButtonClicked")
 _END = object()
 
 
@@ -36,37 +32,37 @@ def _event(source: str, message: Any) -> webview_pb2.WebviewEvent:
     return webview_pb2.WebviewEvent(source=source, signal=common_pb2.Empty())
 
 
+def _targets(request: webview_pb2.WebviewSubscribeRequest) -> list[tuple[UiStream, str]]:
+    """Each UI stream with the target this webview subscribes it with (validated up front)."""
+    as_request = {"provider": ui_pb2.WebviewProviderTypeRequest(provider_type=request.provider_type),
+                  "client_id": common_pb2.StringRequest(value=request.client_id), "": None}
+    return [(stream, stream.target_of(as_request[stream.target])) for stream in UI_STREAMS]
+
+
 class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
-    def __init__(self, rt: Runtime, lookup: Lookup) -> None:
-        self.rt = rt
-        self.lookup = lookup
+    def __init__(self, feed: UiFeed, queue_size: int) -> None:
+        self.feed = feed
+        self.queue_size = queue_size
 
     async def Subscribe(self, request: webview_pb2.WebviewSubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[webview_pb2.WebviewEvent]:
+        session = session_of(context)
         if not request.client_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "client_id is required (it targets subscribeToFocusChatInput)")
-        provider = ui_pb2.WebviewProviderTypeRequest(provider_type=request.provider_type)
-        calls: list[tuple[str, Any]] = [
-            ("subscribeToTheme", _EMPTY), ("subscribeToPartialMessage", _EMPTY), ("subscribeToAddToInput", _EMPTY),
-            ("subscribeToFocusChatInput", common_pb2.StringRequest(value=request.client_id)),
-            *((name, _EMPTY) for name in _SIGNALS), *((name, provider) for name in _BY_PROVIDER)]
-        queue: asyncio.Queue[Any] = asyncio.Queue(self.rt.config.queue_size)
-        metadata = tuple(context.invocation_metadata() or ())
+            raise InvalidArgument("client_id is required (it targets subscribeToFocusChatInput)")
+        targets = _targets(request)
+        queue: asyncio.Queue[Any] = asyncio.Queue(self.queue_size)
 
-        async def pump(name: str, req: Any) -> None:
-            handler = self.lookup(f"/cline.UiService/{name}", metadata)
-            assert handler is not None and handler.unary_stream is not None
+        async def pump(stream: UiStream, target: str) -> None:
             try:
-                async with contextlib.aclosing(handler.unary_stream(req, context)) as stream:
-                    async for message in stream:
-                        await queue.put(_event(name, message))
-            except BaseException as exc:  # an abort in one stream ends the whole call
+                async with contextlib.aclosing(self.feed.events(session, stream, target)) as events:
+                    async for message in events:
+                        await queue.put(_event(stream.rpc, message))
+            except BaseException as exc:  # a failure of one stream ends the whole call
                 await queue.put(exc)
                 raise
             await queue.put(_END)
 
-        tasks = [asyncio.ensure_future(pump(name, req)) for name, req in calls]
+        tasks = [asyncio.ensure_future(pump(stream, target)) for stream, target in targets]
         try:
             running = len(tasks)
             while running:
@@ -86,7 +82,9 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def install(registry: Any, rt: Runtime) -> list[str]:
-    """Installer for server.app: the service needs the registry to find the UiService handlers."""
-    webview_pb2_grpc.add_WebviewServiceServicer_to_server(WebviewService(rt, registry.lookup), registry)
-    return [webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name]
+SERVICE = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
+
+
+def add_to(registry: Any, feed: UiFeed, queue_size: int) -> str:
+    webview_pb2_grpc.add_WebviewServiceServicer_to_server(WebviewService(feed, queue_size), registry)
+    return SERVICE

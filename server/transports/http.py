@@ -1,4 +1,5 @@
-"""Runs the ASGI app with uvicorn as a task on the running loop (the grpc.aio server's loop)."""
+"""Runs the HTTP port's ASGI app with uvicorn as a task on the running loop (the grpc.aio server's
+loop), as an async context manager: entering binds the port, leaving stops it within the grace."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Generator
-from typing import TYPE_CHECKING
 
 import uvicorn
 
-from uibus.web.asgi import ASGIApp
-from uibus.web.routes import Routes, build
-
-if TYPE_CHECKING:
-    from uibus.app import App
+from uibus.transports.asgi import ASGIApp
+from uibus.transports.routes import Routes, build
 
 log = logging.getLogger("uibus.web")
 
@@ -55,6 +52,13 @@ class HttpServer:
         except SystemExit as exc:  # uvicorn exits the process when the port is taken
             raise OSError(f"cannot bind HTTP port {self.server.config.port} (is it in use?)") from exc
 
+    async def __aenter__(self) -> HttpServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     async def stop(self) -> None:
         """Stops accepting, lets open responses finish within the grace period, then cancels them."""
         if self._task is None:
@@ -63,15 +67,3 @@ class HttpServer:
         with contextlib.suppress(asyncio.CancelledError, OSError):
             await self._task
 
-
-async def start_http(app: App) -> HttpServer:
-    """Builds the HTTP side for `app` and binds `Config.http_port` (0 there means no HTTP server)."""
-    from uibus.webview import webview_html
-
-    cfg = app.config
-    routes = Routes(app.registry.lookup, app.metrics, webview_html, lambda: app.stopping, cfg.auth_token,
-                    cfg.max_message_bytes)
-    routes.mounts.update(app.rt.http_mounts)
-    server = HttpServer(routes, cfg.cors_origins, cfg.host, cfg.http_port, cfg.grace_seconds)
-    await server.start()
-    return server

@@ -1,20 +1,15 @@
 """Prometheus metrics: bus counters read at scrape time, RPC counts/latencies, chat turns.
 
 Nothing here runs per bus event: the bus already keeps plain per-kind counters, and a custom
-collector turns them into metric families only when /metrics is scraped. RPCs cost one histogram
-observation per call (native gRPC through handlers wrapped once at registration, HTTP transports directly).
+collector turns them into metric families only when /metrics is scraped. Calls cost one histogram
+observation each, made by the handler pipeline (uibus.pipeline) for every transport alike.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import grpc
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -84,76 +79,3 @@ class Metrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-def _code_name(context: Any) -> str:
-    code = context.code()
-    if code is None:
-        return "OK"
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    try:  # grpc.aio may report the raw integer
-        return grpc.StatusCode[next(c.name for c in grpc.StatusCode if c.value[0] == int(code))].name
-    except (StopIteration, TypeError, ValueError):
-        return str(code)
-
-
-def instrument(metrics: Metrics) -> Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]:
-    """Returns a wrapper that times one method's native gRPC calls.
-
-    It is applied once per method when services register (server.app.Registry), not per call:
-    a grpc.aio server interceptor runs an extra coroutine chain for every call, which measured
-    ~70 µs of server CPU per unary call on grpcio 1.82 — more than the rest of uibus's own code.
-    The status comes from the context when the handler ends (abort sets it) or from the exception.
-    """
-    observe = metrics.observe
-
-    def wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        def timed(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            if inspect.iscoroutinefunction(behavior):
-                async def coro(request: Any, context: Any) -> Any:
-                    start = time.perf_counter()
-                    failed: BaseException | None = None
-                    try:
-                        return await behavior(request, context)
-                    except BaseException as exc:
-                        failed = exc
-                        raise
-                    finally:
-                        observe(method, _outcome(context, failed), time.perf_counter() - start, "grpc")
-                return coro
-            if inspect.isasyncgenfunction(behavior):
-                # grpc.aio picks its calling convention by function kind, so an async generator
-                # must be wrapped by one: one extra `yield` per message.
-                async def agen(request: Any, context: Any) -> Any:
-                    start = time.perf_counter()
-                    failed: BaseException | None = None
-                    try:
-                        async with contextlib.aclosing(behavior(request, context)) as stream:
-                            async for message in stream:
-                                yield message
-                    except BaseException as exc:
-                        failed = exc
-                        raise
-                    finally:
-                        observe(method, _outcome(context, failed), time.perf_counter() - start, "grpc")
-                return agen
-            return behavior  # synchronous handlers (thread pool) are not timed
-
-        if handler.request_streaming and handler.response_streaming:
-            return handler._replace(stream_stream=timed(handler.stream_stream))
-        if handler.request_streaming:
-            return handler._replace(stream_unary=timed(handler.stream_unary))
-        if handler.response_streaming:
-            return handler._replace(unary_stream=timed(handler.unary_stream))
-        return handler._replace(unary_unary=timed(handler.unary_unary))
-
-    return wrap
-
-
-def _outcome(context: Any, failed: BaseException | None) -> str:
-    code = _code_name(context)
-    if code != "OK" or failed is None:
-        return code
-    if isinstance(failed, (asyncio.CancelledError, GeneratorExit)):
-        return "CANCELLED"
-    return "UNKNOWN"

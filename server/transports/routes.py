@@ -6,26 +6,25 @@ by content type (any `/pkg.Service/Method` path), everything else by path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from uibus.web.asgi import ASGIApp, Receive, Scope, Send, header, respond
-from uibus.web.cors import Cors
-from uibus.web.grpcweb import GrpcWeb, Lookup, is_grpc_web
-from uibus.web.metrics import CONTENT_TYPE, Metrics
-from uibus.web.neurosan_http import PREFIX, NeuroSanHttp
+from uibus.metrics import CONTENT_TYPE, Metrics
+from uibus.transports.asgi import ASGIApp, Receive, Scope, Send, header, respond
+from uibus.transports.cors import Cors
+from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
+from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
 
 
 class Routes:
     def __init__(self, lookup: Lookup, metrics: Metrics, page: Callable[[], str], stopping: Callable[[], bool],
-                 auth_token: str = "", max_message_bytes: int = 4 * 1024 * 1024) -> None:
-        self.grpc_web = GrpcWeb(lookup, auth_token, max_message_bytes, metrics.observe)
-        self.api = NeuroSanHttp(lookup, auth_token, max_message_bytes, metrics.observe)
+                 max_message_bytes: int = 4 * 1024 * 1024, mounts: Mapping[str, ASGIApp] | None = None) -> None:
+        self.grpc_web = GrpcWeb(lookup, max_message_bytes)
+        self.api = NeuroSanHttp(lookup, max_message_bytes)
         self.metrics = metrics
         self.page = page
         self.stopping = stopping
-        # Extra ASGI apps by path prefix, for other parts that live on the HTTP port (e.g. a
-        # WebSocket gateway): {"/agent-to-app": app}.
-        self.mounts: dict[str, ASGIApp] = {}
+        # Other parts that live on the HTTP port, by path prefix (the CodeBolt WebSocket).
+        self.mounts: dict[str, ASGIApp] = dict(mounts or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")

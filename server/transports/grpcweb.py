@@ -1,10 +1,13 @@
 """gRPC-Web (`application/grpc-web[+proto]` and `application/grpc-web-text`) over HTTP/1.1.
 
-Each call runs the same grpc method handler the native server runs, in-process, with an
-`HttpServicerContext`. Response messages are framed and flushed as they are produced; the status
-goes in a trailer frame, or in the headers when nothing was sent (trailers-only, so an empty
-stream or an early error needs no body). A `grpc-timeout` becomes a deadline, and a client that
-goes away cancels the handler so its `finally` (e.g. the bus unsubscribe) runs at once.
+Each call runs the same pipeline-wrapped method handler the native server runs, in-process, with
+a `CallContext`; this module only translates framing. A body that cannot be unframed or decoded,
+or is over the size limit, goes to the handler as a `Rejected` request, so the pipeline answers it
+exactly as it answers the native server. Response messages are framed and flushed as they are
+produced; the status goes in a trailer frame, or in the headers when nothing was sent
+(trailers-only, so an empty stream or an early error needs no body). A `grpc-timeout` becomes a
+deadline, and a client that goes away cancels the handler so its `finally` (e.g. the bus
+unsubscribe) runs at once.
 """
 
 from __future__ import annotations
@@ -15,31 +18,26 @@ import binascii
 import contextlib
 import re
 import struct
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
 import grpc
 
-from uibus.web.asgi import (
+from uibus.calls import CallContext, Metadata, Rejected, decode, responses
+from uibus.errors import InvalidArgument
+from uibus.transports.asgi import (
     BodyTooLarge,
     ClientGone,
     Headers,
     Receive,
     Scope,
     Send,
-    bearer_ok,
     read_body,
     until_disconnect,
 )
-from uibus.web.context import HttpServicerContext, Metadata
-from uibus.web.invoke import responses
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
-Observe = Callable[[str, str, float, str], None]
-
-OPEN_METHODS = ("/grpc.health.v1.Health/",)  # as server.auth: probes carry no token
 _TRAILER_FLAG = 0x80
 _END = object()
 HEADERS_AFTER = 0.05  # seconds a stream may take to produce or end before its headers go out
@@ -147,7 +145,7 @@ class _Response:
 
     __slots__ = ("content_type", "ctx", "send", "started", "text")
 
-    def __init__(self, send: Send, text: bool, ctx: HttpServicerContext) -> None:
+    def __init__(self, send: Send, text: bool, ctx: CallContext) -> None:
         self.send = send
         self.text = text
         self.ctx = ctx
@@ -183,21 +181,17 @@ class _Response:
 class GrpcWeb:
     """The ASGI app that answers every gRPC-Web POST."""
 
-    def __init__(self, lookup: Lookup, auth_token: str = "", max_message_bytes: int = 4 * 1024 * 1024,
-                 observe: Observe | None = None) -> None:
+    def __init__(self, lookup: Lookup, max_message_bytes: int = 4 * 1024 * 1024) -> None:
         self.lookup = lookup
-        self.auth_token = auth_token
         self.max_body = max_message_bytes + 5 * 16  # a few frame headers on top of one message
-        self.observe = observe
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
         text = content_type.startswith("application/grpc-web-text")
         metadata = metadata_of(scope)
-        ctx = HttpServicerContext(metadata, peer_of(scope))
+        ctx = CallContext(metadata, peer_of(scope), "grpc-web")
         resp = _Response(send, text, ctx)
-        started = time.perf_counter()
 
         async def refuse(code: grpc.StatusCode, details: str) -> None:
             ctx.finish()
@@ -206,41 +200,21 @@ class GrpcWeb:
         if scope["method"] != "POST":
             await refuse(grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")
             return
-        try:
-            timeout = parse_timeout(next((v for k, v in scope["headers"] if k == b"grpc-timeout"), b"").decode())
-            body = await read_body(receive, self.max_body)
-            if text:
-                body = decode_text(body)
-            frames = split_frames(body)
-        except ClientGone:
-            return
-        except BodyTooLarge as exc:
-            await refuse(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            return
-        except ValueError as exc:
-            await refuse(grpc.StatusCode.INTERNAL, str(exc))
-            return
         handler = self.lookup(path, metadata)
         if handler is None:
             await refuse(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
             return
-        if self.auth_token and not path.startswith(OPEN_METHODS) and not bearer_ok(
-                self.auth_token, dict(metadata).get("authorization")):
-            await refuse(grpc.StatusCode.UNAUTHENTICATED,
-                         "missing or wrong bearer token (header `authorization: Bearer <token>`)")
-            return
         try:
-            requests = [handler.request_deserializer(f) if handler.request_deserializer else f for f in frames]
-        except Exception as exc:
-            await refuse(grpc.StatusCode.INTERNAL, f"could not parse the request message: {exc}")
-            return
-        if handler.request_streaming:
-            request: Any = _aiter(requests)
-        elif len(requests) == 1:
-            request = requests[0]
+            timeout = parse_timeout(next((v for k, v in scope["headers"] if k == b"grpc-timeout"), b"").decode())
+        except ValueError as exc:
+            timeout, request = None, Rejected(InvalidArgument(str(exc)))
         else:
-            await refuse(grpc.StatusCode.INTERNAL, f"a unary request needs exactly one message, got {len(requests)}")
-            return
+            try:
+                request = self._request(handler, await read_body(receive, self.max_body), text)
+            except ClientGone:
+                return
+            except BodyTooLarge as exc:
+                request = Rejected(exc)
         ctx.set_timeout(timeout)
         ctx.on_initial_metadata = resp.start
 
@@ -250,11 +224,23 @@ class GrpcWeb:
         finally:
             if abandoned:  # the browser aborted, or the server task itself is being cancelled
                 ctx.finish(cancelled=True)
-        if self.observe is not None:
-            code = grpc.StatusCode.CANCELLED if abandoned else ctx.status()[0]
-            self.observe(path, code.name, time.perf_counter() - started, "grpc-web")
 
-    async def _run(self, handler: grpc.RpcMethodHandler, request: Any, ctx: HttpServicerContext,
+    @staticmethod
+    def _request(handler: grpc.RpcMethodHandler, body: bytes, text: bool) -> Any:
+        """The request of a framed body: a message (a `Rejected` one if undecodable), or an async
+        iterator of them for client-streaming methods; `Rejected` if the framing is broken."""
+        frames = decode(lambda b: split_frames(decode_text(b) if text else b), body, "gRPC-Web body")
+        if isinstance(frames, Rejected):
+            return frames
+        deserialize = handler.request_deserializer or (lambda f: f)
+        requests = [deserialize(f) for f in frames]
+        if handler.request_streaming:
+            return _aiter(requests)
+        if len(requests) != 1:
+            return Rejected(InvalidArgument(f"a unary request needs exactly one message, got {len(requests)}"))
+        return requests[0]
+
+    async def _run(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
                    resp: _Response, timeout: float | None) -> None:
         serialize = handler.response_serializer
         try:

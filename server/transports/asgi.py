@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+import grpc
+
+from uibus.errors import ResourceExhausted
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -17,8 +20,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(ResourceExhausted):
+    """The request body is over the message size limit."""
 
 
 class ClientGone(Exception):
@@ -55,27 +58,37 @@ async def wait_disconnect(receive: Receive) -> None:
         pass
 
 
+# The HTTP status of each gRPC status, for the transports that answer in HTTP (the neuro-san API,
+# a refused WebSocket upgrade); the JSON body always names the gRPC status too.
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNIMPLEMENTED: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def http_status(code: grpc.StatusCode) -> int:
+    return _HTTP_STATUS.get(code, 500)
+
+
+def error_body(code: grpc.StatusCode, details: str) -> dict[str, Any]:
+    return {"error": details or code.name, "code": code.name}
+
+
 async def respond(send: Send, status: int, body: bytes | str, content_type: str = "text/plain; charset=utf-8",
-                  headers: Headers | None = None) -> None:
+                  headers: Headers | None = None, prefix: str = "") -> None:
+    """A whole response; `prefix="websocket."` sends it as a refused WebSocket upgrade."""
     data = body.encode() if isinstance(body, str) else body
-    await send({"type": "http.response.start", "status": status,
+    await send({"type": prefix + "http.response.start", "status": status,
                 "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(data)).encode()),
                             *(headers or [])]})
-    await send({"type": "http.response.body", "body": data})
+    await send({"type": prefix + "http.response.body", "body": data})
 
 
-async def respond_json(send: Send, status: int, obj: Any) -> None:
-    await respond(send, status, json.dumps(obj), "application/json")
-
-
-def bearer_ok(token: str, authorization: str | bytes | None) -> bool:
-    """The same check as the gRPC interceptor (server.auth), for calls that bypass it."""
-    if not token:
-        return True
-    if authorization is None:
-        return False
-    got = authorization.encode() if isinstance(authorization, str) else authorization
-    return hmac.compare_digest(got, f"Bearer {token}".encode())
+async def respond_json(send: Send, status: int, obj: Any, prefix: str = "") -> None:
+    await respond(send, status, json.dumps(obj), "application/json", prefix=prefix)
 
 
 async def until_disconnect(work: Awaitable[None], receive: Receive) -> bool:

@@ -4,7 +4,10 @@
 (proto3 JSON in, `application/json-lines` out: one ChatResponse per line, each flushed as the
 agent produces it). Requests are dispatched through the handler registry to
 `/<agent>.AgentService/<Method>`, exactly the path a neuro-san gRPC client calls, so sessions,
-chat context and the Chat → UI mirroring behave the same over both transports.
+chat context, the Chat → UI mirroring and every policy of the pipeline (token, store outages,
+failures, metrics) behave the same over both transports. A body that is not the request in proto3
+JSON, or is over the size limit, goes to the handler as `Rejected`, so the pipeline answers it.
+Failures are answered with the HTTP status of their gRPC status and `{"error", "code"}`.
 """
 
 from __future__ import annotations
@@ -12,40 +15,31 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
+from uibus.calls import CallContext, Rejected, decode, responses
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
-from uibus.web.asgi import (
+from uibus.transports.asgi import (
     BodyTooLarge,
     ClientGone,
     Receive,
     Scope,
     Send,
-    bearer_ok,
+    error_body,
+    http_status,
     read_body,
     respond_json,
     until_disconnect,
 )
-from uibus.web.context import HttpServicerContext
-from uibus.web.grpcweb import Lookup, Observe, metadata_of, peer_of
-from uibus.web.invoke import responses
+from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 
 PREFIX = "/api/v1/"
 CONCIERGE_LIST = "/dev.cognizant_ai.neuro_san.api.grpc.concierge.ConciergeService/List"
 _AGENT = re.compile(r"[A-Za-z0-9_.-]{1,128}")
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.UNIMPLEMENTED: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.ABORTED: 409, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 # (HTTP method, request message type) of each agent endpoint.
 _AGENT_ROUTES: dict[str, tuple[str, str, type[ProtoMessage]]] = {
     "function": ("GET", "Function", agent_pb2.FunctionRequest),
@@ -58,17 +52,17 @@ def to_json(message: ProtoMessage) -> str:
     return json_format.MessageToJson(message, preserving_proto_field_name=True, indent=None)
 
 
-def _error(code: grpc.StatusCode, details: str) -> dict[str, Any]:
-    return {"error": details or code.name, "code": code.name}
+def _parse(request_type: type[ProtoMessage], body: bytes) -> ProtoMessage:
+    request = request_type()
+    if body.strip():
+        json_format.Parse(body, request)
+    return request
 
 
 class NeuroSanHttp:
-    def __init__(self, lookup: Lookup, auth_token: str = "", max_body: int = 4 * 1024 * 1024,
-                 observe: Observe | None = None) -> None:
+    def __init__(self, lookup: Lookup, max_body: int = 4 * 1024 * 1024) -> None:
         self.lookup = lookup
-        self.auth_token = auth_token
         self.max_body = max_body
-        self.observe: Callable[[str, str, float, str], None] = observe or (lambda *_: None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = scope["path"][len(PREFIX):].split("/")
@@ -93,41 +87,28 @@ class NeuroSanHttp:
             return
 
         metadata = metadata_of(scope)
-        if self.auth_token and not bearer_ok(self.auth_token, dict(metadata).get("authorization")):
-            await respond_json(send, 401, {"error": "missing or wrong bearer token (`authorization: Bearer <token>`)"})
-            return
         handler = self.lookup(rpc_path, metadata)
         if handler is None:
-            what = "the concierge service is not installed" if rpc_path == CONCIERGE_LIST else \
-                f"no agent named {parts[0]!r}"
-            await respond_json(send, 404, {"error": what})
+            await respond_json(send, 404, {"error": "the concierge service is not installed", "code": "UNIMPLEMENTED"})
             return
-        request = request_type()
         try:
             body = await read_body(receive, self.max_body)
-            if method == "POST" and body.strip():
-                json_format.Parse(body, request)
         except ClientGone:
             return
         except BodyTooLarge as exc:
-            await respond_json(send, 413, {"error": str(exc)})
-            return
-        except (json_format.ParseError, UnicodeDecodeError) as exc:
-            await respond_json(send, 400, {"error": f"request body is not a valid {request_type.__name__} "
-                                                    f"in proto3 JSON: {exc}"})
-            return
+            request: Any = Rejected(exc)
+        else:
+            request = decode(lambda b: _parse(request_type, b if method == "POST" else b""), body,
+                             f"body (a {request_type.__name__} in proto3 JSON)")
 
-        ctx = HttpServicerContext(metadata, peer_of(scope))
-        started = time.perf_counter()
+        ctx = CallContext(metadata, peer_of(scope), "http")
         if handler.response_streaming:
             abandoned = await until_disconnect(self._stream(handler, request, ctx, send), receive)
         else:
             abandoned = await until_disconnect(self._unary(handler, request, ctx, send), receive)
         ctx.finish(cancelled=abandoned)
-        code = grpc.StatusCode.CANCELLED if abandoned else ctx.status()[0]
-        self.observe(rpc_path, code.name, time.perf_counter() - started, "http")
 
-    async def _unary(self, handler: grpc.RpcMethodHandler, request: Any, ctx: HttpServicerContext,
+    async def _unary(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
                      send: Send) -> None:
         reply = None
         async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
@@ -135,14 +116,14 @@ class NeuroSanHttp:
                 reply = message
         code, details = ctx.status()
         if code != grpc.StatusCode.OK or reply is None:
-            await respond_json(send, _HTTP_STATUS.get(code, 500), _error(code, details))
+            await respond_json(send, http_status(code), error_body(code, details))
             return
         data = to_json(reply).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
         await send({"type": "http.response.body", "body": data})
 
-    async def _stream(self, handler: grpc.RpcMethodHandler, request: Any, ctx: HttpServicerContext,
+    async def _stream(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
                       send: Send) -> None:
         """One JSON line per response, flushed as produced.
 
@@ -167,7 +148,7 @@ class NeuroSanHttp:
                             "headers": [(b"content-type", b"application/json-lines")]})
                 await send({"type": "http.response.body", "body": b""})
             else:
-                await respond_json(send, _HTTP_STATUS.get(code, 500), _error(code, details))
+                await respond_json(send, http_status(code), error_body(code, details))
             return
-        tail = b"" if code == grpc.StatusCode.OK else json.dumps(_error(code, details)).encode() + b"\n"
+        tail = b"" if code == grpc.StatusCode.OK else json.dumps(error_body(code, details)).encode() + b"\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})

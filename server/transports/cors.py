@@ -7,7 +7,7 @@ nothing. The page's own origin is always allowed: browsers send `Origin` on same
 
 from __future__ import annotations
 
-from uibus.web.asgi import ASGIApp, Message, Receive, Scope, Send, header, respond
+from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header, respond
 
 ALLOW_HEADERS = ("content-type, x-grpc-web, x-user-agent, grpc-timeout, x-uibus-session, authorization, "
                  "service_version, user_id, request_id")

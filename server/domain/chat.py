@@ -1,5 +1,4 @@
-"""The one implementation of a neuro-san chat turn, for every transport (gRPC here; the HTTP API
-and gRPC-Web reach it through the same method handler).
+"""The one implementation of a neuro-san chat turn, and the directory of agents that answer.
 
 It keeps neuro-san's StreamingChat contract (SPEC.md §2) and adds uibus's session behaviour:
 
@@ -21,23 +20,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
+from typing import Any
 
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
-from uibus import chat_history, topics
 from uibus.agents import AgentSpec, Backend, Final, Turn
 from uibus.agents.config import AgentTable
+from uibus.domain.feed import UiFeed
+from uibus.domain.history import ChatHistory
+from uibus.errors import InvalidArgument, Unimplemented
 from uibus.pb.cline import ui_pb2
-from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus.services.common import Runtime
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
 
 log = logging.getLogger("uibus.chat")
 
 PARTIAL_INTERVAL_S = 0.05
 MAX_CONTEXT_MESSAGES = 200  # per agent history kept in the stored/returned ChatContext
-_MINIMAL = agent_pb2.MINIMAL
 _MAXIMAL = agent_pb2.MAXIMAL
 _AI = chat_pb2.ChatMessage.AI
 _HUMAN = chat_pb2.ChatMessage.HUMAN
@@ -45,27 +45,25 @@ _FRAMEWORK = chat_pb2.ChatMessage.AGENT_FRAMEWORK
 _ROLES = {chat_pb2.ChatMessage.HUMAN: "user", chat_pb2.ChatMessage.AI: "assistant",
           chat_pb2.ChatMessage.SYSTEM: "system"}
 _FILTERS = ", ".join(f"{n} ({v})" for n, v in agent_pb2.ChatFilterType.items())
-_SOURCE = "neuro-san"
+_FILTER_VALUES = frozenset(agent_pb2.ChatFilterType.values())
+_MESSAGE_TYPES = frozenset(chat_pb2.ChatMessage.ChatMessageType.values())
+SOURCE = "neuro-san"
 # Metadata a backend may forward upstream (neuro-san clients send these).
 _FORWARD = ("user_id", "request_id")
 
 
-class ChatInputError(ValueError):
-    """The request cannot be served as sent (→ INVALID_ARGUMENT)."""
-
-
-class UnknownAgent(LookupError):
-    """No such agent here (→ UNIMPLEMENTED, as neuro-san answers)."""
+class UnknownAgent(Unimplemented):
+    """No such agent here (UNIMPLEMENTED, as neuro-san answers)."""
 
 
 def check_request(request: agent_pb2.ChatRequest) -> None:
-    """Raises ChatInputError when an enum carries a value the proto does not define."""
+    """InvalidArgument when an enum carries a value the proto does not define."""
     value = request.chat_filter.chat_filter_type
-    if value not in agent_pb2.ChatFilterType.values():
-        raise ChatInputError(f"chat_filter.chat_filter_type={value} is not one of {_FILTERS}")
+    if value not in _FILTER_VALUES:
+        raise InvalidArgument(f"chat_filter.chat_filter_type={value} is not one of {_FILTERS}")
     value = request.user_message.type
-    if value not in chat_pb2.ChatMessage.ChatMessageType.values():
-        raise ChatInputError(f"user_message.type={value} is not a ChatMessageType")
+    if value not in _MESSAGE_TYPES:
+        raise InvalidArgument(f"user_message.type={value} is not a ChatMessageType")
 
 
 def agent_history(ctx: chat_pb2.ChatContext, agent: str) -> chat_pb2.ChatHistory | None:
@@ -99,60 +97,89 @@ def next_context(ctx: chat_pb2.ChatContext, agent: str, question: str, answer: s
     return new
 
 
-class _Ts:
-    """Unique, increasing millisecond timestamps: a webview identifies a message by its ts."""
-
-    last = 0
-
-    @classmethod
-    def next(cls) -> int:
-        cls.last = max(int(time.time() * 1000), cls.last + 1)
-        return cls.last
+def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(value)
+    return s
 
 
-class ChatEngine:
-    def __init__(self, rt: Runtime, agents: AgentTable) -> None:
-        self.rt = rt
+class Chat:
+    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed) -> None:
         self.agents = agents
+        self.history = history
+        self.feed = feed
+        self.directory = concierge_pb2.ConciergeResponse(agents=[
+            concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
+            for s in agents.specs.values()])
+
+    # ---- the directory ----
+
+    @property
+    def default_agent(self) -> str:
+        return self.agents.default
+
+    def names(self) -> list[str]:
+        return self.agents.names()
 
     def spec(self, agent: str) -> AgentSpec:
         spec = self.agents.specs.get(agent)
         if spec is None:
-            raise UnknownAgent(f"agent {agent!r} is not served here; known agents: "
-                               f"{', '.join(self.agents.names())}")
+            raise UnknownAgent(f"agent {agent!r} is not served here; known agents: {', '.join(self.agents.names())}")
         return spec
 
     def backend(self, agent: str) -> Backend:
         self.spec(agent)
         return self.agents.backends[agent]
 
-    def _publish(self, session: str, ts: int, text: str, partial: bool) -> None:
-        msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=text, partial=partial)
-        self.rt.bus.publish(session, topics.PARTIAL_MESSAGE, msg, key=ts)
+    def function(self, agent: str) -> agent_pb2.FunctionResponse:
+        spec, backend = self.spec(agent), self.backend(agent)
+        function = agent_pb2.Function(description=spec.description)
+        if spec.parameters:
+            function.parameters.update(spec.parameters)
+        schema = spec.sly_data_schema if spec.sly_data_schema is not None else backend.sly_data_schema()
+        if schema:
+            function.sly_data_schema.update(schema)
+        return agent_pb2.FunctionResponse(function=function)
 
-    async def stream(self, session: str, agent: str, request: agent_pb2.ChatRequest,
-                     metadata: dict[str, str] | None = None) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """The ChatResponses of one turn. Callers check `check_request` and `spec` first so that
-        bad input fails before the stream starts; this generator then never raises except on
-        cancellation, which it always lets through."""
-        backend = self.backend(agent)
+    def connectivity(self, agent: str) -> agent_pb2.ConnectivityResponse:
+        spec = self.spec(agent)
+        info = agent_pb2.ConnectivityInfo(origin=agent, tools=list(spec.tools), display_as=spec.display_as)
+        return agent_pb2.ConnectivityResponse(
+            connectivity_info=[info],
+            metadata=_struct({"description": spec.description, "tags": list(spec.tags), "backend": spec.backend}))
+
+    # ---- the turn ----
+
+    def check(self, agent: str, request: agent_pb2.ChatRequest) -> None:
+        """Raises what would make `turn` fail before it starts (unknown agent, bad enum)."""
+        self.spec(agent)
+        check_request(request)
+
+    async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                   metadata: Mapping[str, str] | None = None) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """The ChatResponses of one turn. Bad input fails (with `check`'s errors) before anything
+        happens; after that an agent failure is an answer, and only a store failure or a
+        cancellation ends the stream otherwise."""
+        self.check(agent, request)
+        backend = self.agents.backends[agent]
         text = request.user_message.text
         if not text:
             yield agent_pb2.ChatResponse()
             return
         maximal = request.chat_filter.chat_filter_type == _MAXIMAL
-        store = self.rt.store
+        history = self.history
         if request.HasField("chat_context"):
             ctx = request.chat_context
         else:
-            ctx = await chat_history.load_context(store, session, agent)
+            ctx = await history.load_context(session, agent)
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
-        await chat_history.append(store, session, "user", text, agent=agent, source=_SOURCE, bus=self.rt.bus)
+        await history.append(session, "user", text, agent=agent, source=SOURCE)
 
+        feed = self.feed
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
-        ts = _Ts.next()
+        ts = feed.clock.next()
         parts: list[str] = []
         final: Final | None = None
         error = ""
@@ -168,21 +195,21 @@ class ChatEngine:
                         now = time.monotonic()
                         if now - published_at >= PARTIAL_INTERVAL_S:
                             published_at = now
-                            self._publish(session, ts, "".join(parts), True)
+                            feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True)
                     elif isinstance(piece, Final):
                         final = piece
                     elif maximal:
                         if not piece.origin:
                             piece.origin.extend(origin)
                         yield agent_pb2.ChatResponse(request=request, response=piece)
-        except Exception as exc:  # an agent failure is an answer, not a gRPC error (neuro-san does the same)
+        except Exception as exc:  # an agent failure is an answer, not a call error (neuro-san does the same)
             error = f"Error from {agent}: {exc}"
             log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": str(exc)}})
         except BaseException:
             # Cancelled or closed: still end the webview's message (if one was shown), so no UI shows
-            # a reply "typing" forever; publish() never awaits, so this cannot delay the cancel.
+            # a reply "typing" forever; say() never awaits, so this cannot delay the cancel.
             if published_at:
-                self._publish(session, ts, "".join(parts), False)
+                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts)
             raise
         if error:
             answer, new_ctx, returned_sly = error, ctx, None
@@ -194,11 +221,10 @@ class ChatEngine:
         else:
             answer = "".join(parts)
             new_ctx, returned_sly = next_context(ctx, agent, text, answer), None
-        self._publish(session, ts, answer, False)
+        feed.say(session, answer, ui_pb2.TEXT, ts=ts)
         if not error:
-            await chat_history.save_context(store, session, agent, new_ctx)
-        await chat_history.append(store, session, "assistant", answer, agent=agent, source=_SOURCE, error=bool(error),
-                                  bus=self.rt.bus)
+            await history.save_context(session, agent, new_ctx)
+        await history.append(session, "assistant", answer, agent=agent, source=SOURCE, error=bool(error))
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if returned_sly:
             message.sly_data.update(returned_sly)

@@ -1,0 +1,40 @@
+"""`Core`: the domain objects one app owns, built once and shared by every service and transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from uibus.agents.config import AgentTable
+from uibus.bus import Bus
+from uibus.config import Config
+from uibus.domain.chat import Chat
+from uibus.domain.clock import TsClock
+from uibus.domain.dialogs import Dialogs
+from uibus.domain.feed import UiFeed
+from uibus.domain.history import ChatHistory
+from uibus.store import Store
+
+
+@dataclass
+class Core:
+    config: Config
+    bus: Bus
+    store: Store
+    clock: TsClock
+    feed: UiFeed
+    history: ChatHistory
+    chat: Chat
+    dialogs: Dialogs
+
+    @classmethod
+    def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
+        clock = TsClock()
+        feed = UiFeed(bus, store, clock)
+        history = ChatHistory(store, bus)
+        return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
+                   chat=Chat(agents, history, feed), dialogs=Dialogs(bus, store, config.queue_size))
+
+    def begin_shutdown(self) -> None:
+        """Refuse new streams and dialogs; end every open stream and waiting dialog."""
+        self.bus.close()
+        self.dialogs.shutdown()

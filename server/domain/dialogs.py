@@ -1,0 +1,377 @@
+"""Extension-UI dialogs: an agent asks, a UI of the session answers (SPEC.md §3).
+
+`Dialogs` is the whole extension-UI behaviour, for every caller (the gRPC service, the CodeBolt
+gateway): asking (select / confirm / input / editor, which wait for an answer), fire-and-forget
+requests (notify, status, widget, title, editor text), answering, and the UI's event stream.
+
+A waiting dialog is one asyncio future in `PendingDialogs`, keyed by dialog id. It is closed
+exactly once, by whichever comes first — a UI's answer, its timer, the agent's call ending, or
+shutdown — and closing is synchronous (no await between "is it still open?" and "resolve it"),
+which is what makes "first answer wins" hold without locks. Closing removes every trace of the
+dialog from the open maps, cancels its timer and tells every UI of the session through the bus;
+only a bounded memory of recently closed ids stays, so a late answer can be told "already
+answered" apart from "unknown". Requests and closed events reach the UIs through the bus (kind
+EXTENSION_UI); status, widgets and title are written to the store before they are published, so
+a UI that subscribes later starts from the current state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from uibus import kinds
+from uibus.bus import Bus
+from uibus.domain import dialog_checks as checks
+from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
+from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.store import Store
+
+ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
+CANCELLED = pb.DIALOG_OUTCOME_CANCELLED
+TIMED_OUT = pb.DIALOG_OUTCOME_TIMED_OUT
+CALLER_CANCELLED = pb.DIALOG_OUTCOME_CALLER_CANCELLED
+SHUTDOWN = pb.DIALOG_OUTCOME_SHUTDOWN
+
+MAX_PENDING_PER_SESSION = 256
+MAX_STATE_KEYS = 256  # status entries and widgets per session
+# A UI stream must not lose dialog requests to a burst of status updates; 1024 holds every
+# pending dialog of a session (request + closed) with room to spare, and at the bound a closed
+# event replaces its own request and a newer status replaces an older one of the same key.
+UI_QUEUE = 1024
+PREFIX = "extui/"  # store keys: extui/title, extui/status/<key>, extui/widget/<key>
+STATUS = PREFIX + "status/"
+WIDGET = PREFIX + "widget/"
+TITLE = PREFIX + "title"
+_CLOSED_HOW = {
+    TIMED_OUT: "timed out",
+    CALLER_CANCELLED: "was cancelled by the agent that asked it",
+    SHUTDOWN: "was closed by the server shutting down",
+}
+# How each dialog is checked, and the name the protocol gives it (the ExtensionUiRequest field).
+_ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
+    pb.SelectRequest: ("select", checks.check_select),
+    pb.ConfirmRequest: ("confirm", checks.check_confirm),
+    pb.InputRequest: ("input", checks.check_input),
+    pb.EditorRequest: ("editor", checks.check_editor),
+}
+DialogRequest = pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | pb.EditorRequest
+
+
+class TooManyDialogs(ResourceExhausted):
+    """The session already has as many dialogs waiting as allowed."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is shutting down and opens no new dialogs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    outcome: int
+    value: str | None = None
+    confirmed: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Dialog:
+    id: str
+    session: str
+    method: str  # the ExtensionUiRequest oneof field: select, confirm, input, editor
+    request: pb.ExtensionUiRequest
+    future: asyncio.Future[Answer]
+    options: frozenset[str] | None = None  # select only: the answers a UI may give
+    timer: asyncio.TimerHandle | None = None
+
+
+class PendingDialogs:
+    """The open dialogs of every session, and a bounded memory of closed ones."""
+
+    def __init__(self, bus: Bus, max_per_session: int = MAX_PENDING_PER_SESSION, remember: int = 4096) -> None:
+        self.bus = bus
+        self.max_per_session = max_per_session
+        self._remember = remember
+        self._open: dict[str, Dialog] = {}
+        self._by_session: dict[str, dict[str, Dialog]] = {}  # insertion order = replay order
+        self._closed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, outcome)
+        self.closing = False
+
+    def count(self, session: str | None = None) -> int:
+        if session is None:
+            return len(self._open)
+        return len(self._by_session.get(session, ()))
+
+    def open(self, session: str, method: str, payload: Any, timeout_ms: int = 0,
+             options: frozenset[str] | None = None) -> Dialog:
+        """Registers a dialog, arms its timer and publishes it to the session's UIs."""
+        if self.closing:
+            raise ShuttingDown("the server is shutting down")
+        waiting = self._by_session.get(session)
+        if waiting is not None and len(waiting) >= self.max_per_session:
+            raise TooManyDialogs(f"session {session!r} already has {len(waiting)} dialogs waiting for an "
+                                 f"answer (limit {self.max_per_session})")
+        loop = asyncio.get_running_loop()
+        dialog_id = str(uuid.uuid4())
+        now_ms = int(time.time() * 1000)
+        request = pb.ExtensionUiRequest(id=dialog_id, ts=now_ms,
+                                        expires_at_ms=now_ms + timeout_ms if timeout_ms else 0,
+                                        **{method: payload})
+        dialog = Dialog(dialog_id, session, method, request, loop.create_future(), options)
+        if timeout_ms:
+            dialog.timer = loop.call_later(timeout_ms / 1000, self.close, dialog, TIMED_OUT)
+        self._open[dialog_id] = dialog
+        if waiting is None:
+            waiting = self._by_session[session] = {}
+        waiting[dialog_id] = dialog
+        self.bus.publish(session, kinds.EXTENSION_UI, pb.ExtensionUiEvent(request=request), key=dialog_id)
+        return dialog
+
+    async def wait(self, dialog: Dialog) -> Answer:
+        """The dialog's answer; if the caller goes away first, the dialog closes for every UI."""
+        try:
+            return await dialog.future
+        finally:
+            self.close(dialog, CALLER_CANCELLED)  # no-op unless the call ended unanswered
+
+    def close(self, dialog: Dialog, outcome: int, value: str | None = None, confirmed: bool = False) -> bool:
+        """Resolves `dialog` with `outcome` unless it is already closed; True if this call closed it."""
+        if self._open.pop(dialog.id, None) is None:
+            return False
+        waiting = self._by_session[dialog.session]
+        del waiting[dialog.id]
+        if not waiting:
+            del self._by_session[dialog.session]
+        if dialog.timer is not None:
+            dialog.timer.cancel()
+            dialog.timer = None
+        closed = self._closed
+        closed[dialog.id] = (dialog.session, outcome)
+        if len(closed) > self._remember:
+            closed.popitem(last=False)
+        if not dialog.future.done():
+            dialog.future.set_result(Answer(outcome, value, confirmed))
+        self.bus.publish(dialog.session, kinds.EXTENSION_UI,
+                         pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome)), key=dialog.id)
+        return True
+
+    def find(self, session: str, dialog_id: str) -> Dialog | None:
+        """The open dialog `dialog_id` of `session`; dialogs of other sessions are invisible."""
+        dialog = self._open.get(dialog_id)
+        return dialog if dialog is not None and dialog.session == session else None
+
+    def closed_outcome(self, session: str, dialog_id: str) -> int | None:
+        """How a recently closed dialog of `session` ended, if it is still remembered."""
+        entry = self._closed.get(dialog_id)
+        return entry[1] if entry is not None and entry[0] == session else None
+
+    def is_open(self, dialog: Dialog) -> bool:
+        return dialog.id in self._open
+
+    def waiting(self, session: str) -> list[Dialog]:
+        """The session's open dialogs, oldest first (what a newly connected UI must see)."""
+        return list(self._by_session.get(session, {}).values())
+
+    def shutdown(self) -> None:
+        """Refuse new dialogs and release every waiting caller at once."""
+        self.closing = True
+        for dialog in list(self._open.values()):
+            self.close(dialog, SHUTDOWN)
+
+
+def _event(replayed: bool = False, **method: Any) -> pb.ExtensionUiEvent:
+    return pb.ExtensionUiEvent(request=pb.ExtensionUiRequest(
+        id=str(uuid.uuid4()), ts=int(time.time() * 1000), replayed=replayed, **method))
+
+
+def state_events(state: dict[str, Any]) -> list[pb.ExtensionUiEvent]:
+    """The kept title, statuses and widgets of a session as replayed requests."""
+    events = []
+    title = state.get(TITLE)
+    if title:
+        events.append(_event(True, set_title=pb.SetTitleRequest(title=title)))
+    for key, value in state.items():
+        if key.startswith(STATUS):
+            events.append(_event(True, set_status=pb.SetStatusRequest(key=key[len(STATUS):], text=value)))
+    for key, value in state.items():
+        if key.startswith(WIDGET):
+            events.append(_event(True, set_widget=pb.SetWidgetRequest(
+                key=key[len(WIDGET):], lines=value["lines"], placement=value["placement"])))
+    return events
+
+
+class Dialogs:
+    def __init__(self, bus: Bus, store: Store, queue_size: int = UI_QUEUE) -> None:
+        self.bus = bus
+        self.store = store
+        self.pending = PendingDialogs(bus)
+        self.ui_queue = max(UI_QUEUE, queue_size)
+        # With a replicated bus, answers given on other replicas are forwarded to this one.
+        self.forwarding = AnswerForwarding(bus, self._verdict) if bus.replicated else None
+
+    def count(self, session: str | None = None) -> int:
+        """Dialogs waiting for an answer (of one session, or of all)."""
+        return self.pending.count(session)
+
+    def shutdown(self) -> None:
+        """Refuse new dialogs and release every waiting agent (answered "shutdown")."""
+        self.pending.shutdown()
+
+    # ---- agents: dialogs ----
+
+    async def ask(self, session: str, request: DialogRequest) -> pb.DialogResult:
+        """Shows the dialog to the session's UIs and waits for its outcome.
+
+        Cancelling the awaiting task closes the dialog for every UI at once.
+        """
+        method, check = _ASK[type(request)]
+        problem = check(request)
+        if problem:
+            raise InvalidArgument(f"{method}: {problem}")
+        options = frozenset(request.options) if isinstance(request, pb.SelectRequest) else None
+        dialog = self.pending.open(session, method, request, checks.timeout_of(request), options)
+        forwarding = self.forwarding
+        if forwarding is not None:
+            forwarding.hold(session)
+        try:
+            answer = await self.pending.wait(dialog)
+        finally:
+            if forwarding is not None:
+                forwarding.release(session, self.pending.count(session))
+        if answer.outcome == SHUTDOWN:
+            raise Unavailable(f"the server is shutting down; dialog {dialog.id} was closed unanswered")
+        result = pb.DialogResult(id=dialog.id, outcome=answer.outcome, confirmed=answer.confirmed)
+        if answer.value is not None:
+            result.value = answer.value
+        return result
+
+    # ---- agents: fire-and-forget ----
+
+    def _fire(self, session: str, key: Any, **method: Any) -> pb.FireReply:
+        event = _event(**method)
+        n = self.bus.publish(session, kinds.EXTENSION_UI, event, key=key)
+        return pb.FireReply(id=event.request.id, subscribers=n)
+
+    async def _keep(self, session: str, prefix: str, key: str, value: Any | None) -> None:
+        """Stores one status/widget entry, refusing a new key beyond the per-session bound."""
+        store = self.store
+        if value is not None and await store.get(session, prefix + key) is None:
+            kept = await store.scan(session, prefix)
+            if len(kept) >= MAX_STATE_KEYS:
+                raise ResourceExhausted(f"session {session!r} already keeps {len(kept)} {prefix.split('/')[1]} "
+                                        f"entries (limit {MAX_STATE_KEYS}); clear one first")
+        await store.put(session, prefix + key, value)
+
+    @staticmethod
+    def _check(name: str, problem: str | None) -> None:
+        if problem:
+            raise InvalidArgument(f"{name}: {problem}")
+
+    async def notify(self, session: str, request: pb.NotifyRequest) -> pb.FireReply:
+        self._check("notify", checks.check_notify(request))
+        return self._fire(session, None, notify=request)
+
+    async def set_status(self, session: str, request: pb.SetStatusRequest) -> pb.FireReply:
+        self._check("setStatus", checks.check_status(request))
+        await self._keep(session, STATUS, request.key, request.text if request.HasField("text") else None)
+        return self._fire(session, ("status", request.key), set_status=request)
+
+    async def set_widget(self, session: str, request: pb.SetWidgetRequest) -> pb.FireReply:
+        self._check("setWidget", checks.check_widget(request))
+        value = {"lines": list(request.lines), "placement": request.placement} if request.lines else None
+        await self._keep(session, WIDGET, request.key, value)
+        return self._fire(session, ("widget", request.key), set_widget=request)
+
+    async def set_title(self, session: str, request: pb.SetTitleRequest) -> pb.FireReply:
+        self._check("setTitle", checks.check_title(request))
+        await self.store.put(session, TITLE, request.title or None)
+        return self._fire(session, ("title",), set_title=request)
+
+    async def set_editor_text(self, session: str, request: pb.SetEditorTextRequest) -> pb.FireReply:
+        self._check("set_editor_text", checks.check_editor_text(request))
+        return self._fire(session, None, set_editor_text=request)
+
+    # ---- UIs ----
+
+    async def events(self, session: str) -> AsyncIterator[pb.ExtensionUiEvent]:
+        """Kept state, then waiting dialogs, then live events.
+
+        The subscription is taken before the waiting dialogs are listed, with no await between,
+        so a dialog opened at any moment reaches this UI exactly once.
+        """
+        bus = self.bus
+        sub = bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
+        try:
+            waiting = self.pending.waiting(session)
+            for event in state_events(await self.store.scan(session, PREFIX)):
+                yield event
+            for dialog in waiting:
+                if self.pending.is_open(dialog):  # else its closed event is already queued
+                    replay = pb.ExtensionUiEvent()
+                    replay.request.CopyFrom(dialog.request)
+                    replay.request.replayed = True
+                    yield replay
+            async for event in sub:
+                yield event
+        finally:
+            bus.unsubscribe(sub)
+
+    async def respond(self, session: str, request: pb.RespondRequest) -> None:
+        """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""
+        verdict = self._verdict(session, request)
+        if verdict.unknown and self.forwarding is not None:  # perhaps another replica holds it
+            verdict = await self.forwarding.forward(session, request, verdict)
+        if verdict.error is not None:
+            raise verdict.error
+
+    def _verdict(self, session: str, request: pb.RespondRequest) -> Verdict:
+        """Applies an answer if it fits the open dialog; else why not. Synchronous, so the first
+        answer wins; also used for answers forwarded from other replicas."""
+        if not request.id:
+            return Verdict(InvalidArgument("id is required: the id of the extension_ui_request being answered"))
+        kind = request.WhichOneof("answer")
+        if kind is None:
+            return Verdict(InvalidArgument(f"dialog {request.id}: answer with value, confirmed or cancelled"))
+        dialog = self.pending.find(session, request.id)
+        if dialog is None:
+            outcome = self.pending.closed_outcome(session, request.id)
+            if outcome == ANSWERED or outcome == CANCELLED:
+                how = "answered" if outcome == ANSWERED else "dismissed"
+                return Verdict(FailedPrecondition(f"dialog {request.id} was already {how} by a UI; "
+                                                  "the first answer wins"))
+            if outcome is not None:
+                return Verdict(NotFound(f"dialog {request.id} {_CLOSED_HOW[outcome]}"))
+            return Verdict(NotFound(f"no open dialog {request.id!r} in session {session!r}"), unknown=True)
+        method = dialog.method
+        if kind == "cancelled":
+            if not request.cancelled:
+                return Verdict(InvalidArgument(f"dialog {request.id}: cancelled must be true; to answer, send "
+                                               f"{'confirmed' if method == 'confirm' else 'value'}"))
+            self.pending.close(dialog, CANCELLED)
+        elif kind == "confirmed":
+            if method != "confirm":
+                return Verdict(InvalidArgument(f"dialog {request.id} is a {method}: answer it with value or "
+                                               "cancelled"))
+            self.pending.close(dialog, ANSWERED, confirmed=request.confirmed)
+        else:
+            value = request.value
+            if method == "confirm":
+                return Verdict(InvalidArgument(f"dialog {request.id} is a confirm: answer it with confirmed or "
+                                               "cancelled"))
+            if len(value) > checks.MAX_LONG_TEXT:
+                return Verdict(InvalidArgument(f"value is {len(value)} characters long; the limit is "
+                                               f"{checks.MAX_LONG_TEXT}"))
+            if dialog.options is not None and value not in dialog.options:
+                return Verdict(InvalidArgument(f"dialog {request.id}: {value[:80]!r} is not one of its options"))
+            self.pending.close(dialog, ANSWERED, value=value)
+        return Verdict()
+
+    def stats(self, session: str) -> pb.ExtensionUiStats:
+        return pb.ExtensionUiStats(pending_dialogs=self.pending.count(),
+                                   session_pending_dialogs=self.pending.count(session),
+                                   session_ui_streams=self.bus.count(kinds.EXTENSION_UI, session))

@@ -1,0 +1,264 @@
+"""The UI feed: what a session's webviews see, and what they ask of the host.
+
+Hosts publish (messages, theme, clicks, add-to-input text, focus and visibility signals), webviews
+subscribe to streams of those, and webviews' requests of the host (open a URL, scroll to a
+settings section, "initialized") travel the other way. State worth replaying (the theme, the
+announcement) lives in the session store; everything else is live on the bus.
+
+`UI_STREAMS` is the one table of Cline's `subscribeTo*` streams: UiService serves one RPC per
+entry and WebviewService multiplexes them all, both from this table (a test compares it with
+`ui.proto`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from uibus import kinds
+from uibus.bus import Bus
+from uibus.domain.clock import TsClock
+from uibus.errors import FailedPrecondition, InvalidArgument
+from uibus.kinds import Kind
+from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import host_pb2
+from uibus.store import Store
+
+THEME_KEY = "ui/theme"
+ANNOUNCEMENT_KEY = "ui/announcement"  # {"latest": id, "last_shown": id}
+MAX_URL_CHARS = 2048
+MAX_THEME_CHARS = 256 * 1024
+_EMPTY = common_pb2.Empty()
+_PROVIDER_TYPES = frozenset(ui_pb2.WebviewProviderType.values())
+# The valid numbers of each enum field, computed once: `EnumTypeWrapper.values()` builds a new list
+# per call, which was most of what a publish cost in uibus's own code (bench/README.md).
+_ENUMS = tuple((name, enum, frozenset(enum.values())) for name, enum in (
+    ("type", ui_pb2.ClineMessageType), ("ask", ui_pb2.ClineAsk), ("say", ui_pb2.ClineSay)))
+_BUTTONS: dict[int, Kind] = {
+    host_pb2.BUTTON_MCP: kinds.MCP_BUTTON,
+    host_pb2.BUTTON_HISTORY: kinds.HISTORY_BUTTON,
+    host_pb2.BUTTON_CHAT: kinds.CHAT_BUTTON,
+    host_pb2.BUTTON_ACCOUNT: kinds.ACCOUNT_BUTTON,
+    host_pb2.BUTTON_SETTINGS: kinds.SETTINGS_BUTTON,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class UiStream:
+    """One of Cline's `subscribeTo*` streams."""
+
+    rpc: str  # the cline.UiService method
+    kind: Kind
+    # What picks a subscriber's target: nothing, the WebviewProviderTypeRequest's provider type
+    # (clicks typed SIDEBAR/TAB), or the StringRequest's client id (focus one webview).
+    target: Literal["", "provider", "client_id"] = ""
+    current: bool = False  # the stream starts with the current state (kept in the store)
+
+    def target_of(self, request: Any) -> str:
+        """The subscriber's target for this stream's request; InvalidArgument when it has none."""
+        if self.target == "provider":
+            if request.provider_type not in _PROVIDER_TYPES:
+                raise InvalidArgument(f"provider_type {request.provider_type} is not a WebviewProviderType "
+                                      "(SIDEBAR=0, TAB=1)")
+            return ui_pb2.WebviewProviderType.Name(request.provider_type)
+        if self.target == "client_id":
+            if not request.value:
+                raise InvalidArgument("Client ID is required")
+            return str(request.value)
+        return ""
+
+
+UI_STREAMS: tuple[UiStream, ...] = (
+    UiStream("subscribeToAddToInput", kinds.ADD_TO_INPUT),
+    UiStream("subscribeToMcpButtonClicked", kinds.MCP_BUTTON, "provider"),
+    UiStream("subscribeToHistoryButtonClicked", kinds.HISTORY_BUTTON, "provider"),
+    UiStream("subscribeToChatButtonClicked", kinds.CHAT_BUTTON),
+    UiStream("subscribeToAccountButtonClicked", kinds.ACCOUNT_BUTTON),
+    UiStream("subscribeToSettingsButtonClicked", kinds.SETTINGS_BUTTON, "provider"),
+    UiStream("subscribeToPartialMessage", kinds.PARTIAL_MESSAGE),
+    UiStream("subscribeToTheme", kinds.THEME, current=True),
+    UiStream("subscribeToRelinquishControl", kinds.RELINQUISH_CONTROL),
+    UiStream("subscribeToFocusChatInput", kinds.FOCUS_CHAT_INPUT, "client_id"),
+    UiStream("subscribeToDidBecomeVisible", kinds.DID_BECOME_VISIBLE),
+)
+_BY_PROVIDER = frozenset(s.kind for s in UI_STREAMS if s.target == "provider")
+
+
+def check_url(url: str) -> str | None:
+    """Why `url` may not be opened, or None. Only absolute http(s) URLs reach the host."""
+    if not url:
+        return "url is required"
+    if len(url) > MAX_URL_CHARS:
+        return f"url is {len(url)} characters long; the limit is {MAX_URL_CHARS}"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        return "url contains whitespace or control characters"
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError as exc:
+        return f"url is malformed: {exc}"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"only http and https URLs can be opened, not {parts.scheme or 'a relative URL'}:"
+    if not host:
+        return "url has no host"
+    return None
+
+
+def check_cline_message(msg: ui_pb2.ClineMessage) -> str | None:
+    """Why a ClineMessage cannot be shown, or None."""
+    if msg.ts <= 0:
+        return "ts is required: a webview identifies a message by its ts (Unix milliseconds)"
+    for name, enum, valid in _ENUMS:
+        value = getattr(msg, name)
+        if value not in valid:
+            return f"{name}={value} is not a valid {enum.DESCRIPTOR.name}"
+    return None
+
+
+def _host_request(**what: Any) -> host_pb2.HostRequest:
+    return host_pb2.HostRequest(id=uuid.uuid4().hex, ts=int(time.time() * 1000), **what)
+
+
+@dataclass(frozen=True, slots=True)
+class Announcement:
+    latest: str = ""
+    last_shown: str = ""
+
+
+class UiFeed:
+    def __init__(self, bus: Bus, store: Store, clock: TsClock) -> None:
+        self.bus = bus
+        self.store = store
+        self.clock = clock
+
+    # ---- webviews: streams ----
+
+    async def events(self, session: str, stream: UiStream, target: str = "") -> AsyncIterator[Any]:
+        """The stream's events until it ends (current state first where the stream has one).
+
+        The subscription is removed in the `finally` beside it, which runs on cancel, disconnect,
+        deadline and shutdown alike.
+        """
+        current = None
+        if stream.current:
+            theme = await self.theme(session)
+            if theme is not None:
+                current = common_pb2.String(value=theme)
+        bus = self.bus
+        sub = bus.subscribe(session, stream.kind, target)
+        try:
+            if current is not None:
+                yield current
+            async for item in sub:
+                yield item
+        finally:
+            bus.unsubscribe(sub)
+
+    async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest]:
+        """What the session's webviews ask of the host (open a URL, scroll, initialized)."""
+        bus = self.bus
+        sub = bus.subscribe(session, kinds.HOST_REQUEST)
+        try:
+            async for item in sub:
+                yield item
+        finally:
+            bus.unsubscribe(sub)
+
+    # ---- hosts: publishing (each returns how many subscribers the event reached) ----
+
+    def add_to_input(self, session: str, text: str) -> int:
+        return self.bus.publish(session, kinds.ADD_TO_INPUT, common_pb2.String(value=text))
+
+    def click(self, session: str, button: int, provider_type: int | None = None) -> int:
+        """A button click; a typed click reaches the webviews that subscribed with that type."""
+        kind = _BUTTONS.get(button)
+        if kind is None:
+            raise InvalidArgument(f"button={button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS")
+        target = None
+        if provider_type is not None:
+            if provider_type not in _PROVIDER_TYPES:
+                raise InvalidArgument(f"provider_type={provider_type} is not SIDEBAR (0) or TAB (1)")
+            if kind in _BY_PROVIDER:
+                target = ui_pb2.WebviewProviderType.Name(provider_type)
+        return self.bus.publish(session, kind, _EMPTY, target=target)
+
+    def publish_message(self, session: str, message: ui_pb2.ClineMessage) -> int:
+        """A (partial) ClineMessage as the host sent it; the bus coalesces its states by ts."""
+        problem = check_cline_message(message)
+        if problem:
+            raise InvalidArgument(problem)
+        return self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=message.ts)
+
+    def say(self, session: str, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
+        """A SAY message of uibus's own (chat replies, CodeBolt messages); `ts` from `clock`."""
+        ts = ts or self.clock.next()
+        msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=say, text=text, partial=partial)  # type: ignore[arg-type]
+        return self.bus.publish(session, kinds.PARTIAL_MESSAGE, msg, key=ts)
+
+    async def set_theme(self, session: str, theme: str) -> int:
+        """Cline sends the theme as a JSON document; anything else would break its webview."""
+        if len(theme) > MAX_THEME_CHARS:
+            raise InvalidArgument(f"theme is {len(theme)} characters; the limit is {MAX_THEME_CHARS}")
+        try:
+            json.loads(theme)
+        except ValueError as exc:
+            raise InvalidArgument(f"theme must be a JSON document: {exc}") from None
+        await self.store.put(session, THEME_KEY, theme)
+        return self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
+
+    async def theme(self, session: str) -> str | None:
+        theme = await self.store.get(session, THEME_KEY)
+        return theme if isinstance(theme, str) else None
+
+    def relinquish_control(self, session: str) -> int:
+        return self.bus.publish(session, kinds.RELINQUISH_CONTROL, _EMPTY)
+
+    def focus_chat_input(self, session: str, client_id: str = "") -> int:
+        """Focuses one webview's chat input, or every webview's with an empty id."""
+        return self.bus.publish(session, kinds.FOCUS_CHAT_INPUT, _EMPTY, target=client_id or None)
+
+    def did_become_visible(self, session: str) -> int:
+        return self.bus.publish(session, kinds.DID_BECOME_VISIBLE, _EMPTY)
+
+    # ---- webviews: requests of the host ----
+
+    def scroll_to_settings(self, session: str, section: str) -> int:
+        return self.bus.publish(session, kinds.HOST_REQUEST, _host_request(
+            scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
+
+    async def initialize_webview(self, session: str) -> None:
+        """Tells the host, and replays the current theme so every stream of the session is fresh."""
+        self.bus.publish(session, kinds.HOST_REQUEST, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
+        theme = await self.theme(session)
+        if theme is not None:
+            self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
+
+    def open_url(self, session: str, url: str) -> None:
+        """A server cannot open a browser on the user's machine: the host does, if one listens."""
+        problem = check_url(url)
+        if problem:
+            raise InvalidArgument(problem)
+        if not self.bus.publish(session, kinds.HOST_REQUEST, _host_request(open_url=host_pb2.OpenUrl(url=url))):
+            raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
+                                     "nothing can open the URL")
+
+    # ---- announcements ----
+
+    async def announcement(self, session: str) -> Announcement:
+        state = await self.store.get(session, ANNOUNCEMENT_KEY) or {}
+        return Announcement(state.get("latest", ""), state.get("last_shown", ""))
+
+    async def set_announcement(self, session: str, latest: str) -> Announcement:
+        shown = (await self.announcement(session)).last_shown
+        await self.store.put(session, ANNOUNCEMENT_KEY, {"latest": latest, "last_shown": shown})
+        return Announcement(latest, shown)
+
+    async def announcement_shown(self, session: str) -> None:
+        """Marks the session's latest announcement as shown."""
+        latest = (await self.announcement(session)).latest
+        await self.store.put(session, ANNOUNCEMENT_KEY, {"latest": latest, "last_shown": latest})

@@ -1,0 +1,76 @@
+"""A session's chat state in the store, shared by every side that chats: neuro-san StreamingChat,
+the UI, and the CodeBolt gateway.
+
+* `chat/context/<agent>`: the neuro-san ChatContext of the session's conversation with that
+  agent (proto3 JSON with proto field names), what a client that sends none continues from.
+* `chat/history`: one list per session, oldest first, of entries
+  `{"ts": ms, "role": "user"|"assistant"|"system", "text": str, "agent": str, "source": str}`
+  (`"error": true` marks an agent failure).
+
+Only whole messages are stored (never stream pieces), so a long streamed reply costs two writes.
+Each appended entry is also published on the bus (kind CHAT_MESSAGE), so a side waiting for "the
+next user message" (CodeBolt's waitforReply) subscribes instead of polling.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from google.protobuf import json_format
+
+from uibus import kinds
+from uibus.bus import Bus, Subscription
+from uibus.pb.neuro_san.api.grpc import chat_pb2
+from uibus.store import Store
+
+HISTORY_KEY = "chat/history"
+CONTEXT_PREFIX = "chat/context/"
+MAX_HISTORY = 10_000  # entries kept per session; older ones are dropped by the store
+ROLES = ("user", "assistant", "system")
+
+
+def context_key(agent: str) -> str:
+    return CONTEXT_PREFIX + agent
+
+
+class ChatHistory:
+    def __init__(self, store: Store, bus: Bus) -> None:
+        self.store = store
+        self.bus = bus
+
+    async def load_context(self, session: str, agent: str) -> chat_pb2.ChatContext:
+        """The stored ChatContext (empty when the session never chatted with `agent`)."""
+        data = await self.store.get(session, context_key(agent))
+        ctx = chat_pb2.ChatContext()
+        if data:
+            json_format.ParseDict(data, ctx, ignore_unknown_fields=True)
+        return ctx
+
+    async def save_context(self, session: str, agent: str, ctx: chat_pb2.ChatContext) -> None:
+        await self.store.put(session, context_key(agent),
+                             json_format.MessageToDict(ctx, preserving_proto_field_name=True))
+
+    async def forget_context(self, session: str, agent: str) -> None:
+        await self.store.put(session, context_key(agent), None)
+
+    async def append(self, session: str, role: str, text: str, *, agent: str = "", source: str = "",
+                     error: bool = False, ts: int = 0) -> dict[str, Any]:
+        """Adds one whole message to the session's history and announces it; returns the entry."""
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+        entry: dict[str, Any] = {"ts": ts or int(time.time() * 1000), "role": role, "text": text, "agent": agent,
+                                 "source": source}
+        if error:
+            entry["error"] = True
+        await self.store.append(session, HISTORY_KEY, entry, max_len=MAX_HISTORY)
+        self.bus.publish(session, kinds.CHAT_MESSAGE, entry)
+        return entry
+
+    async def read(self, session: str, last: int = 0) -> list[dict[str, Any]]:
+        """The session's history, oldest first; `last` > 0 gives only the newest `last` entries."""
+        return await self.store.items(session, HISTORY_KEY, last)
+
+    def follow(self, session: str, maxsize: int) -> Subscription:
+        """A subscription to the entries appended from now on (unsubscribe it with the bus)."""
+        return self.bus.subscribe(session, kinds.CHAT_MESSAGE, maxsize=maxsize)

@@ -1,0 +1,66 @@
+"""The parts an app is assembled from, one installer each (see uibus.wiring).
+
+Each pairs its setup with its teardown: it registers services (so every handler passes the
+pipeline), mounts what it serves on the HTTP port, and undoes what it started after its `yield`.
+`INSTALLERS` is what `App` installs by default; tests and embedders pass their own list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from uibus.codebolt.gateway import Gateway
+from uibus.services import agent, codebolt, extension_ui, host, ui, webview
+from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
+from uibus.wiring import AppKey, Installer, Setup
+
+CODEBOLT = AppKey("codebolt", Gateway)  # the CodeBolt gateway: `app[CODEBOLT]`
+
+
+@asynccontextmanager
+async def ui_feed(setup: Setup) -> AsyncIterator[None]:
+    """cline.UiService (the webviews' side) and uibus.v1.HostService (the host's side)."""
+    core = setup.core
+    setup.serve(ui.add_to(setup.registry, core.feed), host.add_to(setup.registry, core.feed, core.bus))
+    yield
+
+
+@asynccontextmanager
+async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
+    dialogs = setup.core.dialogs
+    setup.serve(extension_ui.add_to(setup.registry, dialogs))
+    setup.gauge("uibus_extension_ui_pending_dialogs", "Extension-UI dialogs waiting for an answer", dialogs.count)
+    yield
+
+
+@asynccontextmanager
+async def agents(setup: Setup) -> AsyncIterator[None]:
+    """neuro-san's AgentService (per agent and canonical) and ConciergeService."""
+    setup.serve(*agent.add_to(setup.registry, setup.core.chat))
+    yield
+
+
+@asynccontextmanager
+async def webview_mux(setup: Setup) -> AsyncIterator[None]:
+    setup.serve(webview.add_to(setup.registry, setup.core.feed, setup.config.queue_size))
+    yield
+
+
+@asynccontextmanager
+async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
+    """CodeBoltService, and the agents' WebSocket on the HTTP port (both of its paths)."""
+    gateway = Gateway(setup.core, setup.pipeline.wrap)
+    setup.serve(codebolt.add_to(setup.registry, gateway))
+    endpoint = AgentToApp(gateway)
+    setup.mount(PATH, endpoint)
+    setup.mount(CODEBOLTJS_PATH, endpoint)
+    setup.gauge("uibus_codebolt_connections", "Open CodeBolt agent WebSocket connections", gateway.count)
+    setup.gauge("uibus_codebolt_pending_waits", "CodeBolt waitforReply / confirmation calls in flight",
+                gateway.pending)
+    setup.on_shutdown(gateway.shutdown)
+    setup.provide(CODEBOLT, gateway)
+    yield
+
+
+INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway)

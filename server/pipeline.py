@@ -1,0 +1,253 @@
+"""The one handler pipeline: the policies every call runs through, whichever way it came in.
+
+Every method handler uibus serves is wrapped here once, when it is registered, and every
+transport runs the wrapped handler: the grpc.aio server, gRPC-Web, the neuro-san HTTP API, the
+CodeBolt WebSocket and in-process channels. A transport only translates framing (and hands over
+a `Rejected` for input it could not decode), so the same request gets the same status on each.
+
+The policies, outermost first:
+
+1. metrics — the call is timed and counted under its final status and its transport;
+2. errors — a domain error (uibus.errors) becomes its status with its message; an unexpected
+   exception becomes INTERNAL with a short message and one log line, never a traceback to the
+   client;
+3. authentication — with a token configured, `authorization: Bearer <token>` (health stays open
+   for probes, which send no metadata);
+4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
+   gets its error's status before the handler runs, with one short log line.
+
+They run in one wrapper per handler, not one wrapper per policy: on streams every extra wrapper
+layer costs an extra hop per message, which is most of what a delivery costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from uibus.calls import CallContext, Rejected, decode
+from uibus.errors import UibusError, Unauthenticated
+from uibus.metrics import Metrics
+
+log = logging.getLogger("uibus.calls")
+
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no token
+_STATUS = {code.name: code for code in grpc.StatusCode}
+_BY_VALUE = {code.value[0]: code.name for code in grpc.StatusCode}
+_BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+Behavior = Callable[..., Any]
+
+
+def shape(handler: grpc.RpcMethodHandler) -> str:
+    """The field of `handler` that holds its behaviour: unary_unary, unary_stream, …"""
+    return _BEHAVIORS[handler.request_streaming * 2 + handler.response_streaming]
+
+
+def rebuild(handler: grpc.RpcMethodHandler, behavior: Behavior,
+            request_deserializer: Callable[[bytes], Any] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape and codecs as `handler`, running `behavior` instead."""
+    changes: dict[str, Any] = {shape(handler): behavior}
+    if request_deserializer is not None:
+        changes["request_deserializer"] = request_deserializer
+    return handler._replace(**changes)  # type: ignore[attr-defined, no-any-return]
+
+
+def tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that never raises: undecodable bytes become a `Rejected` request (grpc.aio
+    would otherwise answer UNKNOWN and log a traceback for every such call)."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        return decode(deserializer, data, "request message")
+    return deserialize
+
+
+def code_name(context: Any) -> str:
+    """The status a context recorded (abort / set_code), as a name; OK when none."""
+    code = context.code()
+    if code is None:
+        return "OK"
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    try:  # grpc.aio may report the raw integer
+        return _BY_VALUE.get(int(code), "UNKNOWN")
+    except (TypeError, ValueError):
+        return "UNKNOWN"
+
+
+class _Throttle:
+    """At most `burst` log lines per `window_s` for one reason, then one line saying how many
+    were left out: a client sending garbage in a loop cannot flood the log."""
+
+    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._start = 0.0
+        self._count = 0
+        self._skipped = 0
+
+    def allow(self) -> int | None:
+        """None to skip this line; else how many were skipped before it (to mention)."""
+        now = time.monotonic()
+        if now - self._start >= self.window_s:
+            skipped, self._skipped = self._skipped, 0
+            self._start, self._count = now, 1
+            return skipped
+        if self._count < self.burst:
+            self._count += 1
+            return 0
+        self._skipped += 1
+        return None
+
+
+class Pipeline:
+    def __init__(self, metrics: Metrics | None = None, auth_token: str = "",
+                 open_methods: tuple[str, ...] = OPEN_METHODS) -> None:
+        self.metrics = metrics
+        self.open_methods = open_methods
+        self._token = auth_token.encode()
+        self._rejected_log = _Throttle()
+        self._failed_log = _Throttle()
+
+    # ---- the policies -------------------------------------------------------------------------
+
+    def authenticate(self, metadata: Any) -> None:
+        """Unauthenticated unless the metadata carries `authorization: Bearer <token>`."""
+        for key, value in metadata or ():
+            if key == "authorization":
+                got = value.encode() if isinstance(value, str) else value
+                scheme, _, token = got.partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._token):
+                    return
+        raise Unauthenticated("missing or wrong bearer token (metadata `authorization: Bearer <token>`)")
+
+    def _rejected(self, method: str, request: Rejected) -> UibusError:
+        skipped = self._rejected_log.allow()
+        if skipped is not None:
+            fields: dict[str, Any] = {"method": method, "code": request.error.code, "why": str(request.error)[:200]}
+            if skipped:
+                fields["not_logged_before"] = skipped
+            log.warning("request refused", extra={"fields": fields})
+        return request.error
+
+    def _unexpected(self, method: str, exc: BaseException) -> str:
+        skipped = self._failed_log.allow()
+        if skipped is not None:
+            fields: dict[str, Any] = {"method": method, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            if skipped:
+                fields["not_logged_before"] = skipped
+            log.error("handler failed", exc_info=exc, extra={"fields": fields})
+        return f"internal error in {method} ({type(exc).__name__}); see the server log"
+
+    # ---- wrapping -----------------------------------------------------------------------------
+
+    def wrap(self, method: str, handler: grpc.RpcMethodHandler, label: str | None = None) -> grpc.RpcMethodHandler:
+        """`handler` with every policy applied; `label` names it in metrics (default `method`)."""
+        field = shape(handler)
+        behavior = getattr(handler, field)
+        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming,
+                                      handler.response_streaming,
+                                      needs_auth=bool(self._token) and not method.startswith(self.open_methods))
+        return rebuild(handler, wrapped, tolerant(handler.request_deserializer))
+
+    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, response_streaming: bool,
+                       needs_auth: bool) -> Behavior:
+        metrics = self.metrics
+        observe = metrics.observe if metrics is not None else None
+        authenticate = self.authenticate
+        rejected = self._rejected
+        unexpected = self._unexpected
+        status = _STATUS
+        abort_error = grpc.aio.AbortError
+        cancelled_error = asyncio.CancelledError
+
+        def admit(request: Any, context: Any) -> Any:
+            """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
+            if needs_auth:
+                authenticate(context.invocation_metadata())
+            if request_streaming:
+                return _checked_requests(request, label, rejected)
+            if request.__class__ is Rejected:
+                raise rejected(label, request)
+            return request
+
+        def done(context: Any, code: str, started: float) -> None:
+            if observe is not None:
+                transport = context.transport if isinstance(context, CallContext) else "grpc"
+                observe(label, code, time.perf_counter() - started, transport)
+
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                started = time.perf_counter()
+                code = "OK"
+                try:
+                    async with aclosing(behavior(admit(request, context), context)) as messages:
+                        async for message in messages:
+                            yield message
+                    code = code_name(context)
+                except abort_error:  # the handler set its own status
+                    code = code_name(context)
+                    raise
+                except UibusError as exc:
+                    code = exc.code
+                    await context.abort(status[code], str(exc))
+                except (cancelled_error, GeneratorExit):  # the client went away (or shutdown)
+                    code = "CANCELLED"
+                    raise
+                except NotImplementedError:
+                    code = "UNIMPLEMENTED"
+                    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+                except Exception as exc:
+                    code = "INTERNAL"
+                    await context.abort(grpc.StatusCode.INTERNAL, unexpected(label, exc))
+                finally:
+                    done(context, code, started)
+            return stream
+
+        async def call(request: Any, context: Any) -> Any:
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                result = behavior(admit(request, context), context)
+                if inspect.isawaitable(result):
+                    result = await result
+                code = code_name(context)
+                return result
+            except abort_error:
+                code = code_name(context)
+                raise
+            except UibusError as exc:
+                code = exc.code
+                await context.abort(status[code], str(exc))
+            except cancelled_error:
+                code = "CANCELLED"
+                raise
+            except NotImplementedError:
+                code = "UNIMPLEMENTED"
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+            except Exception as exc:
+                code = "INTERNAL"
+                await context.abort(grpc.StatusCode.INTERNAL, unexpected(label, exc))
+            finally:
+                done(context, code, started)
+        return call
+
+
+async def _checked_requests(requests: Any, label: str,
+                            rejected: Callable[[str, Rejected], UibusError]) -> AsyncIterator[Any]:
+    """A client stream whose undecodable messages end the call with their status."""
+    async for request in requests:
+        if request.__class__ is Rejected:
+            raise rejected(label, request)
+        yield request

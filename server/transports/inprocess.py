@@ -1,0 +1,153 @@
+"""In-process calls: a channel to an app in the same process, without a socket.
+
+For Python code that embeds uibus (an IDE extension host, a test, a tool) and wants to call its
+services as a gRPC client would, at function-call cost: `app.channel()` gives a `Channel` with
+the `unary_unary` / `unary_stream` / `stream_unary` / `stream_stream` of a grpc.aio channel.
+Calls run the same pipeline-wrapped handlers as every transport (token, decoding, store outages,
+metrics under transport "inprocess"), and a non-OK status raises `grpc.aio.AioRpcError`, so
+client code cannot tell it from a network channel. uibus's own parts never call each other this
+way: services call the domain core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from uibus.calls import CallContext, Metadata, responses
+
+Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
+Serializer = Callable[[Any], bytes] | None
+Deserializer = Callable[[bytes], Any] | None
+
+
+def _error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
+
+
+class Channel:
+    """A grpc.aio-like channel whose calls run in this process; `metadata` goes on every call."""
+
+    def __init__(self, lookup: Lookup, metadata: Iterable[tuple[str, str | bytes]] = (),
+                 peer: str = "inprocess") -> None:
+        self._lookup = lookup
+        self._metadata = tuple(metadata)
+        self._peer = peer
+
+    def unary_unary(self, method: str, request_serializer: Serializer = None,
+                    response_deserializer: Deserializer = None) -> _Unary:
+        return _Unary(self, method, request_serializer, response_deserializer, streaming=False)
+
+    def stream_unary(self, method: str, request_serializer: Serializer = None,
+                     response_deserializer: Deserializer = None) -> _Unary:
+        return _Unary(self, method, request_serializer, response_deserializer, streaming=True)
+
+    def unary_stream(self, method: str, request_serializer: Serializer = None,
+                     response_deserializer: Deserializer = None) -> _Stream:
+        return _Stream(self, method, request_serializer, response_deserializer, streaming=False)
+
+    def stream_stream(self, method: str, request_serializer: Serializer = None,
+                      response_deserializer: Deserializer = None) -> _Stream:
+        return _Stream(self, method, request_serializer, response_deserializer, streaming=True)
+
+    async def close(self) -> None:
+        """Nothing to release; here so code written for grpc.aio channels works unchanged."""
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- one call -----------------------------------------------------------------------------
+
+    def _start(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None,
+               timeout: float | None) -> tuple[grpc.RpcMethodHandler, CallContext]:
+        md = (*self._metadata, *(metadata or ()))
+        handler = self._lookup(method, md)
+        if handler is None:
+            raise _error(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
+        return handler, CallContext(md, self._peer, "inprocess", timeout)
+
+
+class _Method:
+    def __init__(self, channel: Channel, method: str, serializer: Serializer, deserializer: Deserializer,
+                 streaming: bool) -> None:
+        self._channel = channel
+        self._method = method
+        self._serialize = serializer
+        self._deserialize = deserializer
+        self._streaming = streaming
+
+    def _request(self, handler: grpc.RpcMethodHandler, request: Any) -> Any:
+        """What the handler gets: each message serialized and decoded again, as over a wire
+        (so a caller's message is never shared with the server), or the raw bytes decoded."""
+        decode = handler.request_deserializer
+
+        def one(message: Any) -> Any:
+            data = self._serialize(message) if self._serialize is not None else message
+            return decode(data) if decode is not None else data
+
+        if not self._streaming:
+            return one(request)
+
+        async def many() -> AsyncIterator[Any]:
+            if hasattr(request, "__aiter__"):
+                async for message in request:
+                    yield one(message)
+            else:
+                for message in request:
+                    yield one(message)
+        return many()
+
+    def _response(self, handler: grpc.RpcMethodHandler, message: Any) -> Any:
+        encode = handler.response_serializer
+        data = encode(message) if encode is not None else message
+        return self._deserialize(data) if self._deserialize is not None else data
+
+
+class _Unary(_Method):
+    async def __call__(self, request: Any, *, timeout: float | None = None,
+                      metadata: Sequence[tuple[str, str | bytes]] | None = None) -> Any:
+        handler, ctx = self._channel._start(self._method, metadata, timeout)
+        reply = None
+        cancelled = True
+        try:
+            async with asyncio.timeout(timeout):
+                async with contextlib.aclosing(responses(handler, self._request(handler, request), ctx)) as stream:
+                    async for message in stream:
+                        reply = message
+            cancelled = False
+        except TimeoutError:
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            ctx.finish(cancelled=cancelled)
+        code, details = ctx.status()
+        if code != grpc.StatusCode.OK or reply is None:
+            raise _error(code if code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL, details, ctx.trailing)
+        return self._response(handler, reply)
+
+
+class _Stream(_Method):
+    async def __call__(self, request: Any, *, timeout: float | None = None,
+                       metadata: Sequence[tuple[str, str | bytes]] | None = None) -> AsyncIterator[Any]:
+        handler, ctx = self._channel._start(self._method, metadata, timeout)
+        cancelled = True
+        try:
+            async with asyncio.timeout(timeout):
+                async with contextlib.aclosing(responses(handler, self._request(handler, request), ctx)) as stream:
+                    async for message in stream:
+                        yield self._response(handler, message)
+            cancelled = False
+        except TimeoutError:
+            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        finally:
+            ctx.finish(cancelled=cancelled)
+        code, details = ctx.status()
+        if code != grpc.StatusCode.OK:
+            raise _error(code, details, ctx.trailing)
