@@ -7,16 +7,22 @@ import asyncio
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import Reader, next_message, replace, require_binary, wait_for
+from tests.conftest import Reader, free_port, next_message, replace, require_binary, wait_for
 from uibus.app import App
 from uibus.clients.connection import Connection
+from uibus.installers import INSTALLERS
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
+from uibus.store import SqliteStore
+from uibus.wiring import Installer, Setup
 
 EMPTY_REQ = common_pb2.EmptyRequest()
 
@@ -165,3 +171,105 @@ async def test_watchers_see_not_serving_when_stop_starts(app):
         assert (await next_message(watch)).status == health_pb2.HealthCheckResponse.NOT_SERVING
         await stopping
     await wait_for(lambda: app.bus.count() == 0)
+
+
+# ---- App as owned resources: installers, failed starts, the two shutdown phases ---------------
+
+def recording(log: list[str], name: str, fail_setup: bool = False, fail_teardown: bool = False) -> Installer:
+    """A test installer that records its setup and teardown (and can fail either)."""
+
+    @asynccontextmanager
+    async def install(setup: Setup) -> AsyncIterator[None]:
+        log.append(f"{name} up")
+        if fail_setup:
+            raise RuntimeError(f"{name} cannot start")
+        try:
+            yield
+        finally:
+            log.append(f"{name} down")
+            if fail_teardown:
+                raise RuntimeError(f"{name} cannot stop")
+    install.__name__ = name
+    return install
+
+
+async def test_installers_are_undone_in_reverse(config):
+    log: list[str] = []
+    async with App(config, installers=[*INSTALLERS, recording(log, "a"), recording(log, "b")]) as app:
+        assert log == ["a up", "b up"]
+        async with Connection(f"127.0.0.1:{app.port}") as conn:  # the default parts still serve
+            assert (await conn.ui.scrollToSettings(common_pb2.StringRequest(value="x"))).key == "scrollToSettings"
+    assert log == ["a up", "b up", "b down", "a down"]
+
+
+class RecordingStore(SqliteStore):
+    def __init__(self, path: str, log: list[str]) -> None:
+        super().__init__(path)
+        self.log = log
+
+    async def close(self) -> None:
+        self.log.append("store closed")
+        await super().close()
+
+
+async def test_a_failed_start_undoes_what_started(config, tmp_path):
+    log: list[str] = []
+    app = App(config, installers=[recording(log, "a"), recording(log, "b", fail_setup=True), recording(log, "c")],
+              store=RecordingStore(config.store, log))
+    with pytest.raises(RuntimeError, match="b cannot start"):
+        await app.start()
+    assert log == ["a up", "b up", "a down", "store closed"]  # c never started; a, then the store, undone
+
+
+async def test_a_port_taken_fails_start_and_releases_everything(config):
+    log: list[str] = []
+    async with App(replace(config, http_port=free_port())) as first:
+        taken = replace(config, port=0, http_port=first.http_port)  # the HTTP port is taken
+        second = App(taken, installers=[*INSTALLERS, recording(log, "x")])
+        with pytest.raises(OSError):
+            await second.start()
+        assert log == ["x up", "x down"]
+        grpc_port = second.port  # bound before the HTTP port failed, and released since
+        assert grpc_port
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        assert server.add_insecure_port(f"127.0.0.1:{grpc_port}") == grpc_port
+        await server.stop(None)
+
+
+async def test_teardown_errors_are_collected_and_every_part_still_closes(config):
+    log: list[str] = []
+    app = App(config, installers=[recording(log, "a"), recording(log, "b", fail_teardown=True), recording(log, "c")])
+    await app.start()
+    with pytest.raises(RuntimeError, match="b cannot stop"):
+        await app.aclose(grace=0.5)
+    assert log == ["a up", "b up", "c up", "c down", "b down", "a down"]
+
+
+async def test_begin_shutdown_refuses_new_work_then_aclose_stops(config, tmp_path):
+    app = App(replace(config, http_port=free_port()))
+    await app.start()
+    target = f"127.0.0.1:{app.port}"
+    async with Connection(target, session="p") as conn, httpx.AsyncClient() as http:
+        stream = Reader(conn.ui.subscribeToPartialMessage(EMPTY_REQ))
+        await wait_for(lambda: app.bus.count() == 1, what="a stream")
+        assert (await http.get(f"http://127.0.0.1:{app.http_port}/readyz")).status_code == 200
+
+        await app.begin_shutdown()
+        assert app.stopping
+        assert (await http.get(f"http://127.0.0.1:{app.http_port}/readyz")).status_code == 503
+        with pytest.raises(StopAsyncIteration):  # open streams ended with OK
+            await stream.next()
+        assert await stream.call.code() == grpc.StatusCode.OK
+        health = health_pb2_grpc.HealthStub(conn.channel)
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        # Still serving calls (a load balancer may still send some), but no new streams.
+        assert (await conn.ui.scrollToSettings(common_pb2.StringRequest(value="x"))).key == "scrollToSettings"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await conn.ui.subscribeToTheme(EMPTY_REQ).read()
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        await asyncio.gather(app.aclose(grace=0.5), app.aclose())  # safe to call twice, even at once
+        with pytest.raises(grpc.aio.AioRpcError):
+            await conn.ui.scrollToSettings(common_pb2.StringRequest(value="x"), timeout=1)
+    assert app.bus.count() == 0

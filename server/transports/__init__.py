@@ -1,6 +1,9 @@
-"""The HTTP side of uibus: gRPC-Web, the neuro-san HTTP API, the webview page, health and metrics.
+"""The ways in other than the grpc.aio server itself: gRPC-Web and the neuro-san HTTP API on the
+HTTP port (with the webview page, health and metrics), the CodeBolt WebSocket, and in-process
+channels.
 
-Everything here runs in the grpc.aio server's process and event loop and calls the very same
-method handlers the gRPC server runs (through `App.registry.lookup`), so both transports share
-servicers, validation, sessions and the bus.
+Every one of them runs the very same pipeline-wrapped handlers the gRPC server runs (looked up in
+the app's registry) with a `uibus.calls.CallContext`, and only translates framing: statuses,
+tokens, store outages, failures and metrics are the pipeline's, so a request gets the same answer
+whichever way it arrives.
 """

@@ -1,0 +1,146 @@
+"""The shape of the code, checked: dependencies point one way, no import circles, the UI stream
+table matches Cline's proto, and every bus kind is one record in one module.
+
+The import graph is read from the source (every `import` statement, lazy and type-only ones
+too), so a circle or a wrong-way dependency fails here before it confuses a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import REPO
+from uibus import kinds
+from uibus.domain.feed import UI_STREAMS
+from uibus.pb.cline import common_pb2, ui_pb2
+
+# Where each source folder is installed (see setup.py).
+ROOTS = {"uibus": REPO / "server", "uibus.clients": REPO / "clients"}
+# Layers, lowest first: a module may import its own layer and the ones below it, never above.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis_bus",
+              "uibus.redis_conn", "uibus.store", "uibus.redis_store", "uibus.session", "uibus.webview", "uibus.pb")),
+    ("domain", ("uibus.domain", "uibus.agents")),
+    ("services", ("uibus.services", "uibus.codebolt", "uibus.pipeline", "uibus.calls", "uibus.metrics",
+                  "uibus.reflection", "uibus.wiring")),
+    ("transports", ("uibus.transports",)),
+    ("app", ("uibus.app", "uibus.installers", "uibus.main")),
+    ("clients", ("uibus.clients", "uibus.__main__")),  # the `uibus` command: `serve` runs the app
+]
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the package, by import name (generated code excluded)."""
+    found: dict[str, Path] = {}
+    for name, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root)
+            if rel.parts[0] in ("pb", "static") or (name == "uibus" and rel.parts[0] == "clients"):
+                continue
+            parts = [*name.split("."), *rel.with_suffix("").parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """The uibus modules a file imports (a `from pkg import name` of a submodule counts as it)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "uibus")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "uibus":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if sub in known else node.module)
+    return {m for m in out if not m.startswith("uibus.pb")}
+
+
+def layer_of(module: str) -> int:
+    best = (-1, -1)
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[1]:
+                best = (i, len(prefix))
+    assert best[0] >= 0, f"{module} is in no layer: add it to LAYERS"
+    return best[0]
+
+
+GRAPH = {m: imports(p, set(modules())) for m, p in modules().items()}
+
+
+def test_the_graph_is_read() -> None:
+    assert "uibus.app" in GRAPH and "uibus.domain.feed" in GRAPH["uibus.services.ui"]
+    assert "uibus.clients.cli" in GRAPH and len(GRAPH) > 50
+
+
+def test_dependencies_point_one_way() -> None:
+    wrong = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})"
+                   for m, deps in GRAPH.items() for dep in deps
+                   if layer_of(dep) > layer_of(m))
+    assert wrong == []
+
+
+def test_no_import_circles() -> None:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(GRAPH.get(module, ())):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep):], dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_domain_knows_no_transport() -> None:
+    """The domain core is plain async objects: no gRPC, no HTTP, no pipeline."""
+    for module, path in modules().items():
+        if module.startswith("uibus.domain"):
+            tree = ast.parse(path.read_text())
+            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            assert not names & {"grpc", "uvicorn", "websockets", "httpx"}, (module, names)
+
+
+def test_services_call_each_other_by_no_path() -> None:
+    """No service or gateway reaches another through a method path string or a registry lookup."""
+    for module, path in modules().items():
+        if module.startswith(("uibus.services", "uibus.codebolt", "uibus.domain")):
+            source = path.read_text()
+            assert ".lookup(" not in source, module
+            for service in ("/cline.UiService/", "/uibus.v1.", "/dev.cognizant_ai."):
+                assert f'"{service}' not in source, (module, service)
+
+
+def test_ui_stream_table_matches_ui_proto() -> None:
+    """One table drives UiService and WebviewService: it must list exactly the server-streaming
+    methods of cline.UiService, each with the request and payload types the proto gives it."""
+    service = ui_pb2.DESCRIPTOR.services_by_name["UiService"]
+    streaming = {m.name: m for m in service.methods if m.server_streaming}
+    assert sorted(s.rpc for s in UI_STREAMS) == sorted(streaming)
+    request_of = {"": common_pb2.EmptyRequest, "provider": ui_pb2.WebviewProviderTypeRequest,
+                  "client_id": common_pb2.StringRequest}
+    for stream in UI_STREAMS:
+        method = streaming[stream.rpc]
+        assert method.input_type is request_of[stream.target].DESCRIPTOR, stream.rpc
+        assert method.output_type is stream.kind.payload.DESCRIPTOR, stream.rpc
+
+
+def test_bus_kinds_are_records_in_one_module() -> None:
+    names = [k.name for k in kinds.ALL]
+    assert len(names) == len(set(names))
+    assert {v for v in vars(kinds).values() if isinstance(v, kinds.Kind)} == set(kinds.ALL)
+    for module, path in modules().items():
+        if module != "uibus.kinds":
+            assert "Kind(" not in path.read_text(), f"{module} defines a bus kind: they live in uibus.kinds"
+
