@@ -2,7 +2,8 @@
 # Two stages so the image carries no compiler or grpcio-tools: protos are compiled into the wheel.
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml setup.py README* ./
+# What the build reads: setup.py generates uibus.pb from protos/ (server/pb is in .dockerignore).
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos protos
 COPY server server
 COPY clients clients

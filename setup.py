@@ -55,5 +55,8 @@ generate()
 setup(
     package_dir={"uibus": "server", "uibus.clients": "clients"},
     packages=[*(p for p in packages("server", "uibus")), *packages("clients", "uibus.clients")],
+    # Data files are named here, not taken from MANIFEST.in (which is for the sdist), so the page
+    # in server/static/ ships as data of `uibus` rather than as a would-be package `uibus.static`.
+    include_package_data=False,
     package_data={"uibus": ["py.typed", "static/*"], "uibus.pb": ["py.typed", "**/*.pyi"]},
 )

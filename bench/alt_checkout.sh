@@ -19,5 +19,27 @@ if ! "$dir/.venv/bin/python" -c "import grpc, sys; sys.exit(grpc.__version__ != 
   "$dir/.venv/bin/pip" install -q "grpcio==$version" "grpcio-tools==$tools" "grpcio-reflection==$tools" \
     "grpcio-health-checking==$tools" "setuptools==80.9.0"
 fi
+# The other runtime dependencies as pinned in pyproject.toml (grpcio*/protobuf stay as installed above).
+listed=$("$dir/.venv/bin/python" - "$dir/pyproject.toml" <<'EOF'
+import sys
+import tomllib
+
+with open(sys.argv[1], "rb") as f:
+    deps = tomllib.load(f)["project"]["dependencies"]
+print("\n".join(d for d in deps if not d.startswith(("grpcio", "protobuf"))))
+EOF
+)
+mapfile -t deps <<< "$listed"
+if [ -n "$listed" ]; then
+  "$dir/.venv/bin/pip" install -q "${deps[@]}"
+fi
 "$dir/.venv/bin/pip" install -q --no-build-isolation --no-deps -e "$dir"
-cd "$dir" && .venv/bin/python -c "import grpc, uibus.pb.cline.ui_pb2_grpc; print('grpcio', grpc.__version__, 'ready in $dir')"
+# The server and its generated stubs import: server/ installs as the package uibus with the stubs in
+# uibus.pb (its __main__ runs uibus.clients.cli); an older tree has the top-level server and uibus_pb
+# (the same rule bench/run.py uses to pick `python -m uibus serve` or `python -m server`).
+if grep -qs 'uibus\.clients\.cli' "$dir/server/__main__.py"; then
+  modules=uibus.app,uibus.pb.cline.ui_pb2_grpc
+else
+  modules=server.app,uibus_pb.cline.ui_pb2_grpc
+fi
+cd "$dir" && .venv/bin/python -c "import grpc, $modules; print('grpcio', grpc.__version__, 'ready in $dir')"

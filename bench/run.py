@@ -112,6 +112,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def uibus_command(python: str, root: Path) -> list[str]:
+    """How the checkout at `root` runs the uibus server: `python -m uibus serve` since `server/` is
+    installed as the package `uibus`; an older checkout (`--with LABEL=DIR`) ran `python -m server`
+    (options only, no subcommand; importable from `root` as the working directory)."""
+    try:
+        one_package = "uibus.clients.cli" in (root / "server" / "__main__.py").read_text()
+    except OSError:
+        one_package = True
+    return [python, "-m", "uibus", "serve"] if one_package else [python, "-m", "server"]
+
+
 def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     port = free_port()
     kind, _, label = name.partition("@")
@@ -121,7 +132,7 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
         cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks),
                *plan.raw_args]
     else:  # the documented way to run uibus
-        cmd = [python, "-m", "uibus", "serve", "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
+        cmd = [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
                "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
     log = tmp / f"{name}.log"
     proc = subprocess.Popen(cmd, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT)
