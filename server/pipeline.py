@@ -150,6 +150,21 @@ class Pipeline:
             log.error("handler failed", exc_info=exc, extra={"fields": fields})
         return f"internal error in {method} ({type(exc).__name__}); see the server log"
 
+    def _classify(self, label: str, exc: BaseException, context: Any) -> tuple[str, str | None]:
+        """Policy 2: the status name of a failure, and the message to abort the call with (None:
+        the exception goes on as it is — the status is already set, or the call is cancelled)."""
+        if isinstance(exc, grpc.aio.AbortError):  # the handler set its own status
+            return code_name(context), None
+        if isinstance(exc, UibusError):
+            return exc.code, str(exc)
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the client went away, or shutdown
+            return "CANCELLED", None
+        if isinstance(exc, NotImplementedError):  # a generated servicer's stub
+            return "UNIMPLEMENTED", "Method not implemented!"
+        if isinstance(exc, Exception):
+            return "INTERNAL", self._unexpected(label, exc)
+        return "UNKNOWN", None  # KeyboardInterrupt, SystemExit: not ours to stop
+
     # ---- wrapping -----------------------------------------------------------------------------
 
     def wrap(self, method: str, handler: grpc.RpcMethodHandler, label: str | None = None) -> grpc.RpcMethodHandler:
@@ -167,10 +182,8 @@ class Pipeline:
         observe = metrics.observe if metrics is not None else None
         authenticate = self.authenticate
         rejected = self._rejected
-        unexpected = self._unexpected
+        classify = self._classify
         status = _STATUS
-        abort_error = grpc.aio.AbortError
-        cancelled_error = asyncio.CancelledError
 
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
@@ -196,21 +209,11 @@ class Pipeline:
                         async for message in messages:
                             yield message
                     code = code_name(context)
-                except abort_error:  # the handler set its own status
-                    code = code_name(context)
-                    raise
-                except UibusError as exc:
-                    code = exc.code
-                    await context.abort(status[code], str(exc))
-                except (cancelled_error, GeneratorExit):  # the client went away (or shutdown)
-                    code = "CANCELLED"
-                    raise
-                except NotImplementedError:
-                    code = "UNIMPLEMENTED"
-                    await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-                except Exception as exc:
-                    code = "INTERNAL"
-                    await context.abort(grpc.StatusCode.INTERNAL, unexpected(label, exc))
+                except BaseException as exc:
+                    code, details = classify(label, exc, context)
+                    if details is None:
+                        raise
+                    await context.abort(status[code], details)
                 finally:
                     done(context, code, started)
             return stream
@@ -224,21 +227,11 @@ class Pipeline:
                     result = await result
                 code = code_name(context)
                 return result
-            except abort_error:
-                code = code_name(context)
-                raise
-            except UibusError as exc:
-                code = exc.code
-                await context.abort(status[code], str(exc))
-            except cancelled_error:
-                code = "CANCELLED"
-                raise
-            except NotImplementedError:
-                code = "UNIMPLEMENTED"
-                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-            except Exception as exc:
-                code = "INTERNAL"
-                await context.abort(grpc.StatusCode.INTERNAL, unexpected(label, exc))
+            except BaseException as exc:
+                code, details = classify(label, exc, context)
+                if details is None:
+                    raise
+                await context.abort(status[code], details)
             finally:
                 done(context, code, started)
         return call

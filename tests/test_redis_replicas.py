@@ -270,14 +270,20 @@ async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
     await wait_for(lambda: a.bus.count() == 0 and b.bus.count() == 0, what="all subscriptions gone")
 
 
-async def test_bad_envelopes_are_counted_not_fatal(replicas: tuple[Replica, Replica]) -> None:
+async def test_bad_envelopes_are_counted_not_fatal(replicas: tuple[Replica, Replica],
+                                                  redis_server: RedisProcess) -> None:
+    from redis.asyncio import Redis
+
     a, b = replicas
     stream = b.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     await b.subscribed(kinds.ADD_TO_INPUT)
-    raw = b.bus._redis  # the same Redis both replicas listen to
-    await raw.publish(b.bus.channel, b"not json\nxx")
-    await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"no.such.Type"]\n')
-    await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"cline.String"]\n\xff\xff')
+    raw = Redis.from_url(redis_server.url)  # a stranger on the same Redis both replicas listen to
+    try:
+        await raw.publish(b.bus.channel, b"not json\nxx")
+        await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"no.such.Type"]\n')
+        await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"cline.String"]\n\xff\xff')
+    finally:
+        await raw.aclose()
     await wait_for(lambda: b.bus.stats.bad == 3, what="three bad envelopes counted")
     await a.connect().host.PublishAddToInput(host_pb2.TextEvent(text="still fine"))
     assert (await next_message(stream)).value == "still fine"
