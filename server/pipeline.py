@@ -172,12 +172,12 @@ class Pipeline:
         field = shape(handler)
         behavior = getattr(handler, field)
         wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming,
-                                      handler.response_streaming,
                                       needs_auth=bool(self._token) and not method.startswith(self.open_methods))
         return rebuild(handler, wrapped, tolerant(handler.request_deserializer))
 
-    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, response_streaming: bool,
-                       needs_auth: bool) -> Behavior:
+    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, needs_auth: bool) -> Behavior:
+        """One wrapper of the behaviour's own kind (grpc.aio picks its calling convention by it):
+        an async generator for yielded streams, a coroutine for unary calls and `write()` streams."""
         metrics = self.metrics
         observe = metrics.observe if metrics is not None else None
         authenticate = self.authenticate
