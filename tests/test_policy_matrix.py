@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.webclient import call
 from uibus.app import App
@@ -202,7 +202,9 @@ async def started() -> AsyncIterator[Callable[..., Awaitable[App]]]:
 async def check(app: App, transport: str, outcome: Outcome, code: str) -> None:
     assert outcome.code == code, f"{transport}: {outcome}"
     assert "Traceback" not in outcome.message and outcome.message, outcome
-    assert rpc_count(app, outcome.method, code, LABELS[transport]) == 1, f"{transport}: not counted as {code}"
+    # grpc.aio sends an aborted call's status before the handler's `finally` has run: wait a moment.
+    await wait_for(lambda: rpc_count(app, outcome.method, code, LABELS[transport]) == 1, timeout=2,
+                   what=f"{transport} counted once as {code}")
     page = await scrape(app)  # the same series, as served on /metrics
     assert (f'uibus_rpc_duration_seconds_count{{code="{code}",method="{outcome.method}",'
             f'transport="{LABELS[transport]}"}} 1.0') in page

@@ -176,8 +176,7 @@ class AgentConnection:
         """A binary frame: UTF-8 JSON text is read as a text frame."""
         text = decode(bytes.decode, data, "frame")
         if isinstance(text, Rejected):
-            await self._call(FRAME, Rejected(InvalidArgument("a binary frame must hold UTF-8 JSON text")),
-                             Frame(self), None)
+            await self._call(FRAME, Rejected(InvalidArgument("a binary frame must hold UTF-8 JSON text")), None)
             return
         await self.receive(text)
 
@@ -191,26 +190,26 @@ class AgentConnection:
         else:
             req = decode(protocol.parse, text, "frame")
         if isinstance(req, Rejected):
-            await self._call(FRAME, req, Frame(self), None)
+            await self._call(FRAME, req, None)
             return
         method = method_of(req.name)
         wait = actions.WAITING.get(req.name)
         if wait is None:
-            await self._call(method, req, Frame(self), req)
+            await self._call(method, req, req)
             return
         if len(self.waits) >= gateway.max_waits:
             refused = Rejected(ResourceExhausted(f"this connection already has {len(self.waits)} requests waiting "
                                                  f"for a user (limit {gateway.max_waits})"))
-            await self._call(method, refused, Frame(self), req)
+            await self._call(method, refused, req)
             return
         sub: Subscription | None = None
         if wait[1](req):
             try:  # taken now, before any await: a user message sent from here on is seen
                 sub = gateway.core.history.follow(self.session, USER_QUEUE)
             except (Unavailable, ResourceExhausted) as exc:  # shutting down; too many streams
-                await self._call(method, Rejected(exc), Frame(self), req)
+                await self._call(method, Rejected(exc), req)
                 return
-        task = asyncio.ensure_future(self._call(method, req, Frame(self, sub), req))
+        task = asyncio.ensure_future(self._call(method, req, req, sub))
         self.waits.add(task)
         if sub is not None:
             self.user_subs.add(sub)
@@ -224,13 +223,17 @@ class AgentConnection:
                 self.gateway.core.bus.unsubscribe(sub)
         return done
 
-    async def _call(self, method: str, request: Request | Rejected, state: Frame, req: Request | None) -> None:
-        """Runs one frame's handler through the pipeline and answers the agent."""
-        ctx = CallContext(self.metadata, self.peer, "websocket", state=state)
+    async def _call(self, method: str, request: Request | Rejected, req: Request | None,
+                    sub: Subscription | None = None) -> None:
+        """Runs one frame's handler through the pipeline and answers the agent. `req` is the parsed
+        envelope (None when the frame did not parse), `sub` a wait's user-message subscription."""
+        ctx = CallContext(self.metadata, self.peer, "websocket", state=Frame(self, sub))
         reply = await unary(self.gateway.handlers[method], request, ctx)
         code, details = ctx.status()
-        rid = req.request_id if req is not None else getattr(getattr(request, "error", None), "request_id", "")
-        reply_type = req.reply_type if req is not None else "error"
+        if req is not None:
+            rid, reply_type = req.request_id, req.reply_type
+        else:  # an envelope error still names the requestId when it could be read
+            rid, reply_type = getattr(getattr(request, "error", None), "request_id", ""), "error"
         if code == grpc.StatusCode.OK and reply is not None:
             if reply.success and req is not None and not req.wants_reply:
                 return
