@@ -59,11 +59,26 @@ def config(tmp_path: Path) -> Config:
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "uibus.db"), grace_seconds=2.0)
 
 
+async def start_app(config: Config, installers: Sequence[Installer] = INSTALLERS, **kw: Any) -> App:
+    """A started App. A port picked with `free_port()` can be taken by another server's ephemeral
+    port before the App binds it; then the start fails cleanly (nothing is left open) and is
+    retried on a fresh port."""
+    for attempt in range(3):
+        app = App(config, installers=installers, **kw)
+        try:
+            await app.start()
+            return app
+        except OSError:
+            if attempt == 2 or not config.http_port or "store" in kw:  # a given store was closed with it
+                raise
+            config = replace(config, http_port=free_port())
+    raise AssertionError("unreachable")
+
+
 @asynccontextmanager
 async def running(config: Config, installers: Sequence[Installer] = INSTALLERS) -> AsyncIterator[App]:
     """A started App, stopped (gracefully) on exit."""
-    app = App(config, installers=installers)
-    await app.start()
+    app = await start_app(config, installers)
     try:
         yield app
     finally:

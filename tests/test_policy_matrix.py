@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import InvalidStatus
 
-from tests.conftest import free_port, wait_for
+from tests.conftest import free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.webclient import call
 from uibus.app import App
@@ -189,8 +189,7 @@ async def started() -> AsyncIterator[Callable[..., Awaitable[App]]]:
     apps: list[App] = []
 
     async def start(config: Config, **kw: Any) -> App:
-        app = App(config, **kw)
-        await app.start()
+        app = await start_app(config, **kw)
         apps.append(app)
         return app
 
