@@ -169,13 +169,22 @@ async def test_wait_for_reply_resolves_on_user_message(app: App, agent: Any, con
     shown = await next_message(webview)
     assert (shown.say, shown.text, shown.ts) == (ui_pb2.USER_FEEDBACK, "Postgres, please", sent.ts)
     await wait_pending(ui, 0)
-    assert app.bus.count(CHAT_MESSAGE) == 0
+    assert app.bus.count(CHAT_MESSAGE) == 1  # the wait's subscription is gone; the connection's own push stays
+    with pytest.raises(asyncio.TimeoutError):  # an answer is never pushed as well
+        await a.recv(timeout=0.3)
 
     history = await a.call({"type": "getChatHistory", "requestId": "h"})
     assert [(e["role"], e["text"]) for e in history["data"]] == [
         ("assistant", "Which database?"), ("user", "Postgres, please")]
-    # A message nobody waits for is kept in the history only.
-    assert (await codebolt(ui).SendUserMessage(cpb.UserMessage(text="later"))).answered == 0
+    # A message no wait takes is pushed as codeboltjs's messageResponse (its onActionMessage).
+    assert (await codebolt(ui).SendUserMessage(cpb.UserMessage(text="later"))).answered == 1
+    pushed = await a.recv()
+    assert pushed["type"] == "messageResponse" and pushed["message"]["userMessage"] == "later"
+    assert pushed["data"] == {"text": "later"} and "requestId" not in pushed
+    await a.ws.close()
+    await wait_for(lambda: app.bus.count(CHAT_MESSAGE) == 0, what="the connection's push subscription to go")
+    # With no agent connected, a message is kept in the history only.
+    assert (await codebolt(ui).SendUserMessage(cpb.UserMessage(text="later still"))).answered == 0
 
 
 async def test_user_message_from_the_cli(app: App, agent: Any, connect: Any) -> None:
@@ -211,7 +220,7 @@ async def test_confirmation_answered_by_extension_ui(app: App, agent: Any, conne
     await ext(ui).Respond(xpb.RespondRequest(id=event.request.id, value="Deploy"))
     reply = await a.recv()
     assert reply["requestId"] == "c1" and reply["success"] is True and reply["type"] == "confirmationResponse"
-    assert reply["message"] == {"feedbackMessage": "Deploy"}
+    assert reply["message"] == reply["answer"] == "Deploy"  # codeboltjs's ConfirmationResponse
     assert reply["data"] == {"button": "Deploy", "dialogId": event.request.id}
     closed = await asyncio.wait_for(events.read(), 3)
     assert closed.closed.id == event.request.id and closed.closed.reason == xpb.DIALOG_OUTCOME_ANSWERED
@@ -233,7 +242,7 @@ async def test_confirmation_answered_by_extension_ui(app: App, agent: Any, conne
     assert sent.answered == 1
     reply = await a.recv()
     assert reply["type"] == "feedbackResponse" and reply["success"] is True
-    assert reply["message"] == {"feedbackMessage": "Wait, use staging"}
+    assert reply["message"] == reply["feedback"] == "Wait, use staging"  # its FeedbackResponse
     closed = await asyncio.wait_for(events.read(), 3)
     assert closed.closed.id == event.request.id and closed.closed.reason == xpb.DIALOG_OUTCOME_CALLER_CANCELLED
     await wait_pending(ui, 0)
@@ -281,11 +290,11 @@ async def test_state_and_memory_round_trip_and_persist(web_config: Config, agent
     reply = await a.call(spec("memorySet", "m1", family="memoryEvent", key="ctx", value=value))
     assert reply["success"] is True and reply["data"] == {"key": "ctx"}
     reply = await a.call({"type": "memoryEvent", "action": "set", "key": "note", "value": "remember", "requestId": "q"})
-    assert reply["type"] == "setMemoryResponse" and reply["success"] is True
+    assert reply["type"] == "memorySetResponse" and reply["success"] is True
     reply = await a.call(spec("memoryGet", "m2", family="memoryEvent", key="ctx"))
     assert reply["data"] == {"key": "ctx", "value": value, "found": True}
     reply = await a.call({"type": "memoryEvent", "action": "get", "key": "missing", "requestId": "q2"})
-    assert reply["type"] == "getMemoryResponse" and reply["data"]["found"] is False and reply["value"] is None
+    assert reply["type"] == "memoryGetResponse" and reply["data"]["found"] is False and reply["value"] is None
     # The values live in the session store, and survive a restart on the same file.
     assert await app.store.get("mem", "codebolt/memory/ctx") == value
     other = await agent("other")
@@ -312,9 +321,13 @@ async def test_unsupported_actions_name_the_action(app: App, agent: Any, family:
     reply = await a.call(spec(action, "u1", family=family, command="rm -rf /", url="https://example.com"))
     assert reply["requestId"] == "u1" and reply["success"] is False
     assert f"{family}.{action}" in reply["error"] and "does not execute" in reply["error"]
-    # codeboltjs's own spellings of other families are refused by name too.
+    # codeboltjs's own spellings of other families are refused by name too, with their reply type.
     reply = await a.call({"type": "inference", "message": {"messages": []}, "requestId": "u2"})
-    assert reply["success"] is False and "'inference'" in reply["error"]
+    assert reply["success"] is False and "llmEvent.inference" in reply["error"]
+    assert reply["type"] == "llmResponse" and reply["code"] == "UNIMPLEMENTED"
+    # A type nobody defines is still refused by name.
+    reply = await a.call({"type": "teleport", "requestId": "u3"})
+    assert reply["success"] is False and "'teleport'" in reply["error"] and reply["type"] == "error"
     assert (await a.call(spec("getChatHistory", "ok")))["success"] is True  # still usable
 
 
@@ -326,8 +339,8 @@ async def test_unsupported_actions_name_the_action(app: App, agent: Any, family:
     ('{"type": "chatEvent", "action": "fly", "requestId": "r3", "message": {}}', "r3", "'fly' is not an action"),
     ('{"type": "chatEvent", "action": "sendMessage", "requestId": "r4", "message": "hi"}', "r4",
      "`message` must be a JSON object"),
-    ('{"type": "chatEvent", "action": "sendMessage", "message": {"message": "hi"}}', "", "`requestId` is required"),
     ('{"type": "chatEvent", "action": "sendMessage", "requestId": 7, "message": {}}', "", "requestId must be a string"),
+    ("[" * 50000 + "]" * 50000, "", "malformed JSON"),  # nested too deep to read: refused, not a crash
     ('{"type": "chatEvent", "action": "sendMessage", "requestId": "r5", "message": {}}', "r5", "`message` is required"),
     ('{"type": "memoryEvent", "action": "set", "requestId": "r6", "value": 1}', "r6", "`key` is required"),
     ('{"type": "chatEvent", "action": "confirmationRequest", "requestId": "r7", "message": {"message": "ok?", '
@@ -341,6 +354,19 @@ async def test_bad_envelopes_answered_and_connection_stays(app: App, agent: Any,
     reply = await a.call(frame)
     assert reply["success"] is False and reply["requestId"] == rid and expect in reply["error"], reply
     assert (await a.call(spec("sendMessage", "after", message="still here")))["success"] is True
+
+
+async def test_a_frame_without_request_id_is_answered_by_type(app: App, agent: Any) -> None:
+    """codeboltjs never sends a requestId and matches replies by `type`: the AsyncAPI form without
+    one is answered the same way (and an unsupported action still names itself)."""
+    a = await agent("s1")
+    reply = await a.call({"type": "fsEvent", "action": "grepSearch", "message": {"pattern": "x"}})
+    assert (reply["type"], reply["requestId"], reply["success"]) == ("grepSearchResponse", "", False)
+    assert reply["error"].startswith("fsEvent.grepSearch: uibus does not execute file-system actions")
+    reply = await a.call({"type": "browserEvent", "action": "getUrl"})  # the library reads `event` here
+    assert reply["event"] == "getUrlResponse" and reply["success"] is False
+    reply = await a.call({"type": "agentEvent", "action": "startAgent", "agentId": "a-7", "task": "t"})
+    assert (reply["type"], reply["agentId"]) == ("taskCompletionResponse", "a-7")  # the library compares it
 
 
 async def test_oversized_and_binary_frames(app: App, agent: Any) -> None:
@@ -364,7 +390,8 @@ async def test_closing_mid_wait_leaves_nothing(app: App, agent: Any, connect: An
     dialog = await asyncio.wait_for(events.read(), 3)
     await wait_pending(ui, 2)
     stats = await ext(ui).GetStats(xpb.StatsRequest())
-    assert stats.session_pending_dialogs == 1 and app.bus.count(CHAT_MESSAGE, "s1") == 2
+    # Two waits' subscriptions and the connection's own (the messageResponse push).
+    assert stats.session_pending_dialogs == 1 and app.bus.count(CHAT_MESSAGE, "s1") == 3
     assert app[CODEBOLT].count() == 1
 
     await a.ws.close()

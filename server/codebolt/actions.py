@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from uibus.bus import Subscription
@@ -108,7 +109,21 @@ async def get_chat_history(ctx: Context, req: Request) -> Reply:
     limit = req.fields.get("limit", HISTORY_DEFAULT)
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_HISTORY:
         raise BadRequest(f"`limit` must be an integer within 1..{MAX_HISTORY}")
-    return Reply(True, await ctx.core.history.read(ctx.session, last=limit))
+    entries = await ctx.core.history.read(ctx.session, last=limit)
+    return Reply(True, entries, extra={"messages": [_library_message(e) for e in entries]})
+
+
+def _library_message(entry: dict[str, Any]) -> dict[str, Any]:
+    """A history entry as codeboltjs's getChatHistoryResponse `messages` item."""
+    role = entry.get("role", "")
+    return {"id": str(entry.get("ts", "")), "content": entry.get("text", ""),
+            "sender": "user" if role == "user" else (entry.get("agent") or entry.get("source") or role),
+            "timestamp": iso_ms(entry.get("ts", 0)), "type": "message",
+            **({"role": role} if role in ("user", "assistant", "system") else {})}
+
+
+def iso_ms(ts: int) -> str:
+    return datetime.fromtimestamp(ts / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 async def notification(ctx: Context, req: Request) -> Reply:
@@ -119,6 +134,11 @@ async def notification(ctx: Context, req: Request) -> Reply:
 
 
 async def process_status(ctx: Context, req: Request) -> Reply:
+    """Status for every extension UI; a `message` with it (codeboltjs's onActionMessage answer
+    sends processStoped with the agent's reply) is the agent's message in the chat."""
+    message = req.fields.get("message")
+    if isinstance(message, str) and message.strip():
+        await post_agent_message(ctx, _text(req.fields, "message"))
     text = _STATUS_TEXT[req.action]
     reply = await ctx.core.dialogs.set_status(ctx.session, xpb.SetStatusRequest(key=STATUS_KEY, text=text))
     return Reply(True, {"status": text, "subscribers": reply.subscribers})
@@ -126,10 +146,18 @@ async def process_status(ctx: Context, req: Request) -> Reply:
 
 # ---- chatEvent: waiting (run as tasks; `sub` is the user-message subscription, taken up front) ----
 
-def _user_reply(text: str, ts: int) -> dict[str, Any]:
-    """The codeboltjs UserMessage fields of a waitFormessageResponse."""
-    return {"message": {"userMessage": text, "mentionedFiles": [], "mentionedMCPs": [], "mentionedAgents": []},
-            "sender": {"senderType": "user", "senderInfo": {}}, "messageId": str(ts)}
+def user_message(text: str, ts: int) -> dict[str, Any]:
+    """The fields of codeboltjs's waitFormessageResponse (its `message` is the app's
+    `messageResponse`), every one the library's own schema requires; uibus knows no editor file,
+    selection or mentions, so those are empty."""
+    return {"message": {"type": "messageResponse", "userMessage": text, "currentFile": "",
+                        "selectedAgent": {"id": "", "name": "", "lastMessage": {}},
+                        "mentionedFiles": [], "mentionedFullPaths": [], "mentionedFolders": [],
+                        "mentionedMultiFile": [], "mentionedMCPs": [], "uploadedImages": [], "actions": [],
+                        "mentionedAgents": [], "mentionedDocs": [], "links": [], "universalAgentLastMessage": "",
+                        "selection": None, "controlFiles": [], "feedbackMessage": "", "terminalMessage": "",
+                        "threadId": "", "processId": "", "shadowGitHash": ""},
+            "sender": {"senderType": "user", "senderInfo": {}}, "templateType": "userChat", "messageId": str(ts)}
 
 
 async def next_user_message(sub: Subscription) -> dict[str, Any]:
@@ -148,7 +176,7 @@ async def wait_for_reply(ctx: Context, req: Request, sub: Subscription | None) -
         await post_agent_message(ctx, prompt)
     user = await next_user_message(sub)
     return Reply(True, {"text": user["text"], "ts": user["ts"], "source": user["source"]},
-                 extra=_user_reply(user["text"], user["ts"]))
+                 extra=user_message(user["text"], user["ts"]))
 
 
 async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> Reply:
@@ -176,7 +204,7 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
     if feedback is not None and not feedback.cancelled() and feedback.exception() is None:
         user = feedback.result()
         return Reply(True, {"feedback": user["text"], "ts": user["ts"]}, reply_type="feedbackResponse",
-                     extra={"message": {"feedbackMessage": user["text"]}})
+                     extra={"feedback": user["text"], "message": user["text"]})
     if dialog.cancelled():  # the user-message subscription ended first: the bus closed for shutdown
         raise Unavailable("uibus is shutting down")
     try:
@@ -185,10 +213,11 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
         raise type(exc)(f"confirmation dialog failed: {exc}") from None
     if result.outcome == xpb.DIALOG_OUTCOME_ANSWERED:
         return Reply(True, {"button": result.value, "dialogId": result.id},
-                     extra={"message": {"feedbackMessage": result.value}})
+                     extra={"answer": result.value, "message": result.value})
     how = "dismissed by the user" if result.outcome == xpb.DIALOG_OUTCOME_CANCELLED else \
         f"not answered within {request.timeout_ms} ms"
-    return Reply(False, {"dialogId": result.id}, error=f"confirmation dialog {result.id} was {how}")
+    return Reply(False, {"dialogId": result.id}, error=f"confirmation dialog {result.id} was {how}",
+                 extra={"answer": ""})
 
 
 # ---- stateEvent / memoryEvent ----
@@ -228,7 +257,7 @@ async def get_agent_state(ctx: Context, req: Request) -> Reply:
 
 async def update_project_state(ctx: Context, req: Request) -> Reply:
     key = await _put(ctx, PROJECT_PREFIX, _entry(req.fields))
-    return Reply(True, {"key": key}, extra={"payload": {"success": True}})
+    return Reply(True, {"key": key}, extra={"payload": {"success": True}, "state": await _all(ctx, PROJECT_PREFIX)})
 
 
 async def get_project_state(ctx: Context, req: Request) -> Reply:
@@ -239,18 +268,19 @@ async def get_project_state(ctx: Context, req: Request) -> Reply:
 async def get_application_state(ctx: Context, req: Request) -> Reply:
     state = {"session": ctx.session, "agentState": await _all(ctx, AGENT_PREFIX),
              "projectState": await _all(ctx, PROJECT_PREFIX)}
-    return Reply(True, state, extra=state)
+    return Reply(True, state, extra={**state, "state": state})
 
 
 async def memory_set(ctx: Context, req: Request) -> Reply:
-    key = await _put(ctx, MEMORY_PREFIX, _entry(req.fields))
-    return Reply(True, {"key": key})
+    fields = _entry(req.fields)
+    key = await _put(ctx, MEMORY_PREFIX, fields)
+    return Reply(True, {"key": key}, extra={"key": key, "value": fields["value"]})
 
 
 async def memory_get(ctx: Context, req: Request) -> Reply:
     key = _key(_entry(req.fields))
     value = await ctx.core.store.get(ctx.session, MEMORY_PREFIX + key)
-    return Reply(True, {"key": key, "value": value, "found": value is not None}, extra={"value": value})
+    return Reply(True, {"key": key, "value": value, "found": value is not None}, extra={"key": key, "value": value})
 
 
 Immediate = Callable[[Context, Request], Awaitable[Reply]]

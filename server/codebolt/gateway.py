@@ -6,6 +6,11 @@ any gRPC call — a frame that does not parse or breaks a limit is refused with 
 RESOURCE_EXHAUSTED, an unreachable store is UNAVAILABLE, a bug is INTERNAL, each counted under
 transport "websocket" — and the failure goes back as `success:false` with that status `code`.
 
+A user message of the session (CodeBoltService.SendUserMessage: a chat entry addressed to no
+neuro-san agent) that no wait of a connection takes is pushed to that connection as codeboltjs's
+`messageResponse`, which the library hands to the agent's `chat.onActionMessage()` handler: the
+entry point of an agent built on it. Each connection follows the session's chat history for that.
+
 Immediate actions run in frame order and answer before the next frame is read. Waiting actions
 (waitforReply, confirmationRequest) run as tasks so one connection can wait for a user and keep
 talking; each connection bounds how many it has in flight. Closing a connection cancels its
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -131,6 +138,7 @@ class Gateway:
         if self.closing:
             raise Unavailable("uibus is shutting down")
         conn = AgentConnection(self, session, metadata, peer, send, close)
+        conn.follow_user(self.core.history.follow(session, USER_QUEUE))  # refused at the stream cap
         self.connections.add(conn)
         return conn
 
@@ -140,6 +148,11 @@ class Gateway:
     def user_waiters(self, session: str) -> int:
         """Waits of `session` that the next user message answers."""
         return sum(len(c.user_subs) for c in self.connections if c.session == session)
+
+    def reached(self, session: str) -> int:
+        """Agent requests and connections of `session` that the next user message reaches: every
+        wait that a user message answers, and every connection with none (the push)."""
+        return sum(len(c.user_subs) or 1 for c in self.connections if c.session == session)
 
     def count(self, session: str | None = None) -> int:
         return sum(1 for c in self.connections if session is None or c.session == session)
@@ -165,7 +178,30 @@ class AgentConnection:
         self._send_lock = asyncio.Lock()
         self.waits: set[asyncio.Task[None]] = set()
         self.user_subs: set[Subscription] = set()  # of the waits that a user message answers
+        self.answered: deque[int] = deque(maxlen=USER_QUEUE)  # ts of user messages a wait took
+        self._pusher: asyncio.Task[None] | None = None
         self.closed = False
+
+    def follow_user(self, sub: Subscription) -> None:
+        self._pusher = asyncio.ensure_future(self._push_user_messages(sub))
+
+    async def _push_user_messages(self, sub: Subscription) -> None:
+        """Sends each user message that no wait of this connection takes as `messageResponse`.
+        A wait holds its subscription in `user_subs` until its reply is built, and its answer's ts
+        is in `answered` from then on, so a message is never both an answer and a push."""
+        try:
+            async for entry in sub:
+                if entry.get("role") != "user" or entry.get("agent") or self.user_subs:
+                    continue
+                if entry.get("ts") in self.answered:
+                    continue
+                text = json.dumps({"type": "messageResponse", **actions.user_message(entry["text"], entry["ts"]),
+                                   "data": {"text": entry["text"]}, "timestamp": protocol.timestamp()},
+                                  separators=(",", ":"), ensure_ascii=False)
+                with contextlib.suppress(Exception):  # the socket may be gone: close() ends this task
+                    await self.send(text)
+        finally:
+            self.gateway.core.bus.unsubscribe(sub)
 
     async def send(self, text: str) -> None:
         """Serialises writes: wait tasks and the frame loop share the socket."""
@@ -229,19 +265,21 @@ class AgentConnection:
         envelope (None when the frame did not parse), `sub` a wait's user-message subscription."""
         ctx = CallContext(self.metadata, self.peer, "websocket", state=Frame(self, sub))
         reply = await unary(self.gateway.handlers[method], request, ctx)
+        if sub is not None and reply is not None and isinstance(reply.data, dict) and "ts" in reply.data:
+            self.answered.append(reply.data["ts"])  # before the wait lets go of `sub`: see the push
         code, details = ctx.status()
-        if req is not None:
-            rid, reply_type = req.request_id, req.reply_type
+        if req is not None:  # the reply the agent's function waits for (see uibus.codebolt.protocol)
+            rid, reply_type, shape = req.request_id, req.reply_type, req.reply_fields()
         else:  # an envelope error still names the requestId when it could be read
-            rid, reply_type = getattr(getattr(request, "error", None), "request_id", ""), "error"
+            rid, reply_type, shape = getattr(getattr(request, "error", None), "request_id", ""), "error", {}
         if code == grpc.StatusCode.OK and reply is not None:
             if reply.success and req is not None and not req.wants_reply:
                 return
             text = protocol.response(rid, reply.success, reply.data, reply.error, reply.reply_type or reply_type,
-                                     **reply.extra)
+                                     **{**shape, **reply.extra})
         else:
             error = f"{req.name}: {details}" if req is not None and not details.startswith(req.name) else details
-            text = protocol.response(rid, False, error=error, reply_type=reply_type, code=code.name)
+            text = protocol.response(rid, False, error=error, reply_type=reply_type, code=code.name, **shape)
         with contextlib.suppress(Exception):  # the socket may be gone; nothing else to tell
             await self.send(text)
 
@@ -249,6 +287,8 @@ class AgentConnection:
         """The socket is gone: cancel every wait and forget the connection, before returning."""
         self.closed = True
         waits = list(self.waits)
+        if self._pusher is not None:
+            waits.append(self._pusher)
         for task in waits:
             task.cancel()
         try:

@@ -38,7 +38,7 @@ class CodeBoltService(codebolt_pb2_grpc.CodeBoltServiceServicer):
         ts = core.clock.next()
         # Announced on the bus by append itself; counted right after, before any waiter can finish.
         await core.history.append(session, "user", text, source=USER_SOURCE, ts=ts)
-        answered = self.gateway.user_waiters(session)
+        answered = self.gateway.reached(session)
         core.feed.say(session, text, ui_pb2.USER_FEEDBACK, ts=ts)
         return pb.UserMessageReply(ts=ts, answered=answered)
 
