@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from uibus.bus import Subscription
+from uibus.codebolt import protocol
 from uibus.codebolt.protocol import Request
 from uibus.domain.core import Core
 from uibus.domain.history import MAX_HISTORY
@@ -118,12 +118,8 @@ def _library_message(entry: dict[str, Any]) -> dict[str, Any]:
     role = entry.get("role", "")
     return {"id": str(entry.get("ts", "")), "content": entry.get("text", ""),
             "sender": "user" if role == "user" else (entry.get("agent") or entry.get("source") or role),
-            "timestamp": iso_ms(entry.get("ts", 0)), "type": "message",
+            "timestamp": protocol.timestamp(entry.get("ts", 0)), "type": "message",
             **({"role": role} if role in ("user", "assistant", "system") else {})}
-
-
-def iso_ms(ts: int) -> str:
-    return datetime.fromtimestamp(ts / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 async def notification(ctx: Context, req: Request) -> Reply:
@@ -146,20 +142,6 @@ async def process_status(ctx: Context, req: Request) -> Reply:
 
 # ---- chatEvent: waiting (run as tasks; `sub` is the user-message subscription, taken up front) ----
 
-def user_message(text: str, ts: int) -> dict[str, Any]:
-    """The fields of codeboltjs's waitFormessageResponse (its `message` is the app's
-    `messageResponse`), every one the library's own schema requires; uibus knows no editor file,
-    selection or mentions, so those are empty."""
-    return {"message": {"type": "messageResponse", "userMessage": text, "currentFile": "",
-                        "selectedAgent": {"id": "", "name": "", "lastMessage": {}},
-                        "mentionedFiles": [], "mentionedFullPaths": [], "mentionedFolders": [],
-                        "mentionedMultiFile": [], "mentionedMCPs": [], "uploadedImages": [], "actions": [],
-                        "mentionedAgents": [], "mentionedDocs": [], "links": [], "universalAgentLastMessage": "",
-                        "selection": None, "controlFiles": [], "feedbackMessage": "", "terminalMessage": "",
-                        "threadId": "", "processId": "", "shadowGitHash": ""},
-            "sender": {"senderType": "user", "senderInfo": {}}, "templateType": "userChat", "messageId": str(ts)}
-
-
 async def next_user_message(sub: Subscription) -> dict[str, Any]:
     """The first user entry appended to the session's chat history since `sub` began: sent with
     CodeBoltService.SendUserMessage, or a neuro-san StreamingChat turn of the same session."""
@@ -176,7 +158,7 @@ async def wait_for_reply(ctx: Context, req: Request, sub: Subscription | None) -
         await post_agent_message(ctx, prompt)
     user = await next_user_message(sub)
     return Reply(True, {"text": user["text"], "ts": user["ts"], "source": user["source"]},
-                 extra=user_message(user["text"], user["ts"]))
+                 extra=protocol.user_message(user["text"], user["ts"]))
 
 
 async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> Reply:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -195,11 +194,8 @@ class AgentConnection:
                     continue
                 if entry.get("ts") in self.answered:
                     continue
-                text = json.dumps({"type": "messageResponse", **actions.user_message(entry["text"], entry["ts"]),
-                                   "data": {"text": entry["text"]}, "timestamp": protocol.timestamp()},
-                                  separators=(",", ":"), ensure_ascii=False)
                 with contextlib.suppress(Exception):  # the socket may be gone: close() ends this task
-                    await self.send(text)
+                    await self.send(protocol.push_user_message(entry["text"], entry["ts"]))
         finally:
             self.gateway.core.bus.unsubscribe(sub)
 

@@ -284,8 +284,35 @@ def unsupported(req: Request) -> str:
             f"{', '.join(SERVED_FAMILIES)}")
 
 
-def timestamp() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+def timestamp(ms: int | None = None) -> str:
+    """ISO 8601 UTC with milliseconds: now, or of a uibus ts (milliseconds since the epoch)."""
+    at = datetime.now(UTC) if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+    return at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def user_message(text: str, ts: int) -> dict[str, Any]:
+    """A user's message in codeboltjs's shape: the fields of its waitFormessageResponse, whose
+    `message` is the app's `messageResponse`. Every field the library's own schema requires is
+    there; uibus knows no editor file, selection or mentions, so those are empty."""
+    return {"message": {"type": "messageResponse", "userMessage": text, "currentFile": "",
+                        "selectedAgent": {"id": "", "name": "", "lastMessage": {}},
+                        "mentionedFiles": [], "mentionedFullPaths": [], "mentionedFolders": [],
+                        "mentionedMultiFile": [], "mentionedMCPs": [], "uploadedImages": [], "actions": [],
+                        "mentionedAgents": [], "mentionedDocs": [], "links": [], "universalAgentLastMessage": "",
+                        "selection": None, "controlFiles": [], "feedbackMessage": "", "terminalMessage": "",
+                        "threadId": "", "processId": "", "shadowGitHash": ""},
+            "sender": {"senderType": "user", "senderInfo": {}}, "templateType": "userChat", "messageId": str(ts)}
+
+
+def push_user_message(text: str, ts: int) -> str:
+    """The `messageResponse` frame the app pushes unasked; codeboltjs hands it to the agent's
+    `chat.onActionMessage()` handler (it carries no requestId/success: nobody asked for it)."""
+    return _dumps({"type": "messageResponse", **user_message(text, ts), "data": {"text": text},
+                   "timestamp": timestamp()})
+
+
+def _dumps(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def response(request_id: str, success: bool, data: Any = None, error: str = "", reply_type: str = "",
@@ -303,4 +330,4 @@ def response(request_id: str, success: bool, data: Any = None, error: str = "", 
         out["code"] = code
     out["timestamp"] = timestamp()
     out.update(extra)
-    return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
+    return _dumps(out)
