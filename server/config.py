@@ -32,6 +32,23 @@ class Config:
                                          metadata={"help": "open subscriptions allowed per session"})
     max_message_bytes: int = field(default=4 * 1024 * 1024,
                                    metadata={"help": "largest request message accepted"})
+    chat_context_bytes: int = field(default=1024 * 1024, metadata={
+        "help": "byte budget of one (session, agent) ChatContext, stored and returned; oldest messages "
+                "are dropped first, and a user message over it is refused"})
+    mailbox_bytes: int = field(default=16 * 1024 * 1024, metadata={
+        "help": "bytes one subscriber may have queued; a stream over it is ended RESOURCE_EXHAUSTED"})
+    mailboxes_bytes: int = field(default=256 * 1024 * 1024, metadata={
+        "help": "bytes all subscribers together may have queued; the fullest stream is ended beyond it"})
+    session_ttl_seconds: float = field(default=30 * 24 * 3600.0, metadata={
+        "help": "a session's stored state is deleted after this long without a write; 0 keeps it forever"})
+    max_sessions: int = field(default=100_000, metadata={
+        "help": "sessions kept in the store; beyond it the longest-idle ones are deleted"})
+    history_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "bytes of chat history kept per session (oldest entries dropped first)"})
+    keepalive_seconds: float = field(default=20.0, metadata={
+        "help": "gRPC server pings an idle connection this often; 0 turns keepalive off"})
+    keepalive_timeout_seconds: float = field(default=10.0, metadata={
+        "help": "a connection whose ping is not answered within this is closed (its streams freed)"})
     grace_seconds: float = field(default=5.0, metadata={"help": "how long shutdown waits for RPCs"})
     drain_seconds: float = field(default=0.0, metadata={
         "help": "on SIGTERM, report NOT_SERVING this long before refusing calls (load balancers)"})
@@ -52,6 +69,19 @@ class Config:
             problems.append("queue_size must be at least 1")
         if self.max_streams_per_session < 1:
             problems.append("max_streams_per_session must be at least 1")
+        for name in ("chat_context_bytes", "mailbox_bytes", "mailboxes_bytes", "max_sessions", "history_bytes"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1")
+        if self.chat_context_bytes > self.max_message_bytes // 2:
+            problems.append("chat_context_bytes must be at most half of max_message_bytes (a reply carries the "
+                            "context and the answer)")
+        if self.mailboxes_bytes < self.mailbox_bytes:
+            problems.append("mailboxes_bytes must be at least mailbox_bytes")
+        for name in ("session_ttl_seconds", "keepalive_seconds"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be 0 (off) or more")
+        if self.keepalive_timeout_seconds <= 0:
+            problems.append("keepalive_timeout_seconds must be more than 0")
         if bool(self.tls_cert) != bool(self.tls_key):
             problems.append("tls_cert and tls_key go together")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

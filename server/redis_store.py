@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -63,6 +63,26 @@ class RedisStore(Store):
                 await self._redis.hdel(self._kv(session), key)
             else:
                 await self._redis.hset(self._kv(session), key, _dumps(value))
+
+    async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
+        """Optimistic transaction: WATCH the session's hash, read, MULTI/EXEC the write; when
+        another writer (any replica) changed the hash meanwhile, EXEC fails and it is redone on the
+        fresh value. Redis decides who wins, so no write is lost across replicas."""
+        name = self._kv(session)
+        result: list[Any] = [None]
+
+        async def attempt(pipe: Any) -> None:
+            raw = await pipe.hget(name, key)
+            value = result[0] = change(json.loads(raw) if raw is not None else None)
+            pipe.multi()
+            if value is None:
+                pipe.hdel(name, key)
+            else:
+                pipe.hset(name, key, _dumps(value))
+
+        with _reachable():
+            await self._redis.transaction(attempt, name)
+        return result[0]
 
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""

@@ -13,6 +13,7 @@ import abc
 import json
 import sqlite3
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from uibus.errors import StoreUnavailable
@@ -29,6 +30,16 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def put(self, session: str, key: str, value: Any | None) -> None:
         """Stores `value`; `None` deletes the key."""
+
+    @abc.abstractmethod
+    async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
+        """Replaces the value of `key` with `change(current)` atomically, and returns it.
+
+        Atomic against every writer of the store, other processes and replicas included (a
+        transaction, not a local lock), so two read-modify-writes never lose one another's
+        change. `change` must be a pure function: a backend may call it again after a conflict.
+        `None` from `change` deletes the key.
+        """
 
     @abc.abstractmethod
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
@@ -89,6 +100,20 @@ class SqliteStore(Store):
         else:
             self._db.execute("INSERT OR REPLACE INTO kv(session, key, value) VALUES (?, ?, ?)",
                              (session, key, json.dumps(value, separators=(",", ":"))))
+
+    async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
+        """BEGIN IMMEDIATE takes SQLite's write lock before the read, so no other connection (or
+        process) can write between our read and our write; nothing awaits inside."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute("SELECT value FROM kv WHERE session=? AND key=?", (session, key)).fetchone()
+            value = change(json.loads(row[0]) if row else None)
+            if value is None:
+                self._db.execute("DELETE FROM kv WHERE session=? AND key=?", (session, key))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO kv(session, key, value) VALUES (?, ?, ?)",
+                                 (session, key, json.dumps(value, separators=(",", ":"))))
+        return value
 
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         rows = self._db.execute(
