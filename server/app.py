@@ -47,12 +47,14 @@ T = TypeVar("T")
 
 
 def open_store(config: Config) -> Store:
-    """The configured session store: Redis when a URL is given, else the SQLite file."""
+    """The configured session store: Redis when a URL is given, else the SQLite file; either keeps
+    sessions for the configured idle TTL and up to the configured number."""
+    ttl_s, max_sessions = config.session_ttl_seconds, config.max_sessions
     if config.redis_url:
         from uibus.redis_store import RedisStore
 
-        return RedisStore(config.redis_url)
-    return SqliteStore(config.store)
+        return RedisStore(config.redis_url, ttl_s=ttl_s, max_sessions=max_sessions)
+    return SqliteStore(config.store, ttl_s=ttl_s, max_sessions=max_sessions)
 
 
 def make_bus(config: Config) -> Bus:
@@ -60,8 +62,34 @@ def make_bus(config: Config) -> Bus:
     if config.redis_url:
         from uibus.redis_bus import ReplicatedBus
 
-        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session)
-    return Bus(config.queue_size, config.max_streams_per_session)
+        return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session,
+                             mailbox_bytes=config.mailbox_bytes, mailboxes_bytes=config.mailboxes_bytes)
+    return Bus(config.queue_size, config.max_streams_per_session, mailbox_bytes=config.mailbox_bytes,
+               mailboxes_bytes=config.mailboxes_bytes)
+
+
+def keepalive_options(config: Config) -> list[tuple[str, int]]:
+    """Server-side HTTP/2 keepalive: a peer that is gone (or frozen) without closing its connection
+    stops answering pings, and the connection is closed after the timeout, which ends its streams
+    and frees their subscriptions — by default within 30 s, not hours.
+
+    Pings go out only on connections that carry calls (an idle client costs nothing) and without
+    data in between (a subscription can be silent for hours). Clients may ping as often as every
+    10 s (grpc-js and grpc-go default to much less) without being told "too many pings".
+    """
+    if config.keepalive_seconds <= 0:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", int(config.keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
+        # grpc core (1.6x on) closes the transport on an unanswered ping after this, not after the
+        # keepalive timeout alone (default one minute): both say how long a silent peer may take.
+        ("grpc.http2.ping_timeout_ms", int(config.keepalive_timeout_seconds * 1000)),
+        ("grpc.keepalive_permit_without_calls", 0),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ]
 
 
 class Resources:
@@ -182,15 +210,17 @@ class App:
         agents = await res.enter("agents", load_agents(cfg.agents))
         core = self.core = Core.build(cfg, bus, store, agents)
         gauges: Gauges = {}
-        metrics = self.metrics = Metrics(bus, gauges)
+        counters: Gauges = {}
+        metrics = self.metrics = Metrics(bus, gauges, counters, store=store)
         pipeline = Pipeline(metrics, cfg.auth_token)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            *keepalive_options(cfg),
         ])
         registry = self.registry = Registry(server, pipeline)
-        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges)
+        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters)
         for install in self._installers:
             await res.enter(getattr(install, "__name__", "installer"), install(setup))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)  # type: ignore[arg-type]

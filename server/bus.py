@@ -19,12 +19,33 @@ from uibus.errors import ResourceExhausted, Unavailable
 from uibus.kinds import Kind, Policy
 
 
+class Live:
+    """The marker a stream yields once its subscription is registered (see `LIVE`)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "LIVE"
+
+
+# Yielded by a streaming handler right after its subscription is registered. The handler pipeline
+# does not pass it on: it sends the call's response headers instead, on every transport. That is
+# the guarantee a client can build on: headers received => every event published from now on
+# reaches this stream. (Without it an idle stream sends no headers until its first event.)
+LIVE = Live()
+
+
 class SubscriptionLimit(ResourceExhausted):
     """The session already has as many open subscriptions as the config allows."""
 
 
 class BusClosed(Unavailable):
     """The bus is shutting down and takes no new subscriptions."""
+
+
+class MailboxOverflow(ResourceExhausted):
+    """A subscriber fell so far behind that its queued events went over its byte budget (or all
+    mailboxes together went over theirs and it was the fullest): its stream is ended."""
 
 
 @dataclass
@@ -34,53 +55,148 @@ class KindCounters:
     dropped: int = 0
     coalesced: int = 0
     subscriptions: int = 0
+    overflowed: int = 0  # streams ended because their mailbox went over its byte budget
+
+
+class Budget:
+    """The bytes every mailbox of one bus holds together, and the bounds: one stalled reader can
+    cost at most `per_mailbox` bytes, and all of them together at most `total_limit`."""
+
+    __slots__ = ("per_mailbox", "total", "total_limit")
+
+    def __init__(self, per_mailbox: int, total_limit: int) -> None:
+        self.per_mailbox = per_mailbox
+        self.total_limit = total_limit
+        self.total = 0
+
+
+def size_of(item: Any) -> int:
+    """What an event costs in a mailbox, about: its serialized size (protobuf messages), or the
+    length of its text for the JSON entries of the chat history; a small floor for the rest."""
+    byte_size = getattr(item, "ByteSize", None)
+    if byte_size is not None:
+        return byte_size() + 64
+    if isinstance(item, dict):
+        text = item.get("text")
+        return (len(text) if isinstance(text, str) else 0) + 256
+    return 64
 
 
 class Subscription:
     """One subscriber's bounded mailbox. Iterate it to receive events; it ends when closed."""
 
-    __slots__ = ("_items", "_maxsize", "_policy", "_waiter", "closed", "counters", "kind", "session",
-                 "target")
+    __slots__ = ("_budget", "_items", "_maxsize", "_policy", "_waiter", "bytes", "closed", "counters", "failure",
+                 "kind", "owner", "session", "target")
 
     def __init__(self, session: str, kind: str, target: str, maxsize: int, policy: Policy,
-                 counters: KindCounters) -> None:
+                 counters: KindCounters, budget: Budget | None = None,
+                 owner: asyncio.Task[Any] | None = None) -> None:
         self.session = session
         self.kind = kind  # the kind's name
         self.target = target
         self._maxsize = maxsize
         self._policy = policy
-        self._items: deque[tuple[Hashable, Any]] = deque()
+        self._items: deque[tuple[Hashable, Any, int]] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._budget = budget if budget is not None else Budget(1 << 62, 1 << 62)
+        self.bytes = 0  # what the queued events cost (see size_of)
         self.closed = False
+        self.failure: MailboxOverflow | None = None
         self.counters = counters
+        # The task that reads this mailbox for a client (a stream handler), if the subscriber named
+        # it: when it is stuck elsewhere (writing to a client that stopped reading) while the mailbox
+        # overflows, it is interrupted with the overflow as the reason. Internal readers name none:
+        # they get the overflow at their next read.
+        self.owner: asyncio.Task[Any] | None = owner
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def offer(self, item: Any, key: Hashable = None) -> None:
-        """Queues `item` without waiting; at the bound applies the kind's policy."""
+    def offer(self, item: Any, key: Hashable = None, size: int = 64) -> None:
+        """Queues `item` without waiting; at the count bound applies the kind's policy, over the
+        byte budget ends the stream."""
+        if self.failure is not None:
+            return
         items = self._items
+        counters = self.counters
         if len(items) >= self._maxsize:
             if self._policy is Policy.LATEST:
-                items.clear()
-                self.counters.coalesced += 1
+                self._drop_all()
+                counters.coalesced += 1
             elif self._policy is Policy.COALESCE and key is not None:
                 for i in range(len(items) - 1, -1, -1):
-                    if items[i][0] == key:
-                        items[i] = (key, item)
-                        self.counters.coalesced += 1
+                    old = items[i]
+                    if old[0] == key:
+                        items[i] = (key, item, size)
+                        self._grow(size - old[2])
+                        counters.coalesced += 1
                         return
-                items.popleft()
-                self.counters.dropped += 1
+                self._grow(-items.popleft()[2])
+                counters.dropped += 1
             else:
-                items.popleft()
-                self.counters.dropped += 1
-        items.append((key, item))
+                self._grow(-items.popleft()[2])
+                counters.dropped += 1
+        items.append((key, item, size))
+        self._grow(size)
+        if self.bytes > self._budget.per_mailbox and not self._shrink(key):
+            self.overflow(f"a {self.kind} subscriber of session {self.session!r} fell behind: its queued events "
+                          f"reached {self.bytes} bytes, over the {self._budget.per_mailbox}-byte mailbox budget "
+                          "(--mailbox-bytes); subscribe again and read faster")
+            return
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+
+    def _grow(self, size: int) -> None:
+        self.bytes += size
+        self._budget.total += size
+
+    def _drop_all(self) -> None:
+        self._budget.total -= self.bytes
+        self.bytes = 0
+        self._items.clear()
+
+    def _shrink(self, key: Hashable) -> bool:
+        """What the kind's policy can do before the stream is ended: keep only the newest state
+        (LATEST) or drop older states of the newest event's key (COALESCE). True if now within."""
+        items = self._items
+        if self._policy is Policy.LATEST:
+            newest = items.pop()
+            self._drop_all()
+            items.append(newest)
+            self._grow(newest[2])
+            self.counters.coalesced += 1
+        elif self._policy is Policy.COALESCE and key is not None:
+            newest = items.pop()
+            kept = [entry for entry in items if entry[0] != key]
+            if len(kept) < len(items):
+                self.counters.coalesced += len(items) - len(kept)
+                self._drop_all()
+                for entry in kept:
+                    items.append(entry)
+                    self._grow(entry[2])
+                self._grow(newest[2])
+            items.append(newest)
+        return self.bytes <= self._budget.per_mailbox
+
+    def overflow(self, why: str) -> None:
+        """Ends the stream with RESOURCE_EXHAUSTED: the queued events are freed at once, the reader
+        gets the error at its next read, and a reader stuck elsewhere is interrupted."""
+        if self.failure is not None or self.closed:
+            return
+        self.failure = MailboxOverflow(why)
+        self.counters.overflowed += 1
+        self._drop_all()
+        self.closed = True
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        elif self.owner is not None and not self.owner.done() and self.owner is not _current_task():
+            self.owner.cancel(self.failure)
 
     def close(self) -> None:
         """Ends iteration once the queued events are read; wakes a waiting reader."""
@@ -89,16 +205,34 @@ class Subscription:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def release(self) -> None:
+        """The subscription was removed: its queued events (still readable until the reader is
+        done) no longer count against the bus's budget, which must return to zero with the counts."""
+        self._budget.total -= self.bytes
+        self._budget = Budget(self._budget.per_mailbox, 1 << 62)
+
     def __aiter__(self) -> Subscription:
         return self
 
     async def __anext__(self) -> Any:
         while not self._items:
+            if self.failure is not None:
+                raise self.failure
             if self.closed:
                 raise StopAsyncIteration
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return self._items.popleft()[1]
+        _, item, size = self._items.popleft()
+        self.bytes -= size
+        self._budget.total -= size
+        return item
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:
+        return None
 
 
 class Bus:
@@ -106,9 +240,11 @@ class Bus:
 
     replicated = False  # True when events also reach other replicas (ReplicatedBus)
 
-    def __init__(self, queue_size: int = 256, max_per_session: int = 10_000) -> None:
+    def __init__(self, queue_size: int = 256, max_per_session: int = 10_000, *,
+                 mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024) -> None:
         self.queue_size = queue_size
         self.max_per_session = max_per_session
+        self.budget = Budget(mailbox_bytes, mailboxes_bytes)
         # (session, kind name) -> target -> subscriptions; target "" is "no target".
         self._topics: dict[tuple[str, str], dict[str, set[Subscription]]] = {}
         self._per_session: dict[str, int] = {}
@@ -135,7 +271,9 @@ class Bus:
             c = self.counters[kind] = KindCounters()
         return c
 
-    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None,
+                  owner: asyncio.Task[Any] | None = None) -> Subscription:
+        """A new mailbox on the topic; `owner` is the task streaming it to a client (see Subscription)."""
         if self._closed:
             raise BusClosed("the server is shutting down")
         open_now = self._per_session.get(session, 0)
@@ -144,7 +282,8 @@ class Bus:
                                     f"(limit {self.max_per_session})")
         name = kind.name
         counters = self._counters(name)
-        sub = Subscription(session, name, target, maxsize or self.queue_size, kind.policy, counters)
+        sub = Subscription(session, name, target, maxsize or self.queue_size, kind.policy, counters, self.budget,
+                           owner)
         self._topics.setdefault((session, name), {}).setdefault(target, set()).add(sub)
         self._per_session[session] = open_now + 1
         counters.subscriptions += 1
@@ -153,6 +292,7 @@ class Bus:
     def unsubscribe(self, sub: Subscription) -> None:
         """Removes `sub`; safe to call twice."""
         sub.close()
+        sub.release()
         topic = self._topics.get((sub.session, sub.kind))
         if topic is None:
             return
@@ -192,12 +332,28 @@ class Bus:
         else:
             groups = [s for s in (topic.get(target), topic.get("") if target else None) if s]
         n = 0
+        size = size_of(item)
         for subs in groups:
             for sub in subs:
-                sub.offer(item, key)
+                sub.offer(item, key, size)
             n += len(subs)
         counters.delivered += n
+        if self.budget.total > self.budget.total_limit:
+            self._relieve()
         return n
+
+    def _relieve(self) -> None:
+        """All mailboxes together are over their budget: end the fullest streams until within.
+        Rare (only when many readers stall at once), so a scan of every subscription is fine."""
+        budget = self.budget
+        subs = sorted((sub for topic in self._topics.values() for group in topic.values() for sub in group),
+                      key=lambda sub: sub.bytes, reverse=True)
+        for sub in subs:
+            if budget.total <= budget.total_limit or not sub.bytes:
+                break
+            sub.overflow(f"the server's mailboxes together went over {budget.total_limit} bytes "
+                         f"(--mailboxes-bytes) and this {sub.kind} subscriber of session {sub.session!r} had the "
+                         f"most queued ({sub.bytes} bytes); subscribe again and read faster")
 
     def count(self, kind: Kind | str | None = None, session: str | None = None) -> int:
         """Live subscriptions, optionally of one kind (a record or its name) and/or one session."""

@@ -32,12 +32,17 @@ async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
     setup.serve(extension_ui.add_to(setup.registry, dialogs))
     setup.gauge("uibus_extension_ui_pending_dialogs", "Extension-UI dialogs waiting for an answer", dialogs.count)
     yield
+    await dialogs.aclose()  # before the bus and the store close: the last closed events go out
 
 
 @asynccontextmanager
 async def agents(setup: Setup) -> AsyncIterator[None]:
     """neuro-san's AgentService (per agent and canonical) and ConciergeService."""
-    setup.serve(*agent.add_to(setup.registry, setup.core.chat))
+    chat = setup.core.chat
+    setup.serve(*agent.add_to(setup.registry, chat))
+    setup.counter("uibus_chat_context_dropped_messages_total",
+                  "ChatContext messages dropped (oldest first) to keep a context within --chat-context-bytes",
+                  lambda: chat.context_dropped)
     yield
 
 

@@ -51,7 +51,10 @@ HOST_REQUEST = Kind("host_request", host_pb2.HostRequest, presence=True)
 # request) or by status/widget key (the newest wins).
 EXTENSION_UI = Kind("extension_ui", extension_ui_pb2.ExtensionUiEvent, Policy.COALESCE)
 # An extension-UI answer given on one replica for a dialog held by another, and the verdict back.
-EXT_UI_ANSWER = Kind("ext_ui_answer", extension_ui_pb2.ForwardedAnswer)
+# Presence: a replica listens for answers to a session while it holds (or recently held) dialogs
+# there, so a forwarder knows at once when no replica can give a verdict, and a UI stream knows
+# whether the replica that wrote a waiting dialog to the store is still alive.
+EXT_UI_ANSWER = Kind("ext_ui_answer", extension_ui_pb2.ForwardedAnswer, presence=True)
 EXT_UI_ANSWER_RESULT = Kind("ext_ui_answer_result", extension_ui_pb2.ForwardedAnswerResult)
 # Every entry appended to a session's chat history (a JSON dict), so a side waiting for "the next
 # user message" (CodeBolt's waitforReply) subscribes instead of polling.

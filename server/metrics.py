@@ -15,18 +15,24 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from uibus.bus import Bus
+from uibus.store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _CHAT_SUFFIX = ".AgentService/StreamingChat"
+MAX_METHOD_LABELS = 1000  # distinct `method` label values; uibus serves ~120 methods
+UNKNOWN_METHOD = "unknown"
 
 
 class _BusCollector(Collector):
     def __init__(self, bus: Bus, chat_turns: dict[str, int],
-                 gauges: dict[str, tuple[str, Callable[[], float]]]) -> None:
+                 gauges: dict[str, tuple[str, Callable[[], float]]],
+                 counters: dict[str, tuple[str, Callable[[], float]]], store: Store | None = None) -> None:
         self.bus = bus
+        self.store = store
         self.chat_turns = chat_turns
         self.gauges = gauges
+        self.counters = counters
 
     def collect(self) -> Iterator[Metric]:
         subs = GaugeMetricFamily("uibus_subscriptions", "Live bus subscriptions (open UI streams) per event kind",
@@ -35,40 +41,78 @@ class _BusCollector(Collector):
             ("published", "Events published to the bus"),
             ("delivered", "Event deliveries queued for subscribers"),
             ("dropped", "Events dropped at a full subscriber queue"),
-            ("coalesced", "Queued events replaced by a newer state at a full subscriber queue"))}
+            ("coalesced", "Queued events replaced by a newer state at a full subscriber queue"),
+            ("overflowed", "Streams ended RESOURCE_EXHAUSTED because their queued events went over the mailbox "
+                           "byte budget"))}
         for kind, c in sorted(self.bus.counters.items()):
             subs.add_metric([kind], c.subscriptions)
             for name, fam in fams.items():
                 fam.add_metric([kind], getattr(c, name))
         total = GaugeMetricFamily("uibus_subscriptions_total_open", "Live bus subscriptions, all kinds",
                                   value=self.bus.count())
+        queued = GaugeMetricFamily("uibus_mailbox_bytes", "Bytes of events queued in all subscriber mailboxes",
+                                   value=self.bus.budget.total)
         turns = CounterMetricFamily("uibus_chat_turns", "StreamingChat calls per agent (all transports)",
                                     labels=["agent"])
         for agent, n in sorted(self.chat_turns.items()):
             turns.add_metric([agent], n)
         yield subs
         yield total
+        yield queued
         yield from fams.values()
         yield turns
+        if self.store is not None:  # session retention: what it deleted (counted by the store) and what is kept
+            st = self.store.stats
+            evicted = CounterMetricFamily("uibus_sessions_evicted", "Sessions deleted with all their stored state",
+                                          labels=["reason"])
+            evicted.add_metric(["idle"], st.evicted_idle)
+            evicted.add_metric(["max_sessions"], st.evicted_over_max)
+            yield evicted
+            yield CounterMetricFamily("uibus_history_entries_dropped", "Chat history entries dropped to keep a "
+                                      "session's history within its byte bound", value=st.history_dropped)
+            if st.sessions >= 0:
+                yield GaugeMetricFamily("uibus_sessions_stored", "Sessions in the store (as of the last write or "
+                                        "sweep)", value=st.sessions)
         for name, (help_, read) in sorted(self.gauges.items()):
             yield GaugeMetricFamily(name, help_, value=read())
+        for name, (help_, read) in sorted(self.counters.items()):
+            yield CounterMetricFamily(name, help_, value=read())
+        stats = getattr(self.bus, "stats", None)  # only a ReplicatedBus counts what crossed Redis
+        if stats is not None:
+            for name, (value, help_) in stats.counters().items():
+                yield CounterMetricFamily(f"uibus_replication_{name}", help_, value=value)
+            yield GaugeMetricFamily("uibus_replication_connected", "1 while this replica both receives from and "
+                                    "writes to Redis, else 0", value=float(bool(getattr(self.bus, "connected", 0))))
 
 
 class Metrics:
     """One registry per App (tests run many Apps in one process)."""
 
-    def __init__(self, bus: Bus, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None) -> None:
+    def __init__(self, bus: Bus, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None,
+                 counters: dict[str, tuple[str, Callable[[], float]]] | None = None, *,
+                 store: Store | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.chat_turns: dict[str, int] = {}
         self.rpc = Histogram("uibus_rpc_duration_seconds", "RPC duration (whole stream for streaming calls); "
                              "its _count is the RPC count", ["method", "code", "transport"], buckets=_BUCKETS,
                              registry=self.registry)
         self._children: dict[tuple[str, str, str], Any] = {}
-        self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {}))
+        self._methods: set[str] = set()
+        self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {},
+                                             counters if counters is not None else {}, store))
 
     def observe(self, method: str, code: str, seconds: float, transport: str) -> None:
         key = (method, code, transport)
         child = self._children.get(key)
+        if child is None:
+            # Labels come from what uibus serves (unknown agents already share one name), but a
+            # scrape must stay small whatever callers send: past a bound, new methods share one.
+            self._methods.add(method)
+            if len(self._methods) > MAX_METHOD_LABELS:
+                self._methods.discard(method)
+                method = UNKNOWN_METHOD
+                key = (method, code, transport)
+                child = self._children.get(key)
         if child is None:
             child = self._children[key] = self.rpc.labels(method, code, transport)
         child.observe(seconds)

@@ -14,7 +14,9 @@ The policies, outermost first:
 3. authentication — with a token configured, `authorization: Bearer <token>` (health stays open
    for probes, which send no metadata);
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
-   gets its error's status before the handler runs, with one short log line.
+   gets its error's status before the handler runs, with one short log line;
+5. liveness — a stream that yields `uibus.bus.LIVE` (its subscription is registered) has its
+   response headers sent then, so "headers received" means "subscribed" on every transport.
 
 They run in one wrapper per handler, not one wrapper per policy: on streams every extra wrapper
 layer costs an extra hop per message, which is most of what a delivery costs.
@@ -34,6 +36,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from uibus.bus import LIVE
 from uibus.calls import CallContext, Rejected, decode
 from uibus.errors import UibusError, Unauthenticated
 from uibus.metrics import Metrics
@@ -157,6 +160,13 @@ class Pipeline:
             return code_name(context), None
         if isinstance(exc, UibusError):
             return exc.code, str(exc)
+        if isinstance(exc, asyncio.CancelledError) and exc.args and isinstance(exc.args[0], UibusError):
+            # Interrupted on purpose with a reason (a stalled stream whose mailbox overflowed, see
+            # uibus.bus): the call ends with that reason's status, not as a cancel.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            return exc.args[0].code, str(exc.args[0])
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the client went away, or shutdown
             return "CANCELLED", None
         if isinstance(exc, NotImplementedError):  # a generated servicer's stub
@@ -206,7 +216,14 @@ class Pipeline:
                 code = "OK"
                 try:
                     async with aclosing(behavior(admit(request, context), context)) as messages:
+                        headers = False  # sent: by LIVE, or with the first message
                         async for message in messages:
+                            if message is LIVE:  # subscribed: the headers say so (uibus.bus.LIVE)
+                                if not headers:
+                                    headers = True
+                                    await context.send_initial_metadata(())
+                                continue
+                            headers = True
                             yield message
                     code = code_name(context)
                 except BaseException as exc:

@@ -22,6 +22,9 @@ Why it is shaped like this:
   sends those kinds only when some other replica listens, so a caller told "nobody listens" never
   has its event delivered later. A crashed replica's counts expire after three heartbeats. For
   other kinds the number is local only (the same event may reach more webviews elsewhere).
+  `announced` tells whether one given replica still announces a topic (extension-UI dialogs use
+  it to tell a live holder of a waiting dialog from a crashed one).
+* `stats` counts what crossed Redis; /metrics exports it as `uibus_replication_*_total`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,15 @@ class ReplicationStats:
     unreplicable: int = 0  # items delivered locally only (neither protobuf nor JSON-able)
     outages: int = 0  # times the connection to Redis was lost
 
+    def counters(self) -> dict[str, tuple[int, str]]:
+        """Each counter with its help text, for /metrics (`uibus_replication_<name>_total`)."""
+        return {"sent": (self.sent, "Envelopes this replica wrote to Redis"),
+                "received": (self.received, "Envelopes received from other replicas"),
+                "dropped": (self.dropped, "Envelopes not sent to Redis: outbox full or Redis down"),
+                "bad": (self.bad, "Envelopes received that could not be decoded"),
+                "unreplicable": (self.unreplicable, "Events delivered on this replica only (no wire form)"),
+                "outages": (self.outages, "Times the connection to Redis was lost")}
+
 
 class ReplicatedBus(Bus):
     """A `Bus` whose topics span every replica sharing one Redis."""
@@ -69,8 +81,9 @@ class ReplicatedBus(Bus):
     replicated = True
 
     def __init__(self, redis_url: str, queue_size: int = 256, max_per_session: int = 10_000, *,
-                 channel: str = "uibus:bus", outbox_size: int = 10_000, heartbeat_s: float = 5.0) -> None:
-        super().__init__(queue_size, max_per_session)
+                 channel: str = "uibus:bus", outbox_size: int = 10_000, heartbeat_s: float = 5.0,
+                 mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024) -> None:
+        super().__init__(queue_size, max_per_session, mailbox_bytes=mailbox_bytes, mailboxes_bytes=mailboxes_bytes)
         self.replica_id = uuid.uuid4().hex[:16]
         self.channel = channel
         self.stats = ReplicationStats()
@@ -81,6 +94,7 @@ class ReplicatedBus(Bus):
         self._drained = asyncio.Event()  # set by the writer whenever the outbox is empty
         self._writer_up = True  # optimistic until a write fails, so early publishes are not dropped
         self._listening = asyncio.Event()
+        self._listening_since = 0.0  # monotonic time the current subscription to Redis began
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self._classes: dict[str, type[Message]] = {}
@@ -202,6 +216,7 @@ class ReplicatedBus(Bus):
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
+                self._listening_since = time.monotonic()
                 self._listening.set()
                 backoff = _BACKOFF_MIN_S
                 self._came_back()
@@ -250,8 +265,9 @@ class ReplicatedBus(Bus):
 
     # -- presence: how many subscribers other replicas have -------------------------------------
 
-    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
-        sub = super().subscribe(session, kind, target, maxsize)
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None,
+                  owner: asyncio.Task[Any] | None = None) -> Subscription:
+        sub = super().subscribe(session, kind, target, maxsize, owner)
         if kind.presence:
             self._presence_kinds.add(kind.name)
             self._announce([(session, kind.name)])
@@ -270,6 +286,21 @@ class ReplicatedBus(Bus):
             return 0
         now = time.monotonic()
         return sum(n for n, expires in origins.values() if expires > now)
+
+    def announced(self, origin: str, session: str, kind: Kind) -> bool | None:
+        """Whether replica `origin` has a fresh announcement of a subscriber of (session, kind).
+
+        None when this replica cannot tell: it is not listening to Redis, or has not listened for
+        a whole expiry window (three heartbeats) yet, so silence is not yet evidence of absence.
+        """
+        origins = self._remote.get((session, kind.name))
+        entry = origins.get(origin) if origins else None
+        now = time.monotonic()
+        if entry is not None and entry[0] > 0 and entry[1] > now:
+            return True
+        if not self._listening.is_set() or now - self._listening_since < 3 * self._heartbeat_s:
+            return None
+        return False
 
     def _announce(self, topics: Iterable[tuple[str, str]]) -> None:
         entries = [[s, k, self.count(k, s)] for s, k in topics]

@@ -3,8 +3,19 @@
 Layout, for a session `s` (percent-quoted so it contains no ':' or braces):
   `uibus:{s}:kv`          hash: store key -> JSON value
   `uibus:{s}:list:<key>`  list of JSON values, oldest first, trimmed to the newest `max_len`
-The `{s}` braces are a Redis Cluster hash tag: all keys of one session live in one slot, so a
-multi-key operation on a session stays legal on a cluster. No operation uses KEYS.
+  `uibus:{s}:lists`       hash: list key -> byte total of that list (every list of the session)
+  `uibus:sessions`        sorted set: session `s` -> last write (ms since the epoch)
+The `{s}` braces are a Redis Cluster hash tag: all keys of one session live in one slot. No
+operation uses KEYS or SCAN: eviction finds a session's lists in its `lists` hash.
+
+Retention runs in Lua scripts, so each step is atomic on the server: a write stamps the session
+in the index in the same MULTI (or script); eviction pops the longest idle from the index and
+deletes their keys in one script, so with several replicas each session is evicted, and
+counted, by exactly one of them, and concurrent evictions never go below the bound. The index is
+one key and the eviction script derives the keys of the sessions it deletes, which a single
+Redis (what `make_client` connects to) allows; a Redis Cluster would need a per-slot index.
+Data of an earlier version joins the index at its session's next write, and a list of it joins
+its session's `lists` hash (so eviction deletes it) at its next append.
 """
 
 from __future__ import annotations
@@ -17,9 +28,111 @@ from urllib.parse import quote
 
 from uibus.errors import StoreUnavailable
 from uibus.redis_conn import OUTAGE_ERRORS, make_client
-from uibus.store import Store
+from uibus.store import EVICT_BATCH, Store, now_ms
 
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+# Deletes every key of session member `m` (its values, each list named in its `lists` hash).
+_DROP = """
+local function drop(ns, m)
+  local base = ns .. ':{' .. m .. '}'
+  for _, k in ipairs(redis.call('HKEYS', base .. ':lists')) do
+    redis.call('DEL', base .. ':list:' .. k)
+  end
+  redis.call('DEL', base .. ':kv', base .. ':lists')
+end
+"""
+
+# Deletes the longest idle sessions (never `keep`; false = none) while more than `max` are indexed, at most
+# `batch`; returns how many. Atomic with the write that called it, so replicas never over-evict.
+_EVICT_OVER = _DROP + """
+local function evict_over(index, ns, max, batch, keep)
+  local over = math.min(redis.call('ZCARD', index) - max, batch)
+  local n = 0
+  if over > 0 then
+    for _, m in ipairs(redis.call('ZRANGE', index, 0, over)) do
+      if n == over then break end
+      if m ~= keep then
+        drop(ns, m)
+        redis.call('ZREM', index, m)
+        n = n + 1
+      end
+    end
+  end
+  return n
+end
+"""
+
+# KEYS: index. ARGV: namespace, max_sessions, batch. Returns {deleted, sessions left}.
+_EVICT_OVER_MAX = _EVICT_OVER + """
+return {evict_over(KEYS[1], ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), false), redis.call('ZCARD', KEYS[1])}
+"""
+
+# KEYS: the session's kv hash, index. ARGV: key, JSON value ('' deletes), now, member, namespace,
+# max_sessions, batch. The write, its stamp and (for a new session) making room, in one step.
+# Returns {sessions evicted, sessions stored}.
+_PUT = _EVICT_OVER + """
+local evicted = 0
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[3], ARGV[4])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  if redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4]) == 1 and tonumber(ARGV[6]) > 0 then
+    evicted = evict_over(KEYS[2], ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[4])
+  end
+end
+return {evicted, redis.call('ZCARD', KEYS[2])}
+"""
+
+# KEYS: index. ARGV: namespace, cutoff (ms), batch.
+# Deletes up to `batch` sessions last written before the cutoff; returns {deleted, sessions left}.
+_EVICT_IDLE = _DROP + """
+local victims = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[2], 'LIMIT', 0, tonumber(ARGV[3]))
+for _, m in ipairs(victims) do
+  drop(ARGV[1], m)
+  redis.call('ZREM', KEYS[1], m)
+end
+return {#victims, redis.call('ZCARD', KEYS[1])}
+"""
+
+# KEYS: list, the session's lists hash, index. ARGV: JSON value, max_len, max_bytes, list key, now,
+# member, namespace, max_sessions, batch. RPUSH, keep the byte total in the lists hash, drop the
+# oldest over max_len (LTRIM) and, with max_bytes > 0, while over max_bytes (LPOP, never the item
+# just pushed); stamp the session and, if it is new, make room.
+# Returns {entries dropped for bytes, sessions evicted, sessions stored}.
+_APPEND = _EVICT_OVER + """
+local max_len, max_bytes = tonumber(ARGV[2]), tonumber(ARGV[3])
+local dropped = 0
+if max_len <= 0 then
+  redis.call('DEL', KEYS[1])
+  redis.call('HDEL', KEYS[2], ARGV[4])
+else
+  local total = tonumber(redis.call('HGET', KEYS[2], ARGV[4]))
+  if not total then
+    total = 0
+    for _, v in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do total = total + #v end
+  end
+  local n = redis.call('RPUSH', KEYS[1], ARGV[1])
+  total = total + #ARGV[1]
+  if n > max_len then
+    for _, v in ipairs(redis.call('LRANGE', KEYS[1], 0, n - max_len - 1)) do total = total - #v end
+    redis.call('LTRIM', KEYS[1], n - max_len, -1)
+    n = max_len
+  end
+  while max_bytes > 0 and total > max_bytes and n > 1 do
+    total = total - #redis.call('LPOP', KEYS[1])
+    n = n - 1
+    dropped = dropped + 1
+  end
+  redis.call('HSET', KEYS[2], ARGV[4], total)
+end
+local evicted = 0
+if redis.call('ZADD', KEYS[3], ARGV[5], ARGV[6]) == 1 and tonumber(ARGV[8]) > 0 then
+  evicted = evict_over(KEYS[3], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[6])
+end
+return {dropped, evicted, redis.call('ZCARD', KEYS[3])}
+"""
 
 
 @contextlib.contextmanager
@@ -38,13 +151,68 @@ def _dumps(value: Any) -> bytes:
 class RedisStore(Store):
     """Same semantics as SqliteStore; one client (and its pool) for the life of the store."""
 
-    def __init__(self, url: str, namespace: str = "uibus") -> None:
+    def __init__(self, url: str, namespace: str = "uibus", *, ttl_s: float = 0, max_sessions: int = 0,
+                 sweep_s: float | None = None) -> None:
+        super().__init__(ttl_s=ttl_s, max_sessions=max_sessions, sweep_s=sweep_s)
         self.url = url
         self.namespace = namespace
         self._redis = make_client(url, f"{namespace}-store")
+        self._index = f"{namespace}:sessions"
+        self._put = self._redis.register_script(_PUT)
+        self._append = self._redis.register_script(_APPEND)
+        self._evict_over_max_script = self._redis.register_script(_EVICT_OVER_MAX)
+        self._evict_idle_script = self._redis.register_script(_EVICT_IDLE)
+
+    @staticmethod
+    def _member(session: str) -> str:
+        """The session as it appears in key names and in the index."""
+        return quote(session, safe="")
 
     def _base(self, session: str) -> str:
-        return f"{self.namespace}:{{{quote(session, safe='')}}}"
+        return f"{self.namespace}:{{{self._member(session)}}}"
+
+    def _lists(self, session: str) -> str:
+        return self._base(session) + ":lists"
+
+    def _stamp(self, pipe: Any, session: str, create: bool) -> None:
+        """Queues the session's activity stamp and the count after the write in `pipe` (a MULTI);
+        a delete (`create` False) only refreshes a session that exists."""
+        pipe.zadd(self._index, {self._member(session): now_ms()}, xx=not create)
+        pipe.zcard(self._index)
+
+    def _retention_args(self, session: str) -> list[Any]:
+        """The trailing ARGV of the write scripts: stamp, member, and what making room needs."""
+        return [now_ms(), self._member(session), self.namespace, self.max_sessions, EVICT_BATCH]
+
+    def _counted(self, evicted: int, sessions: int) -> None:
+        self.stats.evicted_over_max += int(evicted)
+        self.stats.sessions = int(sessions)
+
+    async def _evict_over_max(self) -> int:
+        n, left = await self._evict_over_max_script(keys=[self._index],
+                                                    args=[self.namespace, self.max_sessions, EVICT_BATCH])
+        self._counted(n, left)
+        return int(n)
+
+    async def sweep(self) -> int:
+        evicted = 0
+        with _reachable():
+            if self.ttl_s > 0:
+                cutoff = now_ms() - self.ttl_s * 1000
+                while True:
+                    n, left = await self._evict_idle_script(keys=[self._index],
+                                                            args=[self.namespace, cutoff, EVICT_BATCH])
+                    evicted += int(n)
+                    self.stats.evicted_idle += int(n)
+                    self.stats.sessions = int(left)
+                    if n < EVICT_BATCH:
+                        break
+            if self.max_sessions:
+                while await self._evict_over_max() == EVICT_BATCH:
+                    pass
+            else:
+                self.stats.sessions = int(await self._redis.zcard(self._index))
+        return evicted
 
     def _kv(self, session: str) -> str:
         return self._base(session) + ":kv"
@@ -58,11 +226,12 @@ class RedisStore(Store):
             return json.loads(raw) if raw is not None else None
 
     async def put(self, session: str, key: str, value: Any | None) -> None:
+        """One script: the write, the session's stamp and, for a new session, making room."""
         with _reachable():
-            if value is None:
-                await self._redis.hdel(self._kv(session), key)
-            else:
-                await self._redis.hset(self._kv(session), key, _dumps(value))
+            evicted, sessions = await self._put(keys=[self._kv(session), self._index],
+                                                args=[key, b"" if value is None else _dumps(value),
+                                                      *self._retention_args(session)])
+            self._counted(evicted, sessions)
 
     async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
         """Optimistic transaction: WATCH the session's hash, read, MULTI/EXEC the write; when
@@ -79,9 +248,13 @@ class RedisStore(Store):
                 pipe.hdel(name, key)
             else:
                 pipe.hset(name, key, _dumps(value))
+            self._stamp(pipe, session, create=value is not None)
 
         with _reachable():
-            await self._redis.transaction(attempt, name)
+            _, created, sessions = await self._redis.transaction(attempt, name)
+            self.stats.sessions = int(sessions)
+            if created and self.max_sessions and sessions > self.max_sessions:
+                await self._evict_over_max()  # the new session is the newest: never the one evicted
         return result[0]
 
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
@@ -95,17 +268,15 @@ class RedisStore(Store):
                     found[name] = json.loads(raw)
             return dict(sorted(found.items()))
 
-    async def append(self, session: str, key: str, value: Any, max_len: int = 10_000) -> None:
-        """RPUSH and LTRIM in one MULTI/EXEC, so readers never see the list over its bound."""
+    async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
+        """One script (push, both bounds, the byte total, the stamp), so readers never see the
+        list over its bounds and concurrent appends never lose a byte of the total."""
         with _reachable():
-            name = self._list(session, key)
-            if max_len <= 0:  # as SqliteStore: a bound of 0 keeps nothing
-                await self._redis.delete(name)
-                return
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.rpush(name, _dumps(value))
-                pipe.ltrim(name, -max_len, -1)
-                await pipe.execute()
+            dropped, evicted, sessions = await self._append(
+                keys=[self._list(session, key), self._lists(session), self._index],
+                args=[_dumps(value), max_len, max_bytes, key, *self._retention_args(session)])
+            self.stats.history_dropped += int(dropped)
+            self._counted(evicted, sessions)
 
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         with _reachable():
@@ -113,4 +284,5 @@ class RedisStore(Store):
             return [json.loads(v) for v in await self._redis.lrange(self._list(session, key), start, -1)]
 
     async def close(self) -> None:
+        await super().close()
         await self._redis.aclose()

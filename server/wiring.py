@@ -114,6 +114,7 @@ class Setup:
     pipeline: Pipeline
     mounts: dict[str, Any] = field(default_factory=dict)  # ASGI apps on the HTTP port, by path prefix
     gauges: Gauges = field(default_factory=dict)
+    counters: Gauges = field(default_factory=dict)
     shutdown_hooks: list[Callable[[], None]] = field(default_factory=list)
     service_names: list[str] = field(default_factory=list)
     provided: dict[AppKey[Any], Any] = field(default_factory=dict)
@@ -129,6 +130,11 @@ class Setup:
     def gauge(self, name: str, help_: str, read: Callable[[], float]) -> None:
         """A gauge on /metrics, read at scrape time."""
         self.gauges[name] = (help_, read)
+
+    def counter(self, name: str, help_: str, read: Callable[[], float]) -> None:
+        """A counter on /metrics (`name` ends in `_total`), read at scrape time from a plain int the
+        owner increments: nothing runs per event."""
+        self.counters[name] = (help_, read)
 
     def on_shutdown(self, hook: Callable[[], None]) -> None:
         """Runs `hook` when shutdown begins (health NOT_SERVING, after the drain), so long calls

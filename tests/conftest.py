@@ -187,6 +187,15 @@ async def next_message(stream: Any, timeout: float = 2.0) -> Any:
     return await asyncio.wait_for(stream.read(), timeout)
 
 
+def subscriber(target: str, session: str, n: int, *, read: bool = True) -> subprocess.Popen[bytes]:
+    """tests/scripts/subscriber.py in its own process: prints "live" once its `n` streams are
+    subscribed; kill it for a real disconnect, SIGSTOP it for a frozen client."""
+    args = [sys.executable, str(Path(__file__).parent / "scripts" / "subscriber.py"), target, session, str(n)]
+    if not read:
+        args.append("--no-read")
+    return subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+
+
 class ServerProcess:
     """`python -m uibus serve` in its own process, as an operator would run it."""
 

@@ -64,9 +64,9 @@ class FaultyStore(SqliteStore):
         self._check(session)
         return await super().scan(session, prefix)
 
-    async def append(self, session: str, key: str, value: Any, max_len: int = 10_000) -> None:
+    async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
         self._check(session)
-        await super().append(session, key, value, max_len)
+        await super().append(session, key, value, max_len, max_bytes)
 
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         self._check(session)

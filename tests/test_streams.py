@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from tests.conftest import Reader, next_message, replace, wait_for
+from tests.conftest import Reader, next_message, replace, subscriber, wait_for
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -20,17 +20,24 @@ EMPTY_REQ = common_pb2.EmptyRequest()
 
 async def test_200_subscribers_cancel_or_disconnect_and_counts_return_to_zero(app, connect):
     cancelling = connect("many")
-    channels = [connect("many") for _ in range(4)]
-    calls = []
-    for i in range(100):
-        calls.append(cancelling.ui.subscribeToPartialMessage(EMPTY_REQ))
-        calls.append(channels[i % 4].ui.subscribeToAddToInput(EMPTY_REQ))
-    await wait_for(lambda: app.bus.count(session="many") == 200, timeout=10, what="200 subscriptions")
-    assert app.bus.count("partial_message") == 100 and app.bus.count("add_to_input") == 100
-    for call in calls[::2]:
-        call.cancel()  # client cancel
-    for ch in channels:
-        await ch.close()  # disconnect
+    calls = [cancelling.ui.subscribeToPartialMessage(EMPTY_REQ) for _ in range(100)]
+    # The other 100 live in client processes that are killed: a real disconnect. (Closing a
+    # grpc.aio channel does not cancel a stream nobody is awaiting — grpc/grpc#32005 — so the
+    # server would rightly keep it: its connection is still open.)
+    clients = [subscriber(f"127.0.0.1:{app.port}", "many", 25) for _ in range(4)]
+    try:
+        for client in clients:
+            assert await asyncio.to_thread(client.stdout.readline) == b"live\n"
+        await wait_for(lambda: app.bus.count(session="many") == 200, timeout=10, what="200 subscriptions")
+        assert app.bus.count("partial_message") == 100 and app.bus.count("add_to_input") == 100
+        for call in calls:
+            call.cancel()  # client cancel
+        for client in clients:
+            client.kill()  # disconnect
+    finally:
+        for client in clients:
+            client.kill()
+            client.wait()
     took = await wait_for(lambda: app.bus.count() == 0, timeout=1.0, what="all subscriptions gone")
     assert app.bus.count("partial_message") == 0 and app.bus.count("add_to_input") == 0
     assert app.bus.subscriptions("many", "partial_message") == []

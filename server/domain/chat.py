@@ -30,7 +30,7 @@ from uibus.agents import AgentSpec, Backend, Final, Turn
 from uibus.agents.config import AgentTable
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
-from uibus.errors import InvalidArgument, Unimplemented
+from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
 
@@ -38,6 +38,7 @@ log = logging.getLogger("uibus.chat")
 
 PARTIAL_INTERVAL_S = 0.05
 MAX_CONTEXT_MESSAGES = 200  # per agent history kept in the stored/returned ChatContext
+ECHO_BYTES = 64 * 1024  # a bigger request is echoed in MAXIMAL responses without its context and sly_data
 _MAXIMAL = agent_pb2.MAXIMAL
 _AI = chat_pb2.ChatMessage.AI
 _HUMAN = chat_pb2.ChatMessage.HUMAN
@@ -97,6 +98,69 @@ def next_context(ctx: chat_pb2.ChatContext, agent: str, question: str, answer: s
     return new
 
 
+def fit_context(ctx: chat_pb2.ChatContext, agent: str, budget: int) -> int:
+    """Drops the oldest messages of `ctx` (in place) until it serializes to at most `budget`
+    bytes; returns how many were dropped.
+
+    Other agents' histories go first (oldest first), the conversation with `agent` last, so what
+    the next turn continues from is kept longest. Sizes are summed per message (one ByteSize each),
+    not recomputed per drop, and checked exactly at the end.
+    """
+    dropped = 0
+    while (size := ctx.ByteSize()) > budget:
+        own = agent_history(ctx, agent)
+        order = [h for h in ctx.chat_histories if h is not own] + ([own] if own is not None else [])
+        over = size - budget
+        for history in order:
+            n = 0
+            for message in history.messages:
+                if over <= 0:
+                    break
+                over -= message.ByteSize() + 3  # the field's tag and length prefix
+                n += 1
+            if n:
+                del history.messages[:n]
+                dropped += n
+            if over <= 0:
+                break
+        for i in range(len(ctx.chat_histories) - 1, -1, -1):
+            if not ctx.chat_histories[i].messages:
+                del ctx.chat_histories[i]
+        if not any(h.messages for h in ctx.chat_histories) and ctx.ByteSize() > budget:
+            ctx.Clear()  # only origins/metadata left and still over: nothing worth keeping
+    return dropped
+
+
+def short_echo(request: agent_pb2.ChatRequest) -> agent_pb2.ChatRequest:
+    """What MAXIMAL responses echo of a big request: every one of them carries it, so a request
+    near the message limit would make each response unsendable. The echo keeps the user message
+    (cut to ECHO_BYTES) and the filter, and leaves out chat_context and sly_data."""
+    echo = agent_pb2.ChatRequest()
+    echo.CopyFrom(request)
+    echo.ClearField("chat_context")
+    echo.ClearField("sly_data")
+    text = echo.user_message.text.encode()
+    if len(text) > ECHO_BYTES:
+        echo.user_message.text = text[:ECHO_BYTES].decode(errors="ignore")
+    return echo
+
+
+def _fit_reply(response: agent_pb2.ChatResponse, limit: int) -> None:
+    """Makes the final response fit the send limit: the echoed request loses its context first,
+    then the answer text is cut (said in the text) — a reply that cannot be sent helps nobody."""
+    over = response.ByteSize() - limit
+    if over <= 0:
+        return
+    if response.HasField("request") and response.request.HasField("chat_context"):
+        response.request.ClearField("chat_context")
+        over = response.ByteSize() - limit
+    if over > 0:
+        text = response.response.text.encode()
+        note = f"\n[uibus: answer cut by {over + 200} bytes to fit the {limit}-byte message limit]"
+        keep = max(0, len(text) - over - 200)
+        response.response.text = text[:keep].decode(errors="ignore") + note
+
+
 def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
     s = struct_pb2.Struct()
     s.update(value)
@@ -104,10 +168,16 @@ def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Chat:
-    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed) -> None:
+    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, *,
+                 context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
+        """`context_bytes` bounds each (session, agent) ChatContext, stored and returned;
+        `send_limit` is the largest message the transports send (the final reply is fitted to it)."""
         self.agents = agents
         self.history = history
         self.feed = feed
+        self.context_bytes = context_bytes
+        self.send_limit = send_limit
+        self.context_dropped = 0  # ChatContext messages dropped to keep contexts within budget
         self.directory = concierge_pb2.ConciergeResponse(agents=[
             concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
             for s in agents.specs.values()])
@@ -166,12 +236,23 @@ class Chat:
         if not text:
             yield agent_pb2.ChatResponse()
             return
+        budget = self.context_bytes
+        size = len(text.encode())
+        if size + 16 > budget:
+            raise ResourceExhausted(
+                f"user_message.text is {size} bytes; a chat context holds at most {budget} bytes per "
+                f"(session, agent) (--chat-context-bytes), so this turn could never be kept: send less")
         maximal = request.chat_filter.chat_filter_type == _MAXIMAL
         history = self.history
-        if request.HasField("chat_context"):
+        own_context = request.HasField("chat_context")
+        if own_context:
             ctx = request.chat_context
         else:
             ctx = await history.load_context(session, agent)
+        echo = request
+        if maximal and request.ByteSize() > ECHO_BYTES:
+            echo = short_echo(request)
+        piece_chars = self.send_limit // 8  # a UTF-8 character is at most 4 bytes: half the limit
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
@@ -190,8 +271,9 @@ class Chat:
                     if type(piece) is str:
                         parts.append(piece)
                         if maximal:
-                            yield agent_pb2.ChatResponse(
-                                request=request, response=chat_pb2.ChatMessage(type=_AI, text=piece, origin=origin))
+                            for start in range(0, len(piece), piece_chars) if len(piece) > piece_chars else (0,):
+                                yield agent_pb2.ChatResponse(request=echo, response=chat_pb2.ChatMessage(
+                                    type=_AI, text=piece[start:start + piece_chars], origin=origin))
                         now = time.monotonic()
                         if now - published_at >= PARTIAL_INTERVAL_S:
                             published_at = now
@@ -201,7 +283,7 @@ class Chat:
                     elif maximal:
                         if not piece.origin:
                             piece.origin.extend(origin)
-                        yield agent_pb2.ChatResponse(request=request, response=piece)
+                        yield agent_pb2.ChatResponse(request=echo, response=piece)
         except Exception as exc:  # an agent failure is an answer, not a call error (neuro-san does the same)
             error = f"Error from {agent}: {exc}"
             log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": str(exc)}})
@@ -223,10 +305,44 @@ class Chat:
             new_ctx, returned_sly = next_context(ctx, agent, text, answer), None
         feed.say(session, answer, ui_pb2.TEXT, ts=ts)
         if not error:
-            await history.save_context(session, agent, new_ctx)
+            new_ctx = await self._keep(session, agent, ctx, new_ctx, own_context, text, answer)
         await history.append(session, "assistant", answer, agent=agent, source=SOURCE, error=bool(error))
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if returned_sly:
             message.sly_data.update(returned_sly)
-        yield agent_pb2.ChatResponse(request=request, response=message) if maximal \
+        reply = agent_pb2.ChatResponse(request=echo, response=message) if maximal \
             else agent_pb2.ChatResponse(response=message)
+        _fit_reply(reply, self.send_limit)
+        yield reply
+
+    async def _keep(self, session: str, agent: str, loaded: chat_pb2.ChatContext, new_ctx: chat_pb2.ChatContext,
+                    own_context: bool, question: str, answer: str) -> chat_pb2.ChatContext:
+        """Stores the turn's context within budget; returns what the reply carries.
+
+        A client that sent its own context manages its conversation: what this turn made of it is
+        stored as it is. Otherwise the turn is merged into the *current* stored context in one
+        store transaction: when another turn of the same (session, agent) finished meanwhile, this
+        turn's question and answer are added after it rather than overwriting it, so N parallel
+        turns leave all N in the context (on one process or many replicas alike).
+        """
+        budget = self.context_bytes
+        dropped = [0]
+
+        def fitted(ctx: chat_pb2.ChatContext) -> chat_pb2.ChatContext:
+            dropped[0] = fit_context(ctx, agent, budget)
+            return ctx
+
+        if own_context:
+            result = fitted(new_ctx)
+            await self.history.save_context(session, agent, result)
+        else:
+            def change(current: chat_pb2.ChatContext) -> chat_pb2.ChatContext:
+                if current == loaded:  # nobody wrote meanwhile: the backend's own context stands
+                    base = chat_pb2.ChatContext()
+                    base.CopyFrom(new_ctx)
+                    return fitted(base)
+                return fitted(next_context(current, agent, question, answer))
+
+            result = await self.history.update_context(session, agent, change)
+        self.context_dropped += dropped[0]
+        return result

@@ -30,9 +30,10 @@ class Core:
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
         clock = TsClock()
         feed = UiFeed(bus, store, clock)
-        history = ChatHistory(store, bus)
+        history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
-                   chat=Chat(agents, history, feed), dialogs=Dialogs(bus, store, config.queue_size))
+                   chat=Chat(agents, history, feed, context_bytes=config.chat_context_bytes,
+                             send_limit=config.max_message_bytes), dialogs=Dialogs(bus, store, config.queue_size))
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

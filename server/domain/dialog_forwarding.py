@@ -3,10 +3,20 @@
 A dialog lives in the replica its agent called, but with a Redis bus its request reaches UIs on
 every replica, so an answer can arrive anywhere. A replica that does not know the dialog id
 forwards the answer over the bus (kind EXT_UI_ANSWER) and waits briefly for the verdict (kind
-EXT_UI_ANSWER_RESULT, targeted at the answer's id); the replica holding the dialog listens on its
-session's answers only while it has dialogs waiting there, applies the answer exactly as a local
-answer would be applied, and replies. Replicas that do not hold the dialog stay silent, so no
-reply in time means no replica has it open.
+EXT_UI_ANSWER_RESULT, targeted at the answer's id); the replica holding the dialog applies the
+answer exactly as a local answer would be applied, and replies with its verdict. Every other
+listening replica replies "not here", so the forwarder knows when nobody holds it.
+
+A replica listens to a session's forwarded answers from before its first dialog there is
+published until `LINGER_S` after its last one there closed. The linger is what lets the loser of
+a race get its verdict: two UIs on two replicas answer at once, the holder takes the first and
+closes the dialog, and the second answer, still crossing Redis, must find the holder listening
+to be told "already answered" (FAILED_PRECONDITION) from its memory of closed dialogs, rather
+than wait out `WAIT_S` for a reply that never comes. EXT_UI_ANSWER is a presence kind, so a
+forwarder knows whether any other replica listens to the session at all: when none does, the
+answer is unknown everywhere and NOT_FOUND is immediate; else it waits for the holder's verdict
+or for every listener's "not here". `WAIT_S` only bounds the wait for a replica that died with
+its presence not yet expired.
 """
 
 from __future__ import annotations
@@ -22,7 +32,10 @@ from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.errors import STATUS_NUMBERS, UibusError, error_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
-WAIT_S = 2.0
+WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
+LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed
+# A listener's reply "I do not hold it": NOT_FOUND with no details (a verdict always has details).
+_NOT_HERE = STATUS_NUMBERS["NOT_FOUND"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +47,25 @@ class Verdict:
 
 
 class AnswerForwarding:
-    def __init__(self, bus: Bus, answer: Callable[[str, pb.RespondRequest], Verdict]) -> None:
+    """Serves the answers other replicas forward to the dialogs held here, and forwards the answers
+    given here to dialogs held elsewhere."""
+
+    def __init__(self, bus: Bus, answer: Callable[[str, pb.RespondRequest], Verdict],
+                 linger_s: float = LINGER_S) -> None:
         self.bus = bus
         self._answer = answer
+        self.linger_s = linger_s
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
+        self._holds: dict[str, int] = {}  # session -> dialogs being asked here (from hold to release)
+        self._lingering: dict[str, asyncio.TimerHandle] = {}  # session -> when its listener goes
 
     def hold(self, session: str) -> None:
-        """Listens for answers forwarded to `session` (call when a dialog opens here)."""
+        """Listens for answers forwarded to `session`; call before the dialog is published, so the
+        presence announcement reaches the other replicas ahead of the dialog itself."""
+        self._holds[session] = self._holds.get(session, 0) + 1
+        timer = self._lingering.pop(session, None)
+        if timer is not None:
+            timer.cancel()
         if session in self._listeners:
             return
         try:
@@ -49,34 +74,75 @@ class AnswerForwarding:
             return  # local answers still work; remote ones get NOT_FOUND
         self._listeners[session] = (sub, asyncio.ensure_future(self._serve(session, sub)))
 
-    def release(self, session: str, still_open: int) -> None:
-        """Stops listening once the session has no dialog waiting here."""
-        if still_open == 0 and session in self._listeners:
-            sub, _task = self._listeners.pop(session)
-            self.bus.unsubscribe(sub)  # ends _serve's loop
+    def release(self, session: str) -> None:
+        """Ends one `hold`; the last one leaves the listener up for `linger_s` more (see above)."""
+        left = self._holds.get(session, 0) - 1
+        if left > 0:
+            self._holds[session] = left
+            return
+        self._holds.pop(session, None)
+        if session in self._listeners and session not in self._lingering:
+            self._lingering[session] = asyncio.get_running_loop().call_later(self.linger_s, self._drop, session)
+
+    def _drop(self, session: str) -> None:
+        self._lingering.pop(session, None)
+        if self._holds.get(session):
+            return
+        listener = self._listeners.pop(session, None)
+        if listener is not None:
+            self.bus.unsubscribe(listener[0])  # ends _serve's loop
+
+    def close(self) -> None:
+        """Stops every listener and linger timer (shutdown)."""
+        for timer in self._lingering.values():
+            timer.cancel()
+        self._lingering.clear()
+        self._holds.clear()
+        for sub, _task in self._listeners.values():
+            self.bus.unsubscribe(sub)
+        self._listeners.clear()
 
     async def _serve(self, session: str, sub: Subscription) -> None:
-        async for fwd in sub:
-            verdict = self._answer(session, fwd.answer)
-            if verdict.unknown:
-                continue  # not ours: the replica holding it replies
-            error = verdict.error
-            self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
-                answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
-                details=str(error) if error else ""), target=fwd.answer_id)
+        try:
+            async for fwd in sub:
+                verdict = self._answer(session, fwd.answer)
+                if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
+                    self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
+                        answer_id=fwd.answer_id, code=_NOT_HERE), target=fwd.answer_id)
+                    continue
+                error = verdict.error
+                self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
+                    answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
+                    details=str(error) if error else ""), target=fwd.answer_id)
+        except UibusError:  # the mailbox overflowed: stop listening, so forwarders learn it at once
+            pass
+        finally:
+            listener = self._listeners.get(session)
+            if listener is not None and listener[0] is sub:
+                del self._listeners[session]
+                self.bus.unsubscribe(sub)
 
     async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict) -> Verdict:
         """Asks the other replicas to apply `request`; `not_found` when none holds the dialog."""
         answer_id = uuid.uuid4().hex
         try:
-            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER_RESULT, answer_id, maxsize=1)
+            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER_RESULT, answer_id)
         except (SubscriptionLimit, BusClosed):
             return not_found
         try:
-            self.bus.publish(session, kinds.EXT_UI_ANSWER, pb.ForwardedAnswer(answer_id=answer_id, answer=request))
+            # Every listener replies once, this replica's own included (it hears its own forward).
+            reached = self.bus.publish(session, kinds.EXT_UI_ANSWER,
+                                       pb.ForwardedAnswer(answer_id=answer_id, answer=request))
+            if reached <= self.bus.count(kinds.EXT_UI_ANSWER, session):
+                return not_found  # only this replica's own listener (if any): no other replica can know it
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(WAIT_S):
                     async for result in sub:
+                        if result.code == _NOT_HERE and not result.details:
+                            reached -= 1
+                            if reached <= 0:
+                                break  # every listener said it does not know the dialog
+                            continue
                         return Verdict(error_of(result.code, result.details) if result.code else None)
         finally:
             self.bus.unsubscribe(sub)

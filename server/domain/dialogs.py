@@ -13,6 +13,13 @@ only a bounded memory of recently closed ids stays, so a late answer can be told
 answered" apart from "unknown". Requests and closed events reach the UIs through the bus (kind
 EXTENSION_UI); status, widgets and title are written to the store before they are published, so
 a UI that subscribes later starts from the current state.
+
+With Redis (several replicas) a dialog lives in the replica its agent called: answers given on
+other replicas are forwarded to it (uibus.domain.dialog_forwarding), and it also writes each
+waiting dialog to the shared store, so a UI subscribing on any replica replays every waiting
+dialog of the session, whichever replica holds it (uibus.domain.dialog_sharing). There the
+dialog's entry is written between `prepare` and `open`, and its closed event is published once
+the entry is removed.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from uibus import kinds
 from uibus.bus import Bus
 from uibus.domain import dialog_checks as checks
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
+from uibus.domain.dialog_sharing import SharedDialogs
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Store
@@ -45,7 +53,9 @@ MAX_STATE_KEYS = 256  # status entries and widgets per session
 # pending dialog of a session (request + closed) with room to spare, and at the bound a closed
 # event replaces its own request and a newer status replaces an older one of the same key.
 UI_QUEUE = 1024
-PREFIX = "extui/"  # store keys: extui/title, extui/status/<key>, extui/widget/<key>
+# Store keys: extui/title, extui/status/<key>, extui/widget/<key>, and with Redis the waiting
+# dialogs, extui/pending/<id> (uibus.domain.dialog_sharing): one scan of PREFIX reads them all.
+PREFIX = "extui/"
 STATUS = PREFIX + "status/"
 WIDGET = PREFIX + "widget/"
 TITLE = PREFIX + "title"
@@ -88,13 +98,16 @@ class Dialog:
     future: asyncio.Future[Answer]
     options: frozenset[str] | None = None  # select only: the answers a UI may give
     timer: asyncio.TimerHandle | None = None
+    timeout_ms: int = 0
 
 
 class PendingDialogs:
     """The open dialogs of every session, and a bounded memory of closed ones."""
 
-    def __init__(self, bus: Bus, max_per_session: int = MAX_PENDING_PER_SESSION, remember: int = 4096) -> None:
+    def __init__(self, bus: Bus, max_per_session: int = MAX_PENDING_PER_SESSION, remember: int = 4096,
+                 shared: SharedDialogs | None = None) -> None:
         self.bus = bus
+        self.shared = shared  # with Redis: closing removes the dialog's store entry before telling UIs
         self.max_per_session = max_per_session
         self._remember = remember
         self._open: dict[str, Dialog] = {}
@@ -107,30 +120,37 @@ class PendingDialogs:
             return len(self._open)
         return len(self._by_session.get(session, ()))
 
-    def open(self, session: str, method: str, payload: Any, timeout_ms: int = 0,
-             options: frozenset[str] | None = None) -> Dialog:
-        """Registers a dialog, arms its timer and publishes it to the session's UIs."""
+    def _admit(self, session: str) -> None:
         if self.closing:
             raise ShuttingDown("the server is shutting down")
         waiting = self._by_session.get(session)
         if waiting is not None and len(waiting) >= self.max_per_session:
             raise TooManyDialogs(f"session {session!r} already has {len(waiting)} dialogs waiting for an "
                                  f"answer (limit {self.max_per_session})")
-        loop = asyncio.get_running_loop()
+
+    def prepare(self, session: str, method: str, payload: Any, timeout_ms: int = 0,
+                options: frozenset[str] | None = None) -> Dialog:
+        """A new dialog with its id and request, checked against the limits but not yet waiting."""
+        self._admit(session)
         dialog_id = str(uuid.uuid4())
         now_ms = int(time.time() * 1000)
         request = pb.ExtensionUiRequest(id=dialog_id, ts=now_ms,
                                         expires_at_ms=now_ms + timeout_ms if timeout_ms else 0,
                                         **{method: payload})
-        dialog = Dialog(dialog_id, session, method, request, loop.create_future(), options)
-        if timeout_ms:
-            dialog.timer = loop.call_later(timeout_ms / 1000, self.close, dialog, TIMED_OUT)
-        self._open[dialog_id] = dialog
-        if waiting is None:
-            waiting = self._by_session[session] = {}
-        waiting[dialog_id] = dialog
-        self.bus.publish(session, kinds.EXTENSION_UI, pb.ExtensionUiEvent(request=request), key=dialog_id)
-        return dialog
+        return Dialog(dialog_id, session, method, request, asyncio.get_running_loop().create_future(), options,
+                      timeout_ms=timeout_ms)
+
+    def open(self, dialog: Dialog) -> None:
+        """Registers a prepared dialog, arms its timer and publishes it to the session's UIs (the
+        limits are checked again: other dialogs may have opened since `prepare`)."""
+        self._admit(dialog.session)
+        if dialog.timeout_ms:
+            dialog.timer = asyncio.get_running_loop().call_later(dialog.timeout_ms / 1000, self.close, dialog,
+                                                                 TIMED_OUT)
+        self._open[dialog.id] = dialog
+        self._by_session.setdefault(dialog.session, {})[dialog.id] = dialog
+        self.bus.publish(dialog.session, kinds.EXTENSION_UI, pb.ExtensionUiEvent(request=dialog.request),
+                         key=dialog.id)
 
     async def wait(self, dialog: Dialog) -> Answer:
         """The dialog's answer; if the caller goes away first, the dialog closes for every UI."""
@@ -156,8 +176,12 @@ class PendingDialogs:
             closed.popitem(last=False)
         if not dialog.future.done():
             dialog.future.set_result(Answer(outcome, value, confirmed))
-        self.bus.publish(dialog.session, kinds.EXTENSION_UI,
-                         pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome)), key=dialog.id)
+        session, event = dialog.session, pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome))
+        if self.shared is None:
+            self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id)
+        else:  # the store entry goes first: a UI that subscribes after the event must not replay it
+            self.shared.remove(session, dialog.id,
+                               lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
         return True
 
     def find(self, session: str, dialog_id: str) -> Dialog | None:
@@ -209,9 +233,11 @@ class Dialogs:
     def __init__(self, bus: Bus, store: Store, queue_size: int = UI_QUEUE) -> None:
         self.bus = bus
         self.store = store
-        self.pending = PendingDialogs(bus)
+        # With a replicated bus, waiting dialogs are shared through the store, and answers given on
+        # other replicas are forwarded to this one; alone, memory is all there is.
+        self.shared = SharedDialogs(bus, store) if bus.replicated else None
+        self.pending = PendingDialogs(bus, shared=self.shared)
         self.ui_queue = max(UI_QUEUE, queue_size)
-        # With a replicated bus, answers given on other replicas are forwarded to this one.
         self.forwarding = AnswerForwarding(bus, self._verdict) if bus.replicated else None
 
     def count(self, session: str | None = None) -> int:
@@ -221,6 +247,14 @@ class Dialogs:
     def shutdown(self) -> None:
         """Refuse new dialogs and release every waiting agent (answered "shutdown")."""
         self.pending.shutdown()
+        if self.forwarding is not None:
+            self.forwarding.close()
+
+    async def aclose(self) -> None:
+        """After `shutdown`, before the bus and the store close: lets the last store writes and
+        closed events go out, so other replicas neither replay nor keep showing these dialogs."""
+        if self.shared is not None:
+            await self.shared.aclose()
 
     # ---- agents: dialogs ----
 
@@ -234,15 +268,22 @@ class Dialogs:
         if problem:
             raise InvalidArgument(f"{method}: {problem}")
         options = frozenset(request.options) if isinstance(request, pb.SelectRequest) else None
-        dialog = self.pending.open(session, method, request, checks.timeout_of(request), options)
-        forwarding = self.forwarding
-        if forwarding is not None:
+        dialog = self.pending.prepare(session, method, request, checks.timeout_of(request), options)
+        forwarding, shared = self.forwarding, self.shared
+        if forwarding is not None:  # first, so other replicas know an answer can come here before they see it
             forwarding.hold(session)
+        opened = False
         try:
+            if shared is not None:  # before it is published: a UI subscribing too late for it reads it
+                await shared.put(session, dialog.request)
+            self.pending.open(dialog)
+            opened = True
             answer = await self.pending.wait(dialog)
         finally:
+            if shared is not None and not opened:  # refused or cancelled before it opened
+                shared.remove(session, dialog.id)
             if forwarding is not None:
-                forwarding.release(session, self.pending.count(session))
+                forwarding.release(session)
         if answer.outcome == SHUTDOWN:
             raise Unavailable(f"the server is shutting down; dialog {dialog.id} was closed unanswered")
         result = pb.DialogResult(id=dialog.id, outcome=answer.outcome, confirmed=answer.confirmed)
@@ -299,24 +340,42 @@ class Dialogs:
     # ---- UIs ----
 
     async def events(self, session: str) -> AsyncIterator[pb.ExtensionUiEvent]:
-        """Kept state, then waiting dialogs, then live events.
+        """Kept state, then waiting dialogs (oldest first), then live events.
 
         The subscription is taken before the waiting dialogs are listed, with no await between,
-        so a dialog opened at any moment reaches this UI exactly once.
+        so a dialog opened here at any moment reaches this UI exactly once. With Redis the
+        dialogs other replicas hold are read from the store after subscribing (the same scan as
+        the state); one published after the subscription may arrive both ways, so a live request
+        already replayed is skipped (see uibus.domain.dialog_sharing).
         """
         bus = self.bus
         sub = bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
         try:
             waiting = self.pending.waiting(session)
-            for event in state_events(await self.store.scan(session, PREFIX)):
+            kept = await self.store.scan(session, PREFIX)
+            for event in state_events(kept):
                 yield event
-            for dialog in waiting:
-                if self.pending.is_open(dialog):  # else its closed event is already queued
-                    replay = pb.ExtensionUiEvent()
-                    replay.request.CopyFrom(dialog.request)
-                    replay.request.replayed = True
-                    yield replay
+            requests: list[tuple[pb.ExtensionUiRequest, Dialog | None]] = [(d.request, d) for d in waiting]
+            if self.shared is not None:
+                requests += [(request, None) for request in self.shared.others(session, kept)]
+                requests.sort(key=lambda pair: pair[0].ts)
+            replayed: set[str] = set()
+            for request, dialog in requests:
+                if dialog is not None and not self.pending.is_open(dialog):
+                    continue  # closed meanwhile: its closed event is (or will be) queued
+                replay = pb.ExtensionUiEvent()
+                replay.request.CopyFrom(request)
+                replay.request.replayed = True
+                replayed.add(request.id)
+                yield replay
             async for event in sub:
+                if replayed:
+                    which = event.WhichOneof("event")
+                    dialog_id = event.request.id if which == "request" else event.closed.id
+                    if dialog_id in replayed:
+                        replayed.discard(dialog_id)
+                        if which == "request":
+                            continue  # already replayed
                 yield event
         finally:
             bus.unsubscribe(sub)

@@ -12,6 +12,7 @@ entry and WebviewService multiplexes them all, both from this table (a test comp
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -21,7 +22,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from uibus import kinds
-from uibus.bus import Bus
+from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.errors import FailedPrecondition, InvalidArgument
 from uibus.kinds import Kind
@@ -139,31 +140,31 @@ class UiFeed:
     # ---- webviews: streams ----
 
     async def events(self, session: str, stream: UiStream, target: str = "") -> AsyncIterator[Any]:
-        """The stream's events until it ends (current state first where the stream has one).
+        """The stream's events until it ends: `LIVE` once subscribed (the pipeline sends the
+        response headers then), the current state where the stream has one, then live events.
 
         The subscription is removed in the `finally` beside it, which runs on cancel, disconnect,
         deadline and shutdown alike.
         """
-        current = None
-        if stream.current:
-            theme = await self.theme(session)
-            if theme is not None:
-                current = common_pb2.String(value=theme)
         bus = self.bus
-        sub = bus.subscribe(session, stream.kind, target)
+        sub = bus.subscribe(session, stream.kind, target, owner=asyncio.current_task())
         try:
-            if current is not None:
-                yield current
+            yield LIVE
+            if stream.current:  # read after subscribing, so a change in between is not missed
+                theme = await self.theme(session)
+                if theme is not None:
+                    yield common_pb2.String(value=theme)
             async for item in sub:
                 yield item
         finally:
             bus.unsubscribe(sub)
 
-    async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest]:
-        """What the session's webviews ask of the host (open a URL, scroll, initialized)."""
+    async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest | Live]:
+        """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE` first."""
         bus = self.bus
-        sub = bus.subscribe(session, kinds.HOST_REQUEST)
+        sub = bus.subscribe(session, kinds.HOST_REQUEST, owner=asyncio.current_task())
         try:
+            yield LIVE
             async for item in sub:
                 yield item
         finally:

@@ -15,6 +15,7 @@ next user message" (CodeBolt's waitforReply) subscribes instead of polling.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import json_format
@@ -27,6 +28,8 @@ from uibus.store import Store
 HISTORY_KEY = "chat/history"
 CONTEXT_PREFIX = "chat/context/"
 MAX_HISTORY = 10_000  # entries kept per session; older ones are dropped by the store
+# Besides the count, the history is bounded in bytes (config `history_bytes`, passed by Core): a
+# count alone lets 10,000 long replies grow a session without limit.
 ROLES = ("user", "assistant", "system")
 
 
@@ -35,9 +38,12 @@ def context_key(agent: str) -> str:
 
 
 class ChatHistory:
-    def __init__(self, store: Store, bus: Bus) -> None:
+    def __init__(self, store: Store, bus: Bus, max_bytes: int = 0) -> None:
+        """`max_bytes` > 0 keeps only the newest entries within that many bytes of JSON (the newest
+        entry always stays); 0 bounds the history by its count only."""
         self.store = store
         self.bus = bus
+        self.max_bytes = max_bytes
 
     async def load_context(self, session: str, agent: str) -> chat_pb2.ChatContext:
         """The stored ChatContext (empty when the session never chatted with `agent`)."""
@@ -46,6 +52,25 @@ class ChatHistory:
         if data:
             json_format.ParseDict(data, ctx, ignore_unknown_fields=True)
         return ctx
+
+    async def update_context(self, session: str, agent: str,
+                             change: Callable[[chat_pb2.ChatContext], chat_pb2.ChatContext]) -> chat_pb2.ChatContext:
+        """Replaces the stored context with `change(current)` in one store transaction (atomic
+        across processes and replicas, see Store.update), so concurrent turns of one
+        (session, agent) each add to the context instead of the last writer erasing the others.
+        `change` may run more than once (after a conflict) and must not have side effects."""
+        result: list[chat_pb2.ChatContext] = []
+
+        def apply(data: Any | None) -> Any:
+            ctx = chat_pb2.ChatContext()
+            if data:
+                json_format.ParseDict(data, ctx, ignore_unknown_fields=True)
+            new = change(ctx)
+            result[:] = [new]
+            return json_format.MessageToDict(new, preserving_proto_field_name=True)
+
+        await self.store.update(session, context_key(agent), apply)
+        return result[0]
 
     async def save_context(self, session: str, agent: str, ctx: chat_pb2.ChatContext) -> None:
         await self.store.put(session, context_key(agent),
@@ -63,7 +88,7 @@ class ChatHistory:
                                  "source": source}
         if error:
             entry["error"] = True
-        await self.store.append(session, HISTORY_KEY, entry, max_len=MAX_HISTORY)
+        await self.store.append(session, HISTORY_KEY, entry, max_len=MAX_HISTORY, max_bytes=self.max_bytes)
         self.bus.publish(session, kinds.CHAT_MESSAGE, entry)
         return entry
 

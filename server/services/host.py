@@ -80,7 +80,8 @@ class HostService(host_pb2_grpc.HostServiceServicer):
                           context: grpc.aio.ServicerContext) -> host_pb2.BusStats:
         bus = self.bus
         kinds = [host_pb2.KindStats(kind=k, subscriptions=c.subscriptions, published=c.published,
-                                    delivered=c.delivered, dropped=c.dropped, coalesced=c.coalesced)
+                                    delivered=c.delivered, dropped=c.dropped, coalesced=c.coalesced,
+                                    overflowed=c.overflowed)
                  for k, c in sorted(bus.counters.items())]
         return host_pb2.BusStats(kinds=kinds, subscriptions=bus.count())
 
