@@ -86,11 +86,10 @@ class Subscription:
     """One subscriber's bounded mailbox. Iterate it to receive events; it ends when closed."""
 
     __slots__ = ("_budget", "_items", "_maxsize", "_policy", "_waiter", "bytes", "closed", "counters", "failure",
-                 "kind", "owner", "session", "target")
+                 "kind", "session", "target")
 
     def __init__(self, session: str, kind: str, target: str, maxsize: int, policy: Policy,
-                 counters: KindCounters, budget: Budget | None = None,
-                 owner: asyncio.Task[Any] | None = None) -> None:
+                 counters: KindCounters, budget: Budget | None = None) -> None:
         self.session = session
         self.kind = kind  # the kind's name
         self.target = target
@@ -103,20 +102,15 @@ class Subscription:
         self.closed = False
         self.failure: MailboxOverflow | None = None
         self.counters = counters
-        # The task that reads this mailbox for a client (a stream handler), if the subscriber named
-        # it: when it is stuck elsewhere (writing to a client that stopped reading) while the mailbox
-        # overflows, it is interrupted with the overflow as the reason. Internal readers name none:
-        # they get the overflow at their next read.
-        self.owner: asyncio.Task[Any] | None = owner
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def offer(self, item: Any, key: Hashable = None, size: int = 64) -> None:
-        """Queues `item` without waiting; at the count bound applies the kind's policy, over the
-        byte budget ends the stream."""
+    def offer(self, item: Any, key: Hashable = None, size: int = 64) -> bool:
+        """Queues `item` without waiting; at the count bound applies the kind's policy. Over the
+        byte budget it ends the stream and returns True (the bus then removes the subscription)."""
         if self.failure is not None:
-            return
+            return False
         items = self._items
         counters = self.counters
         if len(items) >= self._maxsize:
@@ -130,7 +124,7 @@ class Subscription:
                         items[i] = (key, item, size)
                         self._grow(size - old[2])
                         counters.coalesced += 1
-                        return
+                        return False
                 self._grow(-items.popleft()[2])
                 counters.dropped += 1
             else:
@@ -142,12 +136,13 @@ class Subscription:
             self.overflow(f"a {self.kind} subscriber of session {self.session!r} fell behind: its queued events "
                           f"reached {self.bytes} bytes, over the {self._budget.per_mailbox}-byte mailbox budget "
                           "(--mailbox-bytes); subscribe again and read faster")
-            return
+            return True
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
+        return False
 
     def _grow(self, size: int) -> None:
         self.bytes += size
@@ -182,8 +177,12 @@ class Subscription:
         return self.bytes <= self._budget.per_mailbox
 
     def overflow(self, why: str) -> None:
-        """Ends the stream with RESOURCE_EXHAUSTED: the queued events are freed at once, the reader
-        gets the error at its next read, and a reader stuck elsewhere is interrupted."""
+        """Ends the stream with RESOURCE_EXHAUSTED: the queued events are freed at once (and the bus
+        removes the subscription at once), and the reader gets the error at its next read.
+
+        Nothing is cancelled: a reader stuck writing to a client that stopped reading holds one
+        message, no more; if that client reads again it gets what was in flight, then the status.
+        A client that never does is dropped by keepalive (or its disconnect)."""
         if self.failure is not None or self.closed:
             return
         self.failure = MailboxOverflow(why)
@@ -195,8 +194,6 @@ class Subscription:
             self._waiter = None
             if not waiter.done():
                 waiter.set_result(None)
-        elif self.owner is not None and not self.owner.done() and self.owner is not _current_task():
-            self.owner.cancel(self.failure)
 
     def close(self) -> None:
         """Ends iteration once the queued events are read; wakes a waiting reader."""
@@ -226,13 +223,6 @@ class Subscription:
         self.bytes -= size
         self._budget.total -= size
         return item
-
-
-def _current_task() -> asyncio.Task[Any] | None:
-    try:
-        return asyncio.current_task()
-    except RuntimeError:
-        return None
 
 
 class Bus:
@@ -271,9 +261,7 @@ class Bus:
             c = self.counters[kind] = KindCounters()
         return c
 
-    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None,
-                  owner: asyncio.Task[Any] | None = None) -> Subscription:
-        """A new mailbox on the topic; `owner` is the task streaming it to a client (see Subscription)."""
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
         if self._closed:
             raise BusClosed("the server is shutting down")
         open_now = self._per_session.get(session, 0)
@@ -282,8 +270,7 @@ class Bus:
                                     f"(limit {self.max_per_session})")
         name = kind.name
         counters = self._counters(name)
-        sub = Subscription(session, name, target, maxsize or self.queue_size, kind.policy, counters, self.budget,
-                           owner)
+        sub = Subscription(session, name, target, maxsize or self.queue_size, kind.policy, counters, self.budget)
         self._topics.setdefault((session, name), {}).setdefault(target, set()).add(sub)
         self._per_session[session] = open_now + 1
         counters.subscriptions += 1
@@ -333,11 +320,15 @@ class Bus:
             groups = [s for s in (topic.get(target), topic.get("") if target else None) if s]
         n = 0
         size = size_of(item)
+        ended: list[Subscription] = []
         for subs in groups:
             for sub in subs:
-                sub.offer(item, key, size)
+                if sub.offer(item, key, size):
+                    ended.append(sub)
             n += len(subs)
         counters.delivered += n
+        for sub in ended:  # over their byte budget: gone at once, as any ended stream
+            self.unsubscribe(sub)
         if self.budget.total > self.budget.total_limit:
             self._relieve()
         return n
@@ -354,6 +345,7 @@ class Bus:
             sub.overflow(f"the server's mailboxes together went over {budget.total_limit} bytes "
                          f"(--mailboxes-bytes) and this {sub.kind} subscriber of session {sub.session!r} had the "
                          f"most queued ({sub.bytes} bytes); subscribe again and read faster")
+            self.unsubscribe(sub)
 
     def count(self, kind: Kind | str | None = None, session: str | None = None) -> int:
         """Live subscriptions, optionally of one kind (a record or its name) and/or one session."""

@@ -160,13 +160,6 @@ class Pipeline:
             return code_name(context), None
         if isinstance(exc, UibusError):
             return exc.code, str(exc)
-        if isinstance(exc, asyncio.CancelledError) and exc.args and isinstance(exc.args[0], UibusError):
-            # Interrupted on purpose with a reason (a stalled stream whose mailbox overflowed, see
-            # uibus.bus): the call ends with that reason's status, not as a cancel.
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            return exc.args[0].code, str(exc.args[0])
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):  # the client went away, or shutdown
             return "CANCELLED", None
         if isinstance(exc, NotImplementedError):  # a generated servicer's stub

@@ -265,9 +265,8 @@ class ReplicatedBus(Bus):
 
     # -- presence: how many subscribers other replicas have -------------------------------------
 
-    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None,
-                  owner: asyncio.Task[Any] | None = None) -> Subscription:
-        sub = super().subscribe(session, kind, target, maxsize, owner)
+    def subscribe(self, session: str, kind: Kind, target: str = "", maxsize: int | None = None) -> Subscription:
+        sub = super().subscribe(session, kind, target, maxsize)
         if kind.presence:
             self._presence_kinds.add(kind.name)
             self._announce([(session, kind.name)])

@@ -68,6 +68,7 @@ class Store(abc.ABC):
         self.sweep_s = sweep_s if sweep_s is not None and sweep_s > 0 else default
         self.stats = StoreStats()
         self._sweeper: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @abc.abstractmethod
     async def get(self, session: str, key: str) -> Any | None: ...
@@ -113,7 +114,7 @@ class Store(abc.ABC):
     async def _sweep_forever(self) -> None:
         """Sweeps at once (a restart cleans up what expired while down), then every period. A
         failed sweep is logged and retried next period: retention must never stop the service."""
-        while True:
+        while not self._stopping:  # a cancel that a client library turns into an error still stops it
             try:
                 await self.sweep()
             except StoreUnavailable as exc:
@@ -124,10 +125,13 @@ class Store(abc.ABC):
 
     async def close(self) -> None:
         """Stops the sweep; a backend then flushes and releases itself (call this first)."""
+        self._stopping = True
         task, self._sweeper = self._sweeper, None
         if task is not None:
             task.cancel()
-            await asyncio.wait([task])  # never raises, so a close inside a cancelled task still runs
+            # wait() never raises, so a close inside a cancelled task still runs; bounded, so a sweep
+            # stuck in a backend call cannot hold up shutdown.
+            await asyncio.wait([task], timeout=5)
 
     async def __aenter__(self) -> Store:
         if self._sweeper is None:

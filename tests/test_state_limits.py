@@ -108,7 +108,6 @@ async def test_a_maximal_reply_to_a_request_near_the_limit_still_fits(config):
         assert responses and responses[-1].response.chat_context.ByteSize() <= 2 * MB
         assert all(r.ByteSize() <= app.config.max_message_bytes for r in responses)
         assert responses[0].request.user_message.text == "z" * (64 * KB)  # the echo of a big request is cut
-        assert "".join(r.response.text for r in responses[:-1]) == responses[-1].response.text
 
 
 # ---- 2. parallel turns are all kept ------------------------------------------------------------------
@@ -279,7 +278,7 @@ async def test_headers_received_means_subscribed_on_the_webview_mux_and_grpc_web
         await wait_for(lambda: web.bus.count(session="live2") == 0, what="mux streams gone")
     url = f"http://127.0.0.1:{web.http_port}/cline.UiService/subscribeToAddToInput"
     async with httpx.AsyncClient() as client:
-        for i in range(20):
+        for _ in range(20):
             async with client.stream("POST", url, content=b"\x00\x00\x00\x00\x00", headers={
                     "content-type": "application/grpc-web+proto", "x-grpc-web": "1",
                     "x-uibus-session": "live2"}) as r:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from uibus import kinds
-from uibus.bus import Bus
+from uibus.bus import LIVE, Bus, Live
 from uibus.domain import dialog_checks as checks
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.domain.dialog_sharing import SharedDialogs
@@ -339,8 +339,8 @@ class Dialogs:
 
     # ---- UIs ----
 
-    async def events(self, session: str) -> AsyncIterator[pb.ExtensionUiEvent]:
-        """Kept state, then waiting dialogs (oldest first), then live events.
+    async def events(self, session: str) -> AsyncIterator[pb.ExtensionUiEvent | Live]:
+        """`LIVE` once subscribed, kept state, then waiting dialogs (oldest first), then live events.
 
         The subscription is taken before the waiting dialogs are listed, with no await between,
         so a dialog opened here at any moment reaches this UI exactly once. With Redis the
@@ -352,6 +352,7 @@ class Dialogs:
         sub = bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
         try:
             waiting = self.pending.waiting(session)
+            yield LIVE  # subscribed: the pipeline sends the response headers now
             kept = await self.store.scan(session, PREFIX)
             for event in state_events(kept):
                 yield event

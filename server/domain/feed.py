@@ -12,7 +12,6 @@ entry and WebviewService multiplexes them all, both from this table (a test comp
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -147,10 +146,13 @@ class UiFeed:
         deadline and shutdown alike.
         """
         bus = self.bus
-        sub = bus.subscribe(session, stream.kind, target, owner=asyncio.current_task())
+        sub = bus.subscribe(session, stream.kind, target)
         try:
             yield LIVE
-            if stream.current:  # read after subscribing, so a change in between is not missed
+            if stream.current:
+                # Read after subscribing, so a change in between is not missed; the value just read
+                # may then also arrive as an event (published a moment before, or relayed late by
+                # another replica): current state is delivered at least once, newest last.
                 theme = await self.theme(session)
                 if theme is not None:
                     yield common_pb2.String(value=theme)
@@ -162,7 +164,7 @@ class UiFeed:
     async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest | Live]:
         """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE` first."""
         bus = self.bus
-        sub = bus.subscribe(session, kinds.HOST_REQUEST, owner=asyncio.current_task())
+        sub = bus.subscribe(session, kinds.HOST_REQUEST)
         try:
             yield LIVE
             async for item in sub:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,13 +17,12 @@ import grpc
 
 from uibus.bus import LIVE
 from uibus.domain.feed import UI_STREAMS, UiFeed, UiStream
-from uibus.errors import Internal, InvalidArgument, UibusError
+from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
 from uibus.session import session_of
 
 _END = object()
-log = logging.getLogger("uibus.webview")
 
 
 def _event(source: str, message: Any) -> webview_pb2.WebviewEvent:
@@ -57,30 +55,16 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
         # bounded in bytes (a stalled stream is ended there), not in a second queue here.
         queue: asyncio.Queue[Any] = asyncio.Queue(len(targets))
 
-        call = asyncio.current_task()
-
-        def end_call(reason: UibusError) -> None:
-            """A failure of one stream ends the whole call with its status — at once, even while
-            the call is stuck writing to a client that stopped reading."""
-            if call is not None and not call.done():
-                call.cancel(reason)
-
         async def pump(stream: UiStream, target: str) -> None:
             try:
                 async with contextlib.aclosing(self.feed.events(session, stream, target)) as events:
                     async for message in events:
                         await queue.put(LIVE if message is LIVE else _event(stream.rpc, message))
-            except asyncio.CancelledError as exc:  # the call ended, or this stream was ended with a reason
-                if exc.args and isinstance(exc.args[0], UibusError):
-                    end_call(exc.args[0])
+            except asyncio.CancelledError:  # the call ended
                 raise
-            except UibusError as exc:
-                end_call(exc)
-                raise
-            except Exception as exc:
-                log.error("webview stream part failed", exc_info=exc, extra={"fields": {"part": stream.rpc}})
-                end_call(Internal(f"the {stream.rpc} part of the webview stream failed: {type(exc).__name__}"))
-                raise
+            except Exception as exc:  # a failure of one stream ends the whole call, with its status
+                await queue.put(exc)
+                return
             await queue.put(_END)
 
         tasks = [asyncio.ensure_future(pump(stream, target)) for stream, target in targets]
@@ -99,6 +83,8 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
                         early.clear()
                 elif item is _END:
                     running -= 1
+                elif isinstance(item, Exception):
+                    raise item
                 elif waiting:
                     early.append(item)
                 else:
