@@ -131,8 +131,10 @@ class Subscription:
                 self._grow(-items.popleft()[2])
                 counters.dropped += 1
         items.append((key, item, size))
-        self._grow(size)
-        if self.bytes > self._budget.per_mailbox and not self._shrink(key):
+        budget = self._budget  # inlined _grow: this line runs once per delivery
+        budget.total += size
+        self.bytes += size
+        if self.bytes > budget.per_mailbox and not self._shrink(key):
             self.overflow(f"a {self.kind} subscriber of session {self.session!r} fell behind: its queued events "
                           f"reached {self.bytes} bytes, over the {self._budget.per_mailbox}-byte mailbox budget "
                           "(--mailbox-bytes); subscribe again and read faster")
