@@ -268,15 +268,20 @@ class SqliteStore(Store):
         row = self._db.execute("SELECT value FROM kv WHERE session=? AND key=?", (session, key)).fetchone()
         return json.loads(row[0]) if row else None
 
+    def _set(self, session: str, key: str, value: Any | None) -> bool:
+        """Writes (or with None deletes) one value and stamps the session, inside the caller's
+        transaction; True when this created the session."""
+        if value is None:
+            self._db.execute("DELETE FROM kv WHERE session=? AND key=?", (session, key))
+        else:
+            self._db.execute("INSERT OR REPLACE INTO kv(session, key, value) VALUES (?, ?, ?)",
+                             (session, key, json.dumps(value, separators=(",", ":"))))
+        return self._touch(session, create=value is not None)
+
     async def put(self, session: str, key: str, value: Any | None) -> None:
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            if value is None:
-                self._db.execute("DELETE FROM kv WHERE session=? AND key=?", (session, key))
-            else:
-                self._db.execute("INSERT OR REPLACE INTO kv(session, key, value) VALUES (?, ?, ?)",
-                                 (session, key, json.dumps(value, separators=(",", ":"))))
-            created = self._touch(session, create=value is not None)
+            created = self._set(session, key, value)
         if created:
             self._created(session)
 
@@ -287,12 +292,7 @@ class SqliteStore(Store):
             self._db.execute("BEGIN IMMEDIATE")
             row = self._db.execute("SELECT value FROM kv WHERE session=? AND key=?", (session, key)).fetchone()
             value = change(json.loads(row[0]) if row else None)
-            if value is None:
-                self._db.execute("DELETE FROM kv WHERE session=? AND key=?", (session, key))
-            else:
-                self._db.execute("INSERT OR REPLACE INTO kv(session, key, value) VALUES (?, ?, ?)",
-                                 (session, key, json.dumps(value, separators=(",", ":"))))
-            created = self._touch(session, create=value is not None)
+            created = self._set(session, key, value)
         if created:
             self._created(session)
         return value

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Reader, free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.test_redis_replicas import Replica as BaseReplica
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -35,15 +36,8 @@ __all__ = ["redis_server"]
 Stub = extension_ui_pb2_grpc.ExtensionUiServiceStub
 
 
-class Replica:
-    def __init__(self, app: App, opened: list[Connection]) -> None:
-        self.app = app
-        self._opened = opened
-
-    @property
-    def bus(self) -> ReplicatedBus:
-        assert isinstance(self.app.bus, ReplicatedBus)
-        return self.app.bus
+class Replica(BaseReplica):
+    """A replica as tests/test_redis_replicas.py drives it, plus extension-UI stubs and streams."""
 
     def ext(self, session: str) -> Stub:
         conn = Connection(f"127.0.0.1:{self.app.port}", session=session)
