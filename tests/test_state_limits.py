@@ -8,6 +8,7 @@ redis-server for the two-replica case, client processes that are frozen or never
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -18,13 +19,14 @@ import httpx
 import pytest
 
 from tests.chatkit import MAXIMAL, Agent, answer, request
-from tests.conftest import running, subscriber, wait_for
+from tests.conftest import REPO, require, require_binary, running, subscriber, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.webclient import call
+from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
-from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
+from uibus.pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc, host_pb2, webview_pb2, webview_pb2_grpc
 
 __all__ = ["redis_server"]
 
@@ -201,8 +203,6 @@ async def test_the_process_wide_budget_ends_the_fullest_streams(config):
     cfg = replace(config, mailbox_bytes=4 * MB, mailboxes_bytes=6 * MB)
     async with running(cfg) as app:
         bus = app.bus
-        from uibus import kinds
-
         subs = [bus.subscribe("many", kinds.ADD_TO_INPUT) for _ in range(3)]
         try:
             payload = common_pb2.String(value="m" * MB)
@@ -285,6 +285,39 @@ async def test_headers_received_means_subscribed_on_the_webview_mux_and_grpc_web
                 assert r.status_code == 200  # the response headers: subscribed
                 assert (await conn.host.PublishAddToInput(host_pb2.TextEvent(text="y"))).subscribers == 1
             await wait_for(lambda: web.bus.count(session="live2") == 0, what="grpc-web stream gone")
+
+
+async def test_headers_received_means_subscribed_on_host_requests_and_extension_ui(app, connect):
+    conn = connect("live3")
+    ext = extension_ui_pb2_grpc.ExtensionUiServiceStub(conn.channel)
+    for _ in range(20):
+        hosts = conn.host.SubscribeHostRequests(common_pb2.Empty())
+        await asyncio.wait_for(hosts.initial_metadata(), 2)
+        await conn.ui.openUrl(common_pb2.StringRequest(value="https://example.com/"))  # a host listens: OK
+        assert (await asyncio.wait_for(hosts.read(), 2)).open_url.url == "https://example.com/"
+        hosts.cancel()
+        uis = ext.Subscribe(extension_ui_pb2.SubscribeRequest())
+        await asyncio.wait_for(uis.initial_metadata(), 2)
+        assert app.bus.count(kinds.EXTENSION_UI, "live3") == 1  # registered before the headers left
+        uis.cancel()
+        await wait_for(lambda: app.bus.count(session="live3") == 0, what="streams gone")
+
+
+async def test_headers_received_means_subscribed_for_a_grpc_js_client(app):
+    """grpc-js (Cline's own stack) waits for the call's 'metadata' event, then publishes: 100 rounds,
+    every publish reaches the stream (tests/grpcjs/live.js, the pinned @grpc/grpc-js)."""
+    node = require_binary("node")
+    here = REPO / "tests" / "grpcjs"
+    require("the pinned @grpc/grpc-js (bash .ci/setup)", (here / "node_modules" / "@grpc" / "grpc-js").is_dir())
+    proc = await asyncio.create_subprocess_exec(node, str(here / "live.js"), f"127.0.0.1:{app.port}", "js", "100",
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert lines[-1] == {"done": 100}, lines[-3:]
+    rounds = lines[:-1]
+    assert [r["subscribers"] for r in rounds] == [1] * 100
+    assert [r["got"] for r in rounds] == [f"js{i}" for i in range(100)]
+    await wait_for(lambda: app.bus.count(session="js") == 0, what="grpc-js streams gone")
 
 
 # ---- 8. keepalive frees a frozen client's streams --------------------------------------------------
