@@ -70,6 +70,11 @@ class Budget:
         self.total = 0
 
 
+# What a subscription counts against when it has no bus budget (made alone, or removed): unbounded,
+# and read by nobody.
+_DETACHED = Budget(1 << 62, 1 << 62)
+
+
 def size_of(item: Any) -> int:
     """What an event costs in a mailbox, about: its serialized size (protobuf messages), or the
     length of its text for the JSON entries of the chat history; a small floor for the rest."""
@@ -97,7 +102,7 @@ class Subscription:
         self._policy = policy
         self._items: deque[tuple[Hashable, Any, int]] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._budget = budget if budget is not None else Budget(1 << 62, 1 << 62)
+        self._budget = budget if budget is not None else _DETACHED
         self.bytes = 0  # what the queued events cost (see size_of)
         self.closed = False
         self.failure: MailboxOverflow | None = None
@@ -208,7 +213,7 @@ class Subscription:
         """The subscription was removed: its queued events (still readable until the reader is
         done) no longer count against the bus's budget, which must return to zero with the counts."""
         self._budget.total -= self.bytes
-        self._budget = Budget(self._budget.per_mailbox, 1 << 62)
+        self._budget = _DETACHED
 
     def __aiter__(self) -> Subscription:
         return self

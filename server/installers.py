@@ -48,7 +48,7 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def webview_mux(setup: Setup) -> AsyncIterator[None]:
-    setup.serve(webview.add_to(setup.registry, setup.core.feed, setup.config.queue_size))
+    setup.serve(webview.add_to(setup.registry, setup.core.feed))
     yield
 
 

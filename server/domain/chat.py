@@ -146,14 +146,10 @@ def short_echo(request: agent_pb2.ChatRequest) -> agent_pb2.ChatRequest:
 
 
 def _fit_reply(response: agent_pb2.ChatResponse, limit: int) -> None:
-    """Makes the final response fit the send limit: the echoed request loses its context first,
-    then the answer text is cut (said in the text) — a reply that cannot be sent helps nobody."""
+    """Makes the final response fit the send limit by cutting the answer (said in the text): its
+    context is within budget and a big request is echoed short (short_echo), so only an answer
+    near the limit itself can be over — and a reply that cannot be sent helps nobody."""
     over = response.ByteSize() - limit
-    if over <= 0:
-        return
-    if response.HasField("request") and response.request.HasField("chat_context"):
-        response.request.ClearField("chat_context")
-        over = response.ByteSize() - limit
     if over > 0:
         text = response.response.text.encode()
         note = f"\n[uibus: answer cut by {over + 200} bytes to fit the {limit}-byte message limit]"

@@ -41,9 +41,8 @@ def _targets(request: webview_pb2.WebviewSubscribeRequest) -> list[tuple[UiStrea
 
 
 class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
-    def __init__(self, feed: UiFeed, queue_size: int) -> None:
+    def __init__(self, feed: UiFeed) -> None:
         self.feed = feed
-        self.queue_size = queue_size
 
     async def Subscribe(self, request: webview_pb2.WebviewSubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[webview_pb2.WebviewEvent]:
@@ -98,6 +97,6 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
 SERVICE = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
 
 
-def add_to(registry: Any, feed: UiFeed, queue_size: int) -> str:
-    webview_pb2_grpc.add_WebviewServiceServicer_to_server(WebviewService(feed, queue_size), registry)
+def add_to(registry: Any, feed: UiFeed) -> str:
+    webview_pb2_grpc.add_WebviewServiceServicer_to_server(WebviewService(feed), registry)
     return SERVICE
