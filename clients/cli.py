@@ -160,7 +160,13 @@ EXTRA_COMMANDS.append(chat_cli.add_parser)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    """Runs one subcommand. An unknown flag is reported by that subcommand's parser (its usage and
+    `uibus serve: error: …`), not the top-level one, whose usage lists only the subcommand names."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        (sub.choices.get(ns.command) or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(ns.func(ns) or 0)
 
 

@@ -16,10 +16,10 @@ Use it as `async with App(config) as app:`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -28,14 +28,15 @@ from grpc_health.v1._async import HealthServicer
 
 from uibus import reflection
 from uibus.agents.config import load_agents
+from uibus.auth import Tokens
 from uibus.bus import Bus
-from uibus.config import Config
+from uibus.config import Config, redacted
 from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
 from uibus.store import SqliteStore, Store
-from uibus.transports.http import HttpServer
+from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
 from uibus.transports.routes import Routes
 from uibus.webview import webview_html
@@ -43,6 +44,7 @@ from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
+HEALTH_POLL_S = 0.5  # how often readiness is re-read besides store changes (the bus's connection has no event)
 T = TypeVar("T")
 
 
@@ -135,6 +137,7 @@ class App:
         self.core: Core | None = None
         self.registry: Registry | None = None
         self.metrics: Metrics | None = None
+        self.tokens = Tokens()  # the tokens in force once started (see `reload_tokens`)
         self.service_names: list[str] = []
         self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
@@ -146,6 +149,7 @@ class App:
         self._stopping = False
         self._shutdown: asyncio.Task[None] | None = None
         self._closing: asyncio.Task[None] | None = None
+        self._health_watch: asyncio.Task[None] | None = None
 
     # ---- what a running app offers ------------------------------------------------------------
 
@@ -153,6 +157,20 @@ class App:
     def stopping(self) -> bool:
         """True from the moment shutdown begins (readiness probes fail from then on)."""
         return self._stopping
+
+    def not_ready(self) -> str | None:
+        """Why stateful calls would fail now, None when the app is ready: /readyz answers 503 with
+        it and gRPC health is NOT_SERVING meanwhile. Liveness (/livez, /healthz) ignores it: a
+        restart fixes neither a full disk nor a Redis that is down."""
+        if self._stopping:
+            return "shutting down"
+        if self.core is None:
+            return "starting"
+        if self.core.store.problem:
+            return self.core.store.problem
+        if getattr(self.core.bus, "connected", True) is False:  # a ReplicatedBus that lost Redis
+            return "replication unavailable: Redis unreachable"
+        return None
 
     @property
     def bus(self) -> Bus:
@@ -172,6 +190,11 @@ class App:
         if self._setup is None or key not in self._setup.provided:
             raise KeyError(f"{key!r} was not provided by this app's installers")
         return self._setup.provided[key]  # type: ignore[no-any-return]
+
+    def reload_tokens(self) -> bool:
+        """Re-reads `--tokens-file` (on SIGHUP): new calls use the new tokens at once; a file that
+        cannot be read keeps the old ones (logged). True when the new tokens took effect."""
+        return self.tokens.reload()
 
     def channel(self, metadata: Iterable[tuple[str, str | bytes]] = ()) -> Channel:
         """An in-process channel to this app (see uibus.transports.inprocess)."""
@@ -209,10 +232,16 @@ class App:
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents))
         core = self.core = Core.build(cfg, bus, store, agents)
-        gauges: Gauges = {}
+        gauges: Gauges = {
+            "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down)",
+                            lambda: 0.0 if self.not_ready() else 1.0),
+            "uibus_store_up": ("1 while the session store answers, 0 while it fails (see /readyz for why)",
+                               lambda: 0.0 if store.problem else 1.0),
+        }
         counters: Gauges = {}
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store)
-        pipeline = Pipeline(metrics, cfg.auth_token)
+        tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
+        pipeline = Pipeline(metrics, tokens)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -229,23 +258,59 @@ class App:
 
         address = f"{cfg.host}:{cfg.port}"
         if cfg.tls_cert:
+            # Checked as a pair first: gRPC would take a bad file and fail every handshake instead.
+            server_tls(cfg.tls_cert, cfg.tls_key, cfg.tls_client_ca)
+            client_ca = read_pem(cfg.tls_client_ca, "--tls-client-ca") if cfg.tls_client_ca else None
             creds = grpc.ssl_server_credentials(
-                [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])  # noqa: ASYNC240
+                [(read_pem(cfg.tls_key, "--tls-key"), read_pem(cfg.tls_cert, "--tls-cert"))],
+                root_certificates=client_ca, require_client_auth=client_ca is not None)  # mTLS with a CA
             self.port = server.add_secure_port(address, creds)
         else:
             self.port = server.add_insecure_port(address)
         await server.start()
         res.callback("servers", self._stop_servers)
         if cfg.http_port:
-            routes = Routes(registry.lookup, metrics, webview_html, lambda: self._stopping, cfg.max_message_bytes,
-                            setup.mounts)
-            self._http = HttpServer(routes, cfg.cors_origins, cfg.host, cfg.http_port, cfg.grace_seconds)
+            routes = Routes(registry.lookup, metrics, webview_html, self.not_ready, cfg.max_message_bytes,
+                            setup.mounts, tokens=tokens)
+            self._http = HttpServer(routes, cfg)
             await self._http.start()
             self.http_port = self._http.port
+        serving = await self._set_health(self.not_ready() is None)
+        self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
+        res.callback("health", self._stop_health_watch)
+        log.info("serving", extra={"fields": {
+            "grpc": f"{cfg.host}:{self.port}", "http": self.http_port, "tls": bool(cfg.tls_cert),
+            "http_tls": bool(cfg.http_tls_cert or cfg.tls_cert), "mtls": bool(cfg.tls_client_ca),
+            "store": redacted(cfg.redis_url) or cfg.store}})
+
+    async def _set_health(self, serving: bool) -> bool:
+        """Sets "" and every service to SERVING or NOT_SERVING; never SERVING once shutdown began
+        (HealthServicer also ignores every set after enter_graceful_shutdown)."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving", extra={"fields": {"grpc": f"{cfg.host}:{self.port}", "http": self.http_port,
-                                              "tls": bool(cfg.tls_cert), "store": cfg.redis_url or cfg.store}})
+            if self._stopping:
+                break
+            await self.health.set(name, status)
+        return serving
+
+    async def _watch_health(self, serving: bool) -> None:
+        """Keeps gRPC health equal to readiness: woken by the store's health changes, and polled
+        for the bus's connection; ends when shutdown begins (which owns health from then on)."""
+        changed = asyncio.Event()
+        self._core().store.on_change(changed.set)
+        while not self._stopping:
+            changed.clear()  # before reading: a change while health is being set wakes the next pass
+            ready = self.not_ready() is None
+            if ready != serving:
+                serving = await self._set_health(ready)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), HEALTH_POLL_S)
+
+    async def _stop_health_watch(self) -> None:
+        task, self._health_watch = self._health_watch, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
 
     async def _stop_servers(self) -> None:
         """Stops accepting calls, lets running ones finish within the grace period, cancels the rest."""

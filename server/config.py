@@ -7,15 +7,89 @@ stay the single list of knobs, and tests can build a config without touching the
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from dataclasses import dataclass, field, fields
+import re
+from collections.abc import Sequence
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from uibus.errors import ConfigError
 
 
 def _default_store() -> str:
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(base) / "uibus" / "uibus.db")
+
+
+class InvalidConfig(ConfigError, ValueError):
+    """A ConfigError that is also a ValueError, because embedders and tests that build `Config` directly
+    (or call the agents loader) catch ValueError. It may carry several problems, each naming its own
+    flag, so one start-up shows every mistake at once; `str()` joins them on one line."""
+
+    def __init__(self, source: str, what: str, more: Sequence[tuple[str, str]] = ()) -> None:
+        self.problems = [(source, what), *more]
+        super().__init__(source, "; ".join([what, *(f"{s}: {w}" for s, w in more)]))
+
+
+# argparse's default for every flag: tells "not on the command line" apart from any value, so the
+# env var is read (and parsed) only when the flag is absent, and only in `from_args`, never for --help.
+_UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return "UIBUS_" + name.upper()
+
+
+def _field_default(f: Field[Any]) -> Any:
+    return f.default_factory() if callable(f.default_factory) else f.default
+
+
+def _parse(kind: type, raw: str) -> Any:
+    """The typed value of a flag or env string; ValueError says what is wrong without a traceback's help."""
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+    if kind is float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+        if not math.isfinite(value):  # nan passes every `<` check and inf breaks timers later
+            raise ValueError(f"{raw!r} is not a finite number")
+        return value
+    return raw
+
+
+def redacted(text: str) -> str:
+    """`text` with a URL password replaced: --help must not print `redis://:password@host`."""
+    return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", text)
+
+
+def source_of(ns: argparse.Namespace, source: str) -> str:
+    """The name the user set a flag's value under: `UIBUS_<NAME>` when `--name` was not on the command
+    line but its env var is set, else `source` unchanged — so an error points at what to fix."""
+    name = source[2:].replace("-", "_") if source.startswith("--") else ""
+    if name in Config.__dataclass_fields__ and getattr(ns, name, _UNSET) is _UNSET \
+            and os.environ.get(_env(name)) is not None:
+        return _env(name)
+    return source
+
+
+def describe(exc: ConfigError, ns: argparse.Namespace | None = None) -> str:
+    """One line `<source>: <what>[; <source>: <what>…]`, sources renamed by `source_of` when `ns` is given;
+    newlines are folded because `uibus serve` promises a single line per start-up error."""
+    problems = getattr(exc, "problems", None) or [(exc.source, exc.what)]
+    text = "; ".join(f"{source_of(ns, s) if ns is not None else s}: {w}" for s, w in problems)
+    return " ".join(line.strip() for line in text.splitlines())
 
 
 @dataclass(frozen=True)
@@ -52,55 +126,121 @@ class Config:
     grace_seconds: float = field(default=5.0, metadata={"help": "how long shutdown waits for RPCs"})
     drain_seconds: float = field(default=0.0, metadata={
         "help": "on SIGTERM, report NOT_SERVING this long before refusing calls (load balancers)"})
-    auth_token: str = field(default="", metadata={"help": "require `authorization: Bearer <token>`"})
-    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain; enables TLS"})
+    auth_token: str = field(default="", repr=False, metadata={
+        "help": "require `authorization: Bearer <token>`; this token may use every session", "secret": True})
+    tokens_file: str = field(default="", metadata={
+        "help": "file of tenant tokens, one `TOKEN PATTERN…` per line (glob patterns of the sessions that token "
+                "may use; `*` = all; `#` comments); reloaded on SIGHUP"})
+    metrics_token: str = field(default="", repr=False, metadata={
+        "help": "a token that may read /metrics (besides --auth-token and all-sessions tokens)", "secret": True})
+    tls_cert: str = field(default="", metadata={"help": "PEM certificate chain; enables TLS on both ports"})
     tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
+    http_tls_cert: str = field(default="", metadata={
+        "help": "PEM certificate chain for the HTTP port only (default: --tls-cert)"})
+    http_tls_key: str = field(default="", metadata={"help": "PEM private key for --http-tls-cert"})
+    tls_client_ca: str = field(default="", metadata={
+        "help": "PEM CA bundle: clients must present a certificate it signed (mTLS) on both ports"})
+    http_header_timeout_seconds: float = field(default=5.0, metadata={
+        "help": "an HTTP request's headers must arrive within this (from connect, or from its first byte)"})
+    http_idle_seconds: float = field(default=15.0, metadata={
+        "help": "an idle keep-alive HTTP connection is closed after this"})
+    http_max_connections: int = field(default=4096, metadata={
+        "help": "open HTTP connections (WebSockets and streams included); beyond it new ones are refused"})
+    ws_ping_seconds: float = field(default=20.0, metadata={
+        "help": "WebSocket ping interval; 0 turns pings off"})
+    ws_ping_timeout_seconds: float = field(default=20.0, metadata={
+        "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
     cors_origins: str = field(default="*", metadata={"help": "comma-separated origins allowed for "
                                                              "gRPC-Web and the HTTP API"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
-        problems = []
+        """Refuses a config that cannot work, naming each bad flag, before anything starts: a typo must
+        stop the server at once with a line the operator can act on, not fail later inside a call."""
+        problems: list[tuple[str, str]] = []
+
+        def check(ok: bool, name: str, what: str) -> None:
+            if not ok:
+                problems.append((_flag(name), what))
+
         for name in ("port", "http_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                problems.append(f"{name} must be within 0..65535")
-        if self.queue_size < 1:
-            problems.append("queue_size must be at least 1")
-        if self.max_streams_per_session < 1:
-            problems.append("max_streams_per_session must be at least 1")
-        for name in ("chat_context_bytes", "mailbox_bytes", "mailboxes_bytes", "max_sessions", "history_bytes"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be at least 1")
-        if self.chat_context_bytes > self.max_message_bytes // 2:
-            problems.append("chat_context_bytes must be at most half of max_message_bytes (a reply carries the "
-                            "context and the answer)")
-        if self.mailboxes_bytes < self.mailbox_bytes:
-            problems.append("mailboxes_bytes must be at least mailbox_bytes")
-        for name in ("session_ttl_seconds", "keepalive_seconds"):
-            if getattr(self, name) < 0:
-                problems.append(f"{name} must be 0 (off) or more")
-        if self.keepalive_timeout_seconds <= 0:
-            problems.append("keepalive_timeout_seconds must be more than 0")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            problems.append("tls_cert and tls_key go together")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            problems.append("log_level must be DEBUG, INFO, WARNING or ERROR")
+            check(0 <= getattr(self, name) <= 65535, name, "must be within 0..65535")
+        check(not (self.port and self.port == self.http_port), "http_port", "must differ from --port")
+        for name in ("queue_size", "max_streams_per_session", "max_message_bytes", "chat_context_bytes",
+                     "mailbox_bytes", "mailboxes_bytes", "max_sessions", "history_bytes", "http_max_connections"):
+            check(getattr(self, name) >= 1, name, "must be at least 1")
+        check(self.max_message_bytes <= 2**31 - 1, "max_message_bytes", "must be at most 2147483647 (gRPC's limit)")
+        if self.max_message_bytes >= 1 and self.chat_context_bytes >= 1:
+            check(self.chat_context_bytes <= self.max_message_bytes // 2, "chat_context_bytes",
+                  f"must be at most half of --max-message-bytes ({self.max_message_bytes // 2}), as a reply "
+                  "carries the context and the answer")
+        check(self.mailboxes_bytes >= self.mailbox_bytes, "mailboxes_bytes", "must be at least --mailbox-bytes")
+        for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
+            check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
+        for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_idle_seconds",
+                     "ws_ping_timeout_seconds"):
+            check(getattr(self, name) > 0, name, "must be more than 0")
+        for cert, key in (("tls_cert", "tls_key"), ("http_tls_cert", "http_tls_key")):
+            check(bool(getattr(self, key)) or not getattr(self, cert), cert, f"needs {_flag(key)} as well")
+            check(bool(getattr(self, cert)) or not getattr(self, key), key, f"needs {_flag(cert)} as well")
+        # Client certificates on both ports need TLS on both: mTLS on HTTP alone would leave gRPC open.
+        check(not self.tls_client_ca or bool(self.tls_cert), "tls_client_ca",
+              "needs TLS on both ports (--tls-cert and --tls-key)")
+        if self.redis_url and not self.redis_url.startswith(_REDIS_SCHEMES):
+            scheme = self.redis_url.partition("://")[0] if "://" in self.redis_url else "no scheme"
+            problems.append(("--redis-url", f"must start with {', '.join(_REDIS_SCHEMES[:-1])} or "
+                                            f"{_REDIS_SCHEMES[-1]} (got {scheme[:20]!r})"))
+        check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+              f"{self.log_level[:20]!r} is not one of DEBUG, INFO, WARNING, ERROR")
         if problems:
-            raise ValueError("; ".join(problems))
+            raise InvalidConfig(*problems[0], problems[1:])
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Adds one `--flag` per field; defaults come from `UIBUS_<FIELD>` or the field default."""
+        """Adds one `--flag` per field. Values stay strings here and env vars are not read for the value:
+        `from_args` parses both, so a bad `UIBUS_*` cannot break `--help` and every error is one line
+        naming the flag or env var (argparse's own type errors would dump the usage)."""
         for f in fields(cls):
-            default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-            env = os.environ.get("UIBUS_" + f.name.upper())
-            kind = type(default)
-            value: Any = kind(env) if env is not None else default
-            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=value,
-                                help=f"{f.metadata.get('help', '')} (env UIBUS_{f.name.upper()}, "
-                                     f"default {value!r})")
+            env_name, env = _env(f.name), os.environ.get(_env(f.name))
+            if f.metadata.get("secret"):  # --help is often pasted into tickets: never show a token
+                shown = "set" if env else "not set"
+            elif env is not None:
+                shown = f"{redacted(env)!r} from the env"
+            else:
+                shown = repr(_field_default(f))
+            text = f"{f.metadata.get('help', '')} (env {env_name}, default: {shown})"
+            parser.add_argument(_flag(f.name), dest=f.name, default=_UNSET, help=text.replace("%", "%%"))
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Config:
-        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+        """The config from parsed flags over `UIBUS_*` env vars over defaults. Raises InvalidConfig naming
+        the flag, or the env var when the value came from there; an env var shadowed by its flag is never
+        read, so a stale bad one does not matter. An explicit `--store` must be in an existing directory
+        (a typo must not silently create a tree and an empty store); the default location is created."""
+        values: dict[str, Any] = {}
+        problems: list[tuple[str, str]] = []
+        for f in fields(cls):
+            raw = getattr(ns, f.name, _UNSET)
+            source = _flag(f.name)
+            if raw is _UNSET:
+                raw, source = os.environ.get(_env(f.name)), _env(f.name)
+                if raw is None:
+                    continue
+            try:
+                values[f.name] = _parse(type(_field_default(f)), raw)
+            except ValueError as exc:
+                problems.append((source, str(exc)))
+        if problems:
+            raise InvalidConfig(*problems[0], problems[1:])
+        try:
+            config = cls(**values)
+        except InvalidConfig as exc:
+            renamed = [(source_of(ns, s), w) for s, w in exc.problems]
+            raise InvalidConfig(*renamed[0], renamed[1:]) from None
+        if "store" in values and config.store != ":memory:" and not config.redis_url:
+            folder = Path(config.store).expanduser().parent
+            if not folder.is_dir():
+                raise InvalidConfig(source_of(ns, "--store"), f"directory {folder} "
+                                    f"{'is not a directory' if folder.exists() else 'does not exist'}")
+        return config

@@ -55,6 +55,26 @@ class Internal(UibusError):
     code = "INTERNAL"
 
 
+class PermissionDenied(UibusError):
+    """The caller is known (its token is valid) but may not touch what it asked for."""
+
+    code = "PERMISSION_DENIED"
+
+
+class StoreFull(ResourceExhausted):
+    """The store has no room left (disk full, Redis out of memory); writes fail until it has."""
+
+
+class ConfigError(Exception):
+    """A start-up setting that cannot work: `uibus serve` prints `uibus serve: <source>: <what>` and
+    exits 2, with no traceback. `source` names what the user set (`--store`, `UIBUS_PORT`, …)."""
+
+    def __init__(self, source: str, what: str) -> None:
+        super().__init__(f"{source}: {what}")
+        self.source = source
+        self.what = what
+
+
 # The gRPC status numbers (a wire standard), for places that carry a status as a number.
 STATUS_NUMBERS: dict[str, int] = {
     "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
@@ -64,7 +84,7 @@ STATUS_NUMBERS: dict[str, int] = {
 }
 _BY_CODE: dict[str, type[UibusError]] = {cls.code: cls for cls in (
     InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, Unimplemented, Unauthenticated,
-    Internal)}
+    Internal, PermissionDenied)}
 _BY_NUMBER = {number: name for name, number in STATUS_NUMBERS.items()}
 
 

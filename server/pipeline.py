@@ -11,8 +11,11 @@ The policies, outermost first:
 2. errors — a domain error (uibus.errors) becomes its status with its message; an unexpected
    exception becomes INTERNAL with a short message and one log line, never a traceback to the
    client;
-3. authentication — with a token configured, `authorization: Bearer <token>` (health stays open
-   for probes, which send no metadata);
+3. authentication and authorization — with tokens configured (uibus.auth), `authorization:
+   Bearer <token>` (health stays open for probes, which send no metadata); a call that names a
+   session (the `x-uibus-session` key; "default" when absent) must use one its token may use,
+   else PERMISSION_DENIED; calls about no session (reflection, agent descriptions) need any
+   valid token, process-wide ones (bus statistics) an all-sessions token;
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
    gets its error's status before the handler runs, with one short log line;
 5. liveness — a stream that yields `uibus.bus.LIVE` (its subscription is registered) has its
@@ -25,7 +28,6 @@ layer costs an extra hop per message, which is most of what a delivery costs.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import logging
 import time
@@ -36,14 +38,36 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from uibus.auth import Grant, Tokens, bearer
 from uibus.bus import LIVE
 from uibus.calls import CallContext, Rejected, decode
-from uibus.errors import UibusError, Unauthenticated
+from uibus.errors import PermissionDenied, UibusError, Unauthenticated
 from uibus.metrics import Metrics
+from uibus.session import session_from_metadata
 
 log = logging.getLogger("uibus.calls")
 
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no token
+# Calls that touch no session: any valid token may make them (by path prefix / suffix).
+SESSIONLESS_PREFIXES = ("/grpc.reflection.",)
+SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "AgentService/Connectivity")
+# Calls that see every session at once: only an all-sessions token may make them.
+PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
+
+# What a method's token must allow (see `access_of`).
+OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
+
+
+def access_of(method: str) -> str:
+    """What a call of `method` needs. Every method not listed as open, sessionless or process-wide
+    is checked against its session, so a new service is tenant-safe without being listed."""
+    if method.startswith(OPEN_METHODS):
+        return OPEN
+    if method in PROCESS_WIDE:
+        return ALL_SESSIONS
+    if method.startswith(SESSIONLESS_PREFIXES) or method.endswith(SESSIONLESS_SUFFIXES):
+        return ANY_TOKEN
+    return ITS_SESSION
 _STATUS = {code.name: code for code in grpc.StatusCode}
 _BY_VALUE = {code.value[0]: code.name for code in grpc.StatusCode}
 _BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -115,25 +139,35 @@ class _Throttle:
 
 
 class Pipeline:
-    def __init__(self, metrics: Metrics | None = None, auth_token: str = "",
-                 open_methods: tuple[str, ...] = OPEN_METHODS) -> None:
+    def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None) -> None:
+        """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open."""
         self.metrics = metrics
-        self.open_methods = open_methods
-        self._token = auth_token.encode()
+        self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = _Throttle()
         self._failed_log = _Throttle()
 
     # ---- the policies -------------------------------------------------------------------------
 
-    def authenticate(self, metadata: Any) -> None:
-        """Unauthenticated unless the metadata carries `authorization: Bearer <token>`."""
+    def authenticate(self, metadata: Any) -> Grant:
+        """The grant of the call's `authorization: Bearer <token>`; Unauthenticated without one."""
         for key, value in metadata or ():
             if key == "authorization":
-                got = value.encode() if isinstance(value, str) else value
-                scheme, _, token = got.partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._token):
-                    return
+                grant = self.tokens.grant(bearer(value))
+                if grant is not None:
+                    return grant
         raise Unauthenticated("missing or wrong bearer token (metadata `authorization: Bearer <token>`)")
+
+    def authorize(self, access: str, metadata: Any) -> None:
+        """Policy 3: raises what refuses the call (no token, or a token bound to other sessions)."""
+        grant = self.authenticate(metadata)
+        if access == ITS_SESSION:
+            session = session_from_metadata(metadata)
+            if not grant.allows(session):
+                raise PermissionDenied(f"this token may not use session {session!r} (it may use: "
+                                       f"{' '.join(grant.patterns)})")
+        elif access == ALL_SESSIONS and not grant.all_sessions:
+            raise PermissionDenied("this call covers every session: it needs a token that may use all "
+                                   "sessions (`*`)")
 
     def _rejected(self, method: str, request: Rejected) -> UibusError:
         skipped = self._rejected_log.allow()
@@ -174,16 +208,17 @@ class Pipeline:
         """`handler` with every policy applied; `label` names it in metrics (default `method`)."""
         field = shape(handler)
         behavior = getattr(handler, field)
-        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming,
-                                      needs_auth=bool(self._token) and not method.startswith(self.open_methods))
+        access = access_of(method) if self.tokens.enabled else OPEN
+        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming, access)
         return rebuild(handler, wrapped, tolerant(handler.request_deserializer))
 
-    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, needs_auth: bool) -> Behavior:
+    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, access: str) -> Behavior:
         """One wrapper of the behaviour's own kind (grpc.aio picks its calling convention by it):
         an async generator for yielded streams, a coroutine for unary calls and `write()` streams."""
         metrics = self.metrics
         observe = metrics.observe if metrics is not None else None
-        authenticate = self.authenticate
+        authorize = self.authorize
+        needs_auth = access != OPEN
         rejected = self._rejected
         classify = self._classify
         status = _STATUS
@@ -191,7 +226,7 @@ class Pipeline:
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
             if needs_auth:
-                authenticate(context.invocation_metadata())
+                authorize(access, context.invocation_metadata())
             if request_streaming:
                 return _checked_requests(request, label, rejected)
             if request.__class__ is Rejected:

@@ -16,19 +16,28 @@ one key and the eviction script derives the keys of the sessions it deletes, whi
 Redis (what `make_client` connects to) allows; a Redis Cluster would need a per-slot index.
 Data of an earlier version joins the index at its session's next write, and a list of it joins
 its session's `lists` hash (so eviction deletes it) at its next append.
+
+Faults are classified in `_guard`, the one place: unreachable, loading, read-only or unable to
+persist is StoreUnavailable, out of memory (maxmemory with noeviction) StoreFull; both mark the
+store unhealthy until `probe` (PING and a tiny SET) passes again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote
 
-from uibus.errors import StoreUnavailable
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError, ResponseError
+
+from uibus.errors import StoreFull, StoreUnavailable
 from uibus.redis_conn import OUTAGE_ERRORS, make_client
 from uibus.store import EVICT_BATCH, Store, now_ms
+
+log = logging.getLogger("uibus.store")
 
 _GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
 
@@ -135,13 +144,19 @@ return {dropped, evicted, redis.call('ZCARD', KEYS[3])}
 """
 
 
-@contextlib.contextmanager
-def _reachable() -> Iterator[None]:
-    """Re-raises a lost or timed-out connection as StoreUnavailable (gRPC UNAVAILABLE)."""
-    try:
-        yield
-    except OUTAGE_ERRORS as exc:
-        raise StoreUnavailable(f"the session store (Redis) is unreachable: {exc}") from exc
+# Replies of a Redis that is up but refuses commands for a while (unavailable, not our bug), in words.
+_REFUSING = {"LOADING": "loading its data", "READONLY": "a read-only replica", "MISCONF": "cannot persist to disk",
+             "MASTERDOWN": "its primary is down", "TRYAGAIN": "cluster busy", "CLUSTERDOWN": "cluster down"}
+# After "out of memory", the store counts as recovered only below this share of maxmemory: a Redis
+# at its limit takes a tiny SET but refuses the next real write, and health must not flap with it.
+FULL_RECOVERED_BELOW = 0.95
+# One wording for every "out of memory" (Redis words it differently inside a MULTI, with key names).
+OUT_OF_MEMORY = "session store is full: Redis out of memory (used memory > maxmemory)"
+
+
+def _short(exc: BaseException) -> str:
+    """Redis's message without the script it came from (a digest and line number say nothing)."""
+    return str(exc).split(" script: ", 1)[0].rstrip(".") or type(exc).__name__
 
 
 def _dumps(value: Any) -> bytes:
@@ -162,6 +177,7 @@ class RedisStore(Store):
         self._append = self._redis.register_script(_APPEND)
         self._evict_over_max_script = self._redis.register_script(_EVICT_OVER_MAX)
         self._evict_idle_script = self._redis.register_script(_EVICT_IDLE)
+        self._full = False  # Redis refused a write for memory: the probe also wants room below the limit
 
     @staticmethod
     def _member(session: str) -> str:
@@ -173,6 +189,45 @@ class RedisStore(Store):
 
     def _lists(self, session: str) -> str:
         return self._base(session) + ":lists"
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Re-raises what an unreachable or refusing Redis raises as StoreUnavailable (gRPC
+        UNAVAILABLE) and "out of memory" as StoreFull (RESOURCE_EXHAUSTED), each noted for health;
+        any other error (a bug of ours) goes on as it is."""
+        try:
+            yield
+        except OutOfMemoryError as exc:
+            self._full = True
+            raise self._failed("oom", StoreFull(OUT_OF_MEMORY)) from exc
+        except OUTAGE_ERRORS as exc:
+            raise self._failed("unreachable", StoreUnavailable(
+                f"session store unavailable: Redis unreachable ({_short(exc)})")) from exc
+        except ResponseError as exc:  # inside a MULTI Redis adds key names to the text: only its code is shown
+            text = str(exc)
+            code = ("LOADING" if isinstance(exc, BusyLoadingError) else "READONLY" if isinstance(exc, ReadOnlyError)
+                    else next((c for c in _REFUSING if c in text), None))
+            if code is None:
+                raise
+            raise self._failed("refusing", StoreUnavailable(
+                f"session store unavailable: Redis refuses commands ({_REFUSING[code]})")) from exc
+
+    async def probe(self) -> None:
+        """PING, then a tiny SET that expires by itself: a Redis out of memory answers PING but
+        refuses the SET, and that must keep the store unhealthy. After "out of memory", also
+        used_memory below FULL_RECOVERED_BELOW of maxmemory (when INFO is allowed)."""
+        with self._guard():
+            await self._redis.ping()
+            await self._redis.set(f"{self.namespace}:probe", now_ms(), px=10_000)
+            if self._full:
+                try:
+                    memory = await self._redis.info("memory")
+                except ResponseError:  # INFO refused (an ACL): the SET above is all we can tell
+                    memory = {}
+                used, limit = int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0))
+                if limit and used > limit * FULL_RECOVERED_BELOW:
+                    raise self._failed("oom", StoreFull(OUT_OF_MEMORY))
+                self._full = False
 
     def _stamp(self, pipe: Any, session: str, create: bool) -> None:
         """Queues the session's activity stamp and the count after the write in `pipe` (a MULTI);
@@ -196,7 +251,7 @@ class RedisStore(Store):
 
     async def sweep(self) -> int:
         evicted = 0
-        with _reachable():
+        with self._guard():
             if self.ttl_s > 0:
                 cutoff = now_ms() - self.ttl_s * 1000
                 while True:
@@ -221,13 +276,13 @@ class RedisStore(Store):
         return f"{self._base(session)}:list:{key}"
 
     async def get(self, session: str, key: str) -> Any | None:
-        with _reachable():
+        with self._guard():
             raw = await self._redis.hget(self._kv(session), key)
             return json.loads(raw) if raw is not None else None
 
     async def put(self, session: str, key: str, value: Any | None) -> None:
         """One script: the write, the session's stamp and, for a new session, making room."""
-        with _reachable():
+        with self._guard():
             evicted, sessions = await self._put(keys=[self._kv(session), self._index],
                                                 args=[key, b"" if value is None else _dumps(value),
                                                       *self._retention_args(session)])
@@ -250,7 +305,7 @@ class RedisStore(Store):
                 pipe.hset(name, key, _dumps(value))
             self._stamp(pipe, session, create=value is not None)
 
-        with _reachable():
+        with self._guard():
             _, created, sessions = await self._redis.transaction(attempt, name)
             self.stats.sessions = int(sessions)
             if created and self.max_sessions and sessions > self.max_sessions:
@@ -259,7 +314,7 @@ class RedisStore(Store):
 
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""
-        with _reachable():
+        with self._guard():
             pattern = prefix.translate(_GLOB_SPECIAL) + "*"
             found: dict[str, Any] = {}
             async for field, raw in self._redis.hscan_iter(self._kv(session), match=pattern, count=500):
@@ -271,7 +326,7 @@ class RedisStore(Store):
     async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
         """One script (push, both bounds, the byte total, the stamp), so readers never see the
         list over its bounds and concurrent appends never lose a byte of the total."""
-        with _reachable():
+        with self._guard():
             dropped, evicted, sessions = await self._append(
                 keys=[self._list(session, key), self._lists(session), self._index],
                 args=[_dumps(value), max_len, max_bytes, key, *self._retention_args(session)])
@@ -279,10 +334,14 @@ class RedisStore(Store):
             self._counted(evicted, sessions)
 
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
-        with _reachable():
+        with self._guard():
             start = -last if last > 0 else 0
             return [json.loads(v) for v in await self._redis.lrange(self._list(session, key), start, -1)]
 
     async def close(self) -> None:
+        """Never raises (shutdown must end with 0): a client that fails to close is one log line."""
         await super().close()
-        await self._redis.aclose()
+        try:
+            await self._redis.aclose()
+        except Exception as exc:
+            log.warning("session store (Redis) not closed cleanly", extra={"fields": {"error": _short(exc)}})

@@ -19,3 +19,65 @@ _FALLBACK = """<!doctype html>
 def webview_html() -> str:
     page = resources.files("uibus").joinpath("static/index.html")
     return page.read_text(encoding="utf-8") if page.is_file() else _FALLBACK
+
+
+# With tokens configured, `GET /` without a token answers 401 with this page. A browser cannot
+# send a header when it navigates, so the page takes the token from the URL fragment
+# (`/#token=T`, never sent to any server and removed from the address bar at once) or from the
+# form, keeps it for the tab (sessionStorage), fetches the real page with it and replaces itself
+# with that page, which sends the same token on every call.
+_LOGIN = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>uibus · token</title>
+<style>
+  body { margin: 0; height: 100vh; display: grid; place-items: center; background: #1e1f24; color: #e3e5ea;
+         font: 14px/1.45 system-ui, -apple-system, sans-serif; color-scheme: dark; }
+  form { display: flex; gap: .5em; } input, button { font: inherit; padding: .4em .6em; }
+</style></head>
+<body><main>
+<h1>uibus</h1>
+<p id="why">This server needs a token. Paste it here, or open this page as <code>/#token=…</code>.</p>
+<form id="login"><input id="token" type="password" autocomplete="current-password" aria-label="token"
+  placeholder="token" required><button type="submit">Open</button></form>
+</main>
+<script>
+"use strict";
+(() => {
+  const KEY = "uibus-token";
+  const why = document.getElementById("why");
+  const hash = new URLSearchParams(location.hash.slice(1));
+  if (hash.has("token")) {
+    sessionStorage.setItem(KEY, hash.get("token"));
+    hash.delete("token");
+    const rest = hash.toString();
+    history.replaceState(null, "", location.pathname + location.search + (rest ? "#" + rest : ""));
+  }
+  async function open(token) {
+    const reply = await fetch(location.pathname + location.search,
+                              { headers: { authorization: "Bearer " + token }, cache: "no-store" });
+    if (reply.status !== 200) {
+      sessionStorage.removeItem(KEY);
+      why.textContent = reply.status === 401 ? "That token was refused." : "The server answered " + reply.status + ".";
+      return;
+    }
+    sessionStorage.setItem(KEY, token);
+    const page = await reply.text();
+    document.open();
+    document.write(page);
+    document.close();
+  }
+  document.getElementById("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    open(document.getElementById("token").value.trim());
+  });
+  const saved = sessionStorage.getItem(KEY);
+  if (saved) open(saved);
+})();
+</script>
+</body></html>
+"""
+
+
+def login_html() -> str:
+    """The page `GET /` answers (401) to a browser without a token when tokens are configured."""
+    return _LOGIN

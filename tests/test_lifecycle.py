@@ -149,7 +149,7 @@ def test_bad_config_is_refused(tmp_path):
 
     proc = subprocess.run([sys.executable, "-m", "uibus", "serve", "--port", "70000",
                            "--store", str(tmp_path / "x.db")], capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 2 and "port must be within 0..65535" in proc.stderr
+    assert proc.returncode == 2 and "uibus serve: --port: must be within 0..65535" in proc.stderr
 
 
 async def test_port_in_use_fails_clearly(app, tmp_path):

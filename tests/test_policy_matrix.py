@@ -2,11 +2,12 @@
 transport, and is counted in the same metrics series.
 
 Transports: native gRPC, gRPC-Web (binary and text), the neuro-san HTTP API, the CodeBolt
-WebSocket and an in-process channel. Policies: undecodable input, a missing or wrong token, the
-store unreachable (a real redis-server, stopped), and an unexpected exception in a handler (a
-store that breaks for one session). Each case is a real call over a real connection to a real
-App; the status is read the way that transport's client reads it (gRPC status, grpc-status
-trailer, HTTP status and JSON `code`, the CodeBolt reply's `code`).
+WebSocket and an in-process channel. Policies: undecodable input, a missing or wrong token, a
+token bound to other sessions (and its reload), the store unreachable (a real redis-server,
+stopped), and an unexpected exception in a handler (a store that breaks for one session). Each
+case is a real call over a real connection to a real App; the status is read the way that
+transport's client reads it (gRPC status, grpc-status trailer, HTTP status and JSON `code`, the
+CodeBolt reply's `code`).
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ async def via_http(app: App, session: str, headers: dict[str, str], garbage: boo
     if r.status_code == 200:
         return Outcome("OK", "", CHAT)
     error = r.json()
-    assert r.status_code == {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "UNAVAILABLE": 503,
-                             "INTERNAL": 500}[error["code"]], (r.status_code, error)
+    assert r.status_code == {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403,
+                             "UNAVAILABLE": 503, "INTERNAL": 500}[error["code"]], (r.status_code, error)
     return Outcome(error["code"], error["error"], CHAT)
 
 
@@ -137,7 +138,7 @@ async def via_websocket(app: App, session: str, headers: dict[str, str], garbage
             reply = json.loads(await ws.recv())
     except InvalidStatus as exc:  # the upgrade itself was refused: HTTP status, JSON body
         error = json.loads(exc.response.body)
-        assert exc.response.status_code == 401 and error["code"] == "UNAUTHENTICATED", error
+        assert exc.response.status_code == {"UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}[error["code"]], error
         return Outcome(error["code"], error["error"], "/codebolt.AgentToApp/connect")
     method = "/codebolt.AgentToApp/frame" if garbage else MEMORY_SET
     if reply["success"]:
@@ -172,9 +173,11 @@ def rpc_count(app: App, method: str, code: str, transport: str) -> float:
 
 
 async def scrape(app: App) -> str:
-    """/metrics over real HTTP, as Prometheus reads it."""
+    """/metrics over real HTTP, as Prometheus reads it (with the app's metrics or operator token)."""
+    token = app.config.metrics_token or app.config.auth_token
     async with httpx.AsyncClient(timeout=10) as http:
-        r = await http.get(f"http://127.0.0.1:{app.http_port}/metrics")
+        r = await http.get(f"http://127.0.0.1:{app.http_port}/metrics",
+                           headers={"authorization": f"Bearer {token}"} if token else {})
     assert r.status_code == 200
     return r.text
 
@@ -232,6 +235,28 @@ async def test_missing_or_wrong_token_is_unauthenticated(transport: str, token: 
     await check(app, transport, outcome, "UNAUTHENTICATED")
     # RFC 7235: the scheme is case-insensitive.
     assert (await ATTEMPTS[transport](app, "s1", {"authorization": f"bearer {TOKEN}"}, False)).code == "OK"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_token_bound_to_other_sessions_is_permission_denied(transport: str, matrix_config: Config,
+                                                                  started: Any, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# tenant tokens\nteam-a-token  team-a-*  demo\nadmin-token *  # the operator\n")
+    app = await started(replace(matrix_config, tokens_file=str(tokens), metrics_token="metrics-token"))
+    team_a = {"authorization": "Bearer team-a-token"}
+    assert (await ATTEMPTS[transport](app, "team-a-1", team_a, False)).code == "OK"
+    outcome = await ATTEMPTS[transport](app, "team-b-1", team_a, False)
+    await check(app, transport, outcome, "PERMISSION_DENIED")
+    assert "'team-b-1'" in outcome.message and "team-a-*" in outcome.message and "team-a-token" not in outcome.message
+    admin = {"authorization": "bearer admin-token"}
+    for session in ("team-a-1", "team-b-1"):
+        assert (await ATTEMPTS[transport](app, session, admin, False)).code == "OK"
+    # The file is edited and reloaded (SIGHUP in `uibus serve`): the new grants hold for new calls.
+    tokens.write_text("team-a-token team-b-*\n")
+    assert app.reload_tokens()
+    assert (await ATTEMPTS[transport](app, "team-b-1", team_a, False)).code == "OK"
+    assert (await ATTEMPTS[transport](app, "team-a-1", team_a, False)).code == "PERMISSION_DENIED"
+    assert (await ATTEMPTS[transport](app, "team-a-1", admin, False)).code == "UNAUTHENTICATED"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -186,3 +186,48 @@ async def test_page_answers_extension_ui_dialogs(web: App, browser: Any, tmp_pat
         await page.wait_for_selector('.dialog[data-kind="editor"]', state="detached", timeout=WITHIN)
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
+
+
+async def test_page_with_tokens_signs_in_from_the_fragment_or_the_form(web_config: Any, browser: Any,
+                                                                     tmp_path: Path) -> None:
+    """With tenant tokens the page asks for one: `/#token=T` (the fragment never reaches a server and
+    leaves the address bar at once) or the sign-in form; the page then sends it on every call, and
+    a reload in the same tab keeps working."""
+    from dataclasses import replace
+
+    from tests.conftest import start_app
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("team-a-token team-a-*\n")
+    app = await start_app(replace(web_config, tokens_file=str(tokens)))
+    try:
+        base = f"http://127.0.0.1:{app.http_port}"
+        context = await browser.new_context()
+        page = await context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        await page.goto(f"{base}/?session=team-a-1#token=team-a-token")
+        await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+        await wait_for(lambda: app.bus.count(session="team-a-1") == STREAMS_PER_PAGE, timeout=5,
+                       what="signed-in page subscribed")
+        assert await page.evaluate("location.hash") == ""  # the token left the address bar
+        await page.reload()
+        await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+        await page.close()
+
+        fresh = await (await browser.new_context()).new_page()  # a new tab: nothing remembered
+        await fresh.goto(f"{base}/?session=team-a-2")
+        await fresh.fill("#token", "wrong-token")
+        await fresh.click("#login button")
+        await fresh.wait_for_selector('#why:text("refused")', timeout=5000)
+        await fresh.fill("#token", "team-a-token")
+        await fresh.click("#login button")
+        await fresh.wait_for_selector('#status[data-state="live"]', timeout=5000)
+        await wait_for(lambda: app.bus.count(session="team-a-2") == STREAMS_PER_PAGE, timeout=5,
+                       what="page signed in from the form subscribed")
+        await fresh.close()
+        assert not errors, errors
+        await wait_for(lambda: app.bus.count() == 0, timeout=5, what="subscriptions removed after the pages closed")
+        await context.close()
+    finally:
+        await app.aclose(grace=0.5)

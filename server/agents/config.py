@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.agents import AgentSpec, Backend
+from uibus.config import InvalidConfig
 
 # backend name -> "module:Class"; imported only when configured.
 BACKENDS = {
@@ -79,14 +80,20 @@ def read_config(path: str) -> dict[str, Any]:
     try:
         raw = file.read_bytes()
     except OSError as exc:
-        raise ValueError(f"agents config {path}: cannot read it: {exc.strerror or exc}") from exc
+        raise ValueError(f"{path}: cannot read it: {(exc.strerror or str(exc)).lower()}") from exc
+    kind = "TOML" if file.suffix == ".toml" else "JSON"
     try:
-        data = tomllib.loads(raw.decode()) if file.suffix == ".toml" else json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"agents config {path}: not valid {'TOML' if file.suffix == '.toml' else 'JSON'}: "
-                         f"{exc}") from exc
+        data = tomllib.loads(raw.decode()) if kind == "TOML" else json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not valid {kind}: byte {exc.start} is not UTF-8") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}") from exc
+    except ValueError as exc:  # tomllib (3.11) puts the place in the message: "… (at line 3, column 7)"
+        at = re.fullmatch(r"(.*) \(at (?:line (\d+), column (\d+)|(end of document))\)", str(exc), re.DOTALL)
+        where = "" if not at else "end of file: " if at[4] else f"line {at[2]}, column {at[3]}: "
+        raise ValueError(f"{path}: {where}not valid {kind}: {at[1] if at else exc}") from exc
     if not isinstance(data, dict):
-        raise ValueError(f"agents config {path}: the top level must be an object with an `agents` list")
+        raise ValueError(f"{path}: the top level must be an object with an `agents` list")
     return data
 
 
@@ -131,9 +138,18 @@ def build_backend(spec: AgentSpec) -> Backend:
 
 
 def load_agents(path: str) -> AgentTable:
-    """Reads and checks the config and builds every backend (which checks its options)."""
+    """Reads and checks the config and builds every backend (which checks its options). A mistake raises
+    InvalidConfig naming `--agents`, the file and the place, so `uibus serve` reports it as one line
+    (and callers catching ValueError still do)."""
+    try:
+        return _load_agents(path)
+    except ValueError as exc:
+        raise InvalidConfig("--agents", str(exc)) from exc
+
+
+def _load_agents(path: str) -> AgentTable:
     data = read_config(path)
-    where = f"agents config {path or '(built-in)'}"
+    where = path or "(built-in)"
     unknown = sorted(set(data) - {"agents", "default_agent"})
     if unknown:
         raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent")

@@ -69,7 +69,7 @@ def json_object(source: str, text: str, what: str) -> dict[str, Any]:
     else is an AgentError naming the upstream and showing the start of what it sent."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python recurses
         raise AgentError(f"{source} sent {'an' if what[0] in 'aeiou' else 'a'} {what} that is not JSON: "
                          f"{text[:200]!r}") from exc
     if not isinstance(data, dict):

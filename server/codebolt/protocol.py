@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from uibus.calls import load_json
 from uibus.errors import InvalidArgument
 
 # Every event family of the AsyncAPI document and its actions (the schema's enums).
@@ -233,9 +234,9 @@ def parse(text: str) -> Request:
 
     A frame without `requestId` is fine in either form: its reply is matched by `type`, the way
     codeboltjs matches every reply."""
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep to read
+    try:  # bounded depth: a deep frame is answered like any bad frame, never a RecursionError later
+        obj = load_json(text, "the frame")
+    except InvalidArgument as exc:
         raise EnvelopeError(f"malformed JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise EnvelopeError(f"an envelope is a JSON object with type/action/requestId, got a JSON {_kind(obj)}")

@@ -209,7 +209,7 @@ class UiFeed:
             raise InvalidArgument(f"theme is {len(theme)} characters; the limit is {MAX_THEME_CHARS}")
         try:
             json.loads(theme)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python recurses
             raise InvalidArgument(f"theme must be a JSON document: {exc}") from None
         await self.store.put(session, THEME_KEY, theme)
         return self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))

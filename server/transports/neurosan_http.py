@@ -21,7 +21,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
-from uibus.calls import CallContext, Rejected, decode, responses
+from uibus.calls import CallContext, Rejected, decode, load_json, responses
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.transports.asgi import (
     BodyTooLarge,
@@ -53,9 +53,12 @@ def to_json(message: ProtoMessage) -> str:
 
 
 def _parse(request_type: type[ProtoMessage], body: bytes) -> ProtoMessage:
+    """The request from its proto3 JSON. `load_json` bounds the nesting first, so a deep body is a
+    400 that says so rather than whatever the recursion limit breaks on the way."""
     request = request_type()
     if body.strip():
-        json_format.Parse(body, request)
+        data = load_json(body, f"the body (a {request_type.__name__} in proto3 JSON)")
+        json_format.ParseDict(data, request)
     return request
 
 

@@ -8,23 +8,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
 from uibus.transports.asgi import ASGIApp, Receive, Scope, Send, header, respond
 from uibus.transports.cors import Cors
 from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
+from uibus.webview import login_html
 
 
 class Routes:
-    def __init__(self, lookup: Lookup, metrics: Metrics, page: Callable[[], str], stopping: Callable[[], bool],
-                 max_message_bytes: int = 4 * 1024 * 1024, mounts: Mapping[str, ASGIApp] | None = None) -> None:
+    def __init__(self, lookup: Lookup, metrics: Metrics, page: Callable[[], str],
+                 not_ready: Callable[[], str | None],
+                 max_message_bytes: int = 4 * 1024 * 1024, mounts: Mapping[str, ASGIApp] | None = None,
+                 tokens: Tokens | None = None) -> None:
         self.grpc_web = GrpcWeb(lookup, max_message_bytes)
         self.api = NeuroSanHttp(lookup, max_message_bytes)
         self.metrics = metrics
         self.page = page
-        self.stopping = stopping
+        # Why calls would fail right now (shutting down, the store failing), None when ready: /readyz
+        # says it, so an operator sees the reason where the probe fails.
+        self.not_ready = not_ready
         # Other parts that live on the HTTP port, by path prefix (the CodeBolt WebSocket).
         self.mounts: dict[str, ASGIApp] = dict(mounts or {})
+        # With tokens configured, the page and /metrics need one too (health stays open for probes);
+        # gRPC-Web, the HTTP API and the WebSocket are checked by the handler pipeline.
+        self.tokens = tokens or Tokens()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
@@ -33,7 +42,8 @@ class Routes:
                 await mounted(scope, receive, send)
                 return
         if scope["type"] != "http":
-            return  # no WebSocket route here: returning makes the server refuse the upgrade
+            await _no_websocket(scope, send, path)
+            return
         if is_grpc_web(header(scope, b"content-type")):
             await self.grpc_web(scope, receive, send)
         elif path.startswith(PREFIX):
@@ -41,22 +51,46 @@ class Routes:
         elif scope["method"] not in ("GET", "HEAD"):
             await respond(send, 405 if path in _GET_PATHS else 404, f"no {scope['method']} route for {path}\n")
         elif path == "/":
-            await respond(send, 200, self.page(), "text/html; charset=utf-8",
-                          [(b"cache-control", b"no-cache")])
+            if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
+                # The browser cannot send a header when it navigates: this page asks for the token
+                # (URL fragment, or a prompt), then loads the real page with it (uibus.webview).
+                await respond(send, 401, login_html(), "text/html; charset=utf-8", _LOGIN_HEADERS)
+            else:
+                await respond(send, 200, self.page(), "text/html; charset=utf-8",
+                              [(b"cache-control", b"no-cache")])
         elif path in ("/healthz", "/livez"):
             await respond(send, 200, "ok\n")
         elif path == "/readyz":
-            if self.stopping():
-                await respond(send, 503, "shutting down\n")
+            reason = self.not_ready()
+            if reason:
+                await respond(send, 503, f"not ready: {reason}\n")
             else:
                 await respond(send, 200, "ok\n")
         elif path == "/metrics":
-            await respond(send, 200, self.metrics.render(), CONTENT_TYPE)
+            token = bearer(header(scope, b"authorization"))
+            if not self.tokens.enabled or self.tokens.may_read_metrics(token):
+                await respond(send, 200, self.metrics.render(), CONTENT_TYPE)
+            elif self.tokens.grant(token) is None:
+                await respond(send, 401, "/metrics needs `Authorization: Bearer <token>` (--metrics-token or an "
+                                         "all-sessions token)\n", headers=[_CHALLENGE])
+            else:  # a tenant's token: /metrics shows every tenant's traffic
+                await respond(send, 403, "/metrics needs --metrics-token or a token that may use all sessions\n")
         else:
             await respond(send, 404, f"not found: {path}\n")
 
 
 _GET_PATHS = frozenset({"/", "/healthz", "/livez", "/readyz", "/metrics"})
+_CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
+_LOGIN_HEADERS = [_CHALLENGE, (b"cache-control", b"no-store")]
+
+
+async def _no_websocket(scope: Scope, send: Send, path: str) -> None:
+    """Refuses a WebSocket upgrade on a path that has none: 404 where the server can send an HTTP
+    response to an upgrade (uvicorn can), else a close before accept (which clients see as 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await respond(send, 404, f"no WebSocket endpoint at {path}\n", prefix="websocket.")
+    else:
+        await send({"type": "websocket.close", "code": 1008})
 
 
 def build(routes: Routes, cors_origins: str) -> ASGIApp:

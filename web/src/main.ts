@@ -19,7 +19,17 @@ import { followExtensionUi } from "./extui";
 
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "default";
-const token = params.get("token") || "";
+// The token (servers with --auth-token / --tokens-file): the URL fragment `#token=T` (never sent
+// to a server), else the one the sign-in page kept for this tab, else `?token=T` (older links).
+const TOKEN_KEY = "uibus-token";
+const fragment = new URLSearchParams(location.hash.slice(1));
+const token = fragment.get("token") || sessionStorage.getItem(TOKEN_KEY) || params.get("token") || "";
+if (fragment.has("token")) {
+  sessionStorage.setItem(TOKEN_KEY, token);
+  fragment.delete("token");
+  const rest = fragment.toString();
+  history.replaceState(null, "", location.pathname + location.search + (rest ? `#${rest}` : ""));
+}
 const server = params.get("server") || location.origin;
 const clientId = params.get("client") || `webview-${Math.random().toString(36).slice(2, 10)}`;
 

@@ -1,0 +1,163 @@
+"""`uibus serve` refuses a setting that cannot work with one line on stderr, never a traceback.
+
+Each case runs the real command (`python -m uibus serve`, or the installed `uibus` script) and checks
+the exit code (2 for a bad flag, env var or file; 1 when the machine refuses, e.g. a port in use)
+and that stderr is exactly `uibus serve: <flag or env var>: <what is wrong>`. The table doubles as
+the list of start-up errors and their exact wording.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+UIBUS = str(Path(sys.executable).parent / "uibus")
+# Flags every case gets, unless it sets that flag or its env var itself.
+BASE = {"--host": "127.0.0.1", "--port": "0", "--http-port": "0", "--store": "{tmp}/uibus.db"}
+
+# The agents files the cases name, written into the test's tmp directory.
+AGENTS_FILES = {
+    "bad.json": '{\n  "agents": [\n    {"name": "a",}\n  ]\n}\n',
+    "bad.toml": "[[agents]]\nname = \n",
+    "shape.json": '{"agents": {"name": "a"}}\n',
+    "backend.json": '{"agents": [{"name": "x", "backend": "nope"}]}\n',
+}
+
+# (id, extra args, env, exit code, the one stderr line; a trailing "…" means "starts with").
+CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
+    ("env-port-not-int", [], {"UIBUS_PORT": "abc"}, 2, "uibus serve: UIBUS_PORT: 'abc' is not an integer"),
+    ("flag-port-not-int", ["--port", "abc"], {}, 2, "uibus serve: --port: 'abc' is not an integer"),
+    ("flag-shadows-bad-env", ["--port", "0", "--queue-size", "0"], {"UIBUS_PORT": "abc"}, 2,
+     "uibus serve: --queue-size: must be at least 1"),
+    ("port-range", ["--port", "70000"], {}, 2, "uibus serve: --port: must be within 0..65535"),
+    ("queue-size", ["--queue-size", "0"], {}, 2, "uibus serve: --queue-size: must be at least 1"),
+    ("env-queue-size", [], {"UIBUS_QUEUE_SIZE": "0"}, 2, "uibus serve: UIBUS_QUEUE_SIZE: must be at least 1"),
+    ("several-at-once", ["--port", "70000", "--queue-size", "0"], {}, 2,
+     "uibus serve: --port: must be within 0..65535; --queue-size: must be at least 1"),
+    ("chat-context", ["--chat-context-bytes", "3000000"], {}, 2,
+     "uibus serve: --chat-context-bytes: must be at most half of --max-message-bytes (2097152), as a reply "
+     "carries the context and the answer"),
+    ("tls-cert-alone", ["--tls-cert", "{tmp}/cert.pem"], {}, 2, "uibus serve: --tls-cert: needs --tls-key as well"),
+    ("same-ports", ["--port", "5000", "--http-port", "5000"], {}, 2,
+     "uibus serve: --http-port: must differ from --port"),
+    ("agents-missing", ["--agents", "{tmp}/missing.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/missing.json: cannot read it: no such file or directory"),
+    ("agents-bad-json", ["--agents", "{tmp}/bad.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/bad.json: line 3, column 18: not valid JSON: …"),
+    ("agents-bad-toml", ["--agents", "{tmp}/bad.toml"], {}, 2,
+     "uibus serve: --agents: {tmp}/bad.toml: line 2, column 8: not valid TOML: …"),
+    ("agents-wrong-shape", ["--agents", "{tmp}/shape.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/shape.json: `agents` must be a non-empty list"),
+    ("agents-bad-backend", ["--agents", "{tmp}/backend.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/backend.json: agents[0] (x): backend 'nope' is not one of local, openai, "
+     "neuro-san"),
+    ("env-agents", [], {"UIBUS_AGENTS": "{tmp}/shape.json"}, 2,
+     "uibus serve: UIBUS_AGENTS: {tmp}/shape.json: `agents` must be a non-empty list"),
+    ("redis-scheme", ["--redis-url", "http://user:pw@x"], {}, 2,
+     "uibus serve: --redis-url: must start with redis://, rediss:// or unix:// (got 'http')"),
+    ("store-missing-dir", ["--store", "{tmp}/missing/dir/x.db"], {}, 2,
+     "uibus serve: --store: directory {tmp}/missing/dir does not exist"),
+    ("env-store-missing-dir", [], {"UIBUS_STORE": "{tmp}/missing/dir/x.db"}, 2,
+     "uibus serve: UIBUS_STORE: directory {tmp}/missing/dir does not exist"),
+    ("log-level", ["--log-level", "LOUD"], {}, 2,
+     "uibus serve: --log-level: 'LOUD' is not one of DEBUG, INFO, WARNING, ERROR"),
+    ("env-keepalive", [], {"UIBUS_KEEPALIVE_SECONDS": "x"}, 2,
+     "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'x' is not a number"),
+    ("env-keepalive-nan", [], {"UIBUS_KEEPALIVE_SECONDS": "nan"}, 2,
+     "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'nan' is not a finite number"),
+    ("grpc-port-taken", ["--port", "{taken}"], {}, 1,
+     "uibus serve: --port: cannot listen on 127.0.0.1:{taken}: address in use"),
+    ("http-port-taken", ["--http-port", "{taken}"], {}, 1,
+     "uibus serve: --http-port: cannot listen on 127.0.0.1:{taken}: address in use"),
+]
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> Iterator[int]:
+    """A port something else listens on (as another server would)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def env_name(flag: str) -> str:
+    return "UIBUS_" + flag[2:].replace("-", "_").upper()
+
+
+def clean_env(tmp: Path, extra: dict[str, str]) -> dict[str, str]:
+    """The caller's environment without its UIBUS_* settings, plus `extra`: each case sees only its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UIBUS_")}
+    env["XDG_STATE_HOME"] = str(tmp / "state")
+    env.update(extra)
+    return env
+
+
+def serve(args: list[str], env: dict[str, str], *, script: bool = False) -> subprocess.CompletedProcess[str]:
+    command = [UIBUS] if script else [sys.executable, "-m", "uibus"]
+    return subprocess.run([*command, "serve", *args], env=env, capture_output=True, text=True, timeout=20)
+
+
+def assert_one_line(stderr: str, expected: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    if expected.endswith("…"):
+        assert lines[0].startswith(expected[:-1]), stderr
+    else:
+        assert lines[0] == expected
+
+
+@pytest.mark.parametrize(("args", "env", "code", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_setting_is_one_line(tmp_path: Path, taken_port: int, args: list[str], env: dict[str, str],
+                                   code: int, expected: str) -> None:
+    for name, text in AGENTS_FILES.items():
+        (tmp_path / name).write_text(text)
+
+    def fill(text: str) -> str:
+        return text.replace("{tmp}", str(tmp_path)).replace("{taken}", str(taken_port))
+
+    base = [part for flag, value in BASE.items() if flag not in args and env_name(flag) not in env
+            for part in (flag, fill(value))]
+    proc = serve([*base, *(fill(a) for a in args)], clean_env(tmp_path, {k: fill(v) for k, v in env.items()}))
+    assert proc.returncode == code, proc.stderr
+    assert_one_line(proc.stderr, fill(expected))
+    assert not (tmp_path / "missing").exists()  # an explicit --store never creates directories
+
+
+def test_help_survives_a_bad_env_var_and_hides_secrets(tmp_path: Path) -> None:
+    env = clean_env(tmp_path, {"UIBUS_PORT": "abc", "UIBUS_AUTH_TOKEN": "s3cret-value",
+                               "UIBUS_REDIS_URL": "redis://:redis-pass@db:6379/0"})
+    proc = serve(["--help"], env, script=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    out = " ".join(proc.stdout.split())  # argparse wraps the help text
+    assert "s3cret-value" not in out and "redis-pass" not in out
+    assert "(env UIBUS_AUTH_TOKEN, default: set)" in out
+    assert "(env UIBUS_METRICS_TOKEN, default: not set)" in out
+    assert "(env UIBUS_PORT, default: 'abc' from the env)" in out
+    assert "'redis://:***@db:6379/0' from the env" in out
+
+
+def test_an_unknown_flag_shows_the_serve_usage(tmp_path: Path) -> None:
+    proc = serve(["--no-such-flag"], clean_env(tmp_path, {}), script=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("usage: uibus serve ")
+    assert proc.stderr.splitlines()[-1] == "uibus serve: error: unrecognized arguments: --no-such-flag"
+
+
+def test_the_default_store_directory_is_still_created(tmp_path: Path) -> None:
+    """Only an explicit --store must exist: the default one under XDG_STATE_HOME is made on first start
+    (here the start then fails on the agents file, after the store opened)."""
+    (tmp_path / "shape.json").write_text(AGENTS_FILES["shape.json"])
+    proc = serve(["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--agents", str(tmp_path / "shape.json")],
+                 clean_env(tmp_path, {}))
+    assert proc.returncode == 2
+    assert_one_line(proc.stderr, f"uibus serve: --agents: {tmp_path}/shape.json: `agents` must be a non-empty list")
+    assert (tmp_path / "state" / "uibus").is_dir()
