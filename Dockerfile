@@ -1,18 +1,33 @@
-# uibus container image: `docker build -t uibus .` then `docker run -p 26040:26040 -p 8080:8080 uibus`.
+# uibus container image: `docker build -t uibus:0.1.0 .` then `docker run -p 26040:26040 -p 8080:8080 uibus:0.1.0`.
 # Two stages so the image carries no compiler or grpcio-tools: protos are compiled into the wheel.
-FROM python:3.11-slim AS build
+# The base is pinned to a patch release so a rebuild gets the same Python; move it on purpose, for
+# both stages at once, e.g. `docker build --build-arg BASE=python:3.11.17-slim-bookworm@sha256:<digest> .`.
+ARG BASE=python:3.11.17-slim-bookworm
+
+FROM ${BASE} AS build
 WORKDIR /src
 # What the build reads: setup.py generates uibus.pb from protos/ (server/pb is in .dockerignore).
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos protos
 COPY server server
 COPY clients clients
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# uibus's wheel only: its dependencies come from requirements.lock in the final stage.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE}
+# The package version (pyproject.toml); tests/test_deploy.py keeps this default in step with it.
+ARG VERSION=0.1.0
+LABEL org.opencontainers.image.title="uibus" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/uibus --create-home uibus
+# Exact versions CI tested with (the ranges in pyproject.toml would take whatever is newest today),
+# in their own layer so a code change does not reinstall them.
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --no-cache-dir -r /tmp/requirements.lock && rm /tmp/requirements.lock
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+# --no-deps: nothing beyond the lock; `pip check` fails the build if the lock no longer satisfies uibus.
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels && pip check
 USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.
@@ -21,9 +36,11 @@ ENV UIBUS_HOST=0.0.0.0 \
     UIBUS_HTTP_PORT=8080 \
     UIBUS_STORE=/var/lib/uibus/uibus.db \
     PYTHONUNBUFFERED=1
+# The only writable path it needs (a read-only root filesystem is fine; mount /tmp too).
 VOLUME ["/var/lib/uibus"]
 EXPOSE 26040 8080
-HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 CMD ["python", "-c", "import sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; ch = grpc.insecure_channel('127.0.0.1:26040'); sys.exit(0 if g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=2).status == h.HealthCheckResponse.SERVING else 1)"]
+# gRPC health of "" on the port uibus serves: follows UIBUS_PORT when `docker run -e UIBUS_PORT=…` moves it.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 CMD ["python", "-c", "import os, sys, grpc; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; ch = grpc.insecure_channel('127.0.0.1:' + os.environ['UIBUS_PORT']); sys.exit(0 if g.HealthStub(ch).Check(h.HealthCheckRequest(), timeout=2).status == h.HealthCheckResponse.SERVING else 1)"]
 # SIGTERM -> NOT_SERVING, drain, end streams, flush the store, exit 0 (uibus serve handles it).
 STOPSIGNAL SIGTERM
 CMD ["uibus", "serve"]

@@ -4,6 +4,9 @@
     uibus subscribe subscribeToTheme             # print events as JSON lines until Ctrl-C
     uibus publish theme '{"kind":"dark"}'        # publish a UI event as the host
     uibus call scrollToSettings '{"value":"x"}'  # call any RPC with a JSON request
+    uibus --version                              # the installed uibus version
+
+Replies print as JSON with every field, zero values included ({"subscribers": 0}, not {}).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from importlib import metadata
 
 import grpc
 from google.protobuf import json_format
@@ -117,11 +121,21 @@ def _async_command(fn: Callable[[argparse.Namespace], object]) -> Callable[[argp
     return run
 
 
+def _version() -> str:
+    """The installed distribution's version, so `uibus --version` names what pip installed (a bug
+    report then says which release it is); "unknown" for a tree imported without being installed."""
+    try:
+        return metadata.version("uibus")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from uibus.main import add_parser as add_serve
 
     parser = argparse.ArgumentParser(prog="uibus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"uibus {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve(sub)
 
@@ -135,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("publish", help="publish a UI event as the host")
     p.add_argument("event", help="add-to-input, button, partial-message, theme, relinquish-control, "
                                  "focus-chat-input, did-become-visible, announcement")
-    p.add_argument("args", nargs="*", help="the event's text / JSON / button name [provider type]")
+    # default=[]: without it argparse calls a `*` positional required ("required: event, args").
+    p.add_argument("args", nargs="*", default=[], help="the event's text / JSON / button name [provider type]")
     _client_options(p)
     p.set_defaults(func=_async_command(_publish))
 

@@ -109,9 +109,12 @@ class Connection:
 
 
 def to_json(message: Any) -> str:
+    """One compact JSON line with every field, zero values included: a reader of `uibus publish` or
+    `uibus call …/GetStats` sees `{"subscribers": 0}`, not `{}` that looks like a missing reply."""
     import json
 
-    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=False),
+    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=False,
+                                                always_print_fields_with_no_presence=True),
                       separators=(",", ":"))
 
 

@@ -232,6 +232,8 @@ class App:
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents))
         core = self.core = Core.build(cfg, bus, store, agents)
+        # Undone after the servers stop and before the store closes: the last states are written.
+        res.callback("recent messages", self._flush_recent)
         gauges: Gauges = {
             "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down)",
                             lambda: 0.0 if self.not_ready() else 1.0),
@@ -311,6 +313,16 @@ class App:
         if task is not None:
             task.cancel()
             await asyncio.wait([task])
+
+    async def _flush_recent(self) -> None:
+        """Writes the recent messages still held in memory (at most the last quarter second's), so a
+        page opened after a restart shows them; bounded, since a failing store must not hold up exit."""
+        if self.core is None:
+            return
+        try:
+            await asyncio.wait_for(self.core.feed.recent.flush(), self._grace)
+        except TimeoutError:
+            log.warning("recent messages not all written before exit", extra={"fields": {"within_s": self._grace}})
 
     async def _stop_servers(self) -> None:
         """Stops accepting calls, lets running ones finish within the grace period, cancels the rest."""

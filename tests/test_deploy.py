@@ -1,21 +1,33 @@
 """Structural checks of the deployment files (no Docker engine or cluster here): the probes are
 native gRPC on the port uibus serves, the server binds every interface, every UIBUS_* setting is
-a real config field with a value `uibus serve` accepts, and the compose front reaches both replicas."""
+a real config field with a value `uibus serve` accepts, and the compose front reaches both replicas.
+Also: the manifests as `kubectl kustomize` renders them (PDB and HPA on the Deployment), the Ingress
+example, the image's pinned base, lock file, version label and health check (run for real against
+a live app), one compose build tagged with the package version, and nginx's `http2 on;`."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import re
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.conftest import free_port, require_binary
+from uibus.app import App
 from uibus.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+IMAGE = f"uibus:{VERSION}"
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -54,9 +66,10 @@ def test_kustomization_lists_every_manifest() -> None:
 
 def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch) -> None:
     dep = _one("Deployment", "uibus")
-    assert dep["spec"]["replicas"] == 2
+    assert "replicas" not in dep["spec"]  # the HPA owns it; a fixed count would fight it on every apply
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
+    assert container["image"] == IMAGE
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == 26040, probe
         assert container[probe]["grpc"].get("service", "") == ""  # uibus reports "" NOT_SERVING on shutdown
@@ -88,7 +101,7 @@ def test_k8s_service_targets_the_pods() -> None:
 def test_compose_two_replicas_on_redis_behind_front(monkeypatch: pytest.MonkeyPatch) -> None:
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    replicas = {name: s for name, s in services.items() if s.get("build") == "."}
+    replicas = {name: s for name, s in services.items() if s.get("image") == IMAGE}
     assert len(replicas) == 2
     for name, svc in replicas.items():
         env = svc["environment"]
@@ -102,13 +115,163 @@ def test_compose_two_replicas_on_redis_behind_front(monkeypatch: pytest.MonkeyPa
     conf = (REPO / conf_path).read_text()
     for name in replicas:
         assert f"server {name}:26040;" in conf and f"server {name}:8080;" in conf
-    assert "grpc_pass grpc://" in conf and "listen 26040 http2;" in conf
+    assert "grpc_pass grpc://" in conf and re.search(r"^\s*listen 26040;$", conf, re.MULTILINE)
     assert "proxy_buffering off;" in conf  # gRPC-Web server streams must not be buffered
+
+
+def test_compose_builds_the_image_once_and_front_waits_for_healthy_replicas() -> None:
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    builders = {name: s for name, s in services.items() if "build" in s}
+    (builder,) = builders.values()  # a second `build` of the same image would build it twice
+    assert builder["image"] == IMAGE and builder["build"]["context"] == "."
+    assert builder["build"]["args"]["VERSION"] == VERSION
+    assert builder.get("pull_policy") == "build"  # never a same-named image from a registry instead
+    users = [s for name, s in services.items() if s.get("image") == IMAGE and name not in builders]
+    assert users and all(s.get("pull_policy") == "never" for s in users)
+    replicas = [name for name, s in services.items() if s.get("image") == IMAGE]
+    # healthy = the image's HEALTHCHECK, unless a service brings (or disables) its own
+    assert re.search(r"^HEALTHCHECK .*CMD", (REPO / "Dockerfile").read_text(), re.MULTILINE)
+    for name in replicas:
+        check = services[name].get("healthcheck", {})
+        assert not check.get("disable") and check.get("test", ["CMD"]) != ["NONE"], name
+    depends = services["front"]["depends_on"]
+    assert {name: d["condition"] for name, d in depends.items()} == dict.fromkeys(replicas, "service_healthy")
+
+
+def test_nginx_uses_http2_on_not_the_deprecated_listen_parameter() -> None:
+    conf = (REPO / "deploy" / "nginx" / "nginx.conf").read_text()
+    code = "\n".join(line.split("#", 1)[0] for line in conf.splitlines())
+    assert re.search(r"^\s*http2 on;", code, re.MULTILINE)
+    assert not re.search(r"\blisten\s[^;]*\bhttp2\b", code), "`listen … http2` is deprecated since nginx 1.25.1"
+    compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    image = compose["services"]["front"]["image"]
+    m = re.fullmatch(r"nginx:(\d+)\.(\d+)[\w.-]*", image)
+    assert m and (int(m.group(1)), int(m.group(2))) >= (1, 25), f"{image}: `http2 on;` needs nginx 1.25.1"
+
+
+def _dockerfile() -> str:
+    return (REPO / "Dockerfile").read_text()
+
+
+def test_dockerfile_pins_its_base_and_installs_the_lock() -> None:
+    text = _dockerfile()
+    base = re.search(r"^ARG BASE=(\S+)$", text, re.MULTILINE)
+    assert base and re.fullmatch(r"python:3\.11\.\d+-slim-bookworm", base.group(1)), "pin a patch release"
+    froms = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    assert froms == ["${BASE}", "${BASE}"]  # both stages on the same Python
+    assert re.search(r"pip install --no-cache-dir -r \S*requirements\.lock", text)
+    assert re.search(r"pip install --no-cache-dir --no-deps /wheels/\S*\.whl", text)
+    assert re.search(r"^COPY requirements\.lock ", text, re.MULTILINE)
+    version = re.search(r"^ARG VERSION=(\S+)$", text, re.MULTILINE)
+    assert version and version.group(1) == VERSION
+    assert re.search(r'org\.opencontainers\.image\.version="\$\{VERSION\}"', text)
+    assert re.search(r"^STOPSIGNAL SIGTERM$", text, re.MULTILINE)
+    assert re.search(r"^USER 10001:10001$", text, re.MULTILINE)
+    for path in (REPO / "Dockerfile", REPO / "docker-compose.yml", *sorted(K8S.rglob("*.yaml"))):
+        assert not re.search(r":latest\b", path.read_text()), f"{path.name}: tag a version, not :latest"
+
+
+def _healthcheck() -> list[str]:
+    line = re.search(r"^HEALTHCHECK .*?CMD (\[.*\])$", _dockerfile(), re.MULTILINE)
+    assert line, "no exec-form HEALTHCHECK"
+    cmd = json.loads(line.group(1))
+    assert cmd[0] == "python"
+    return [sys.executable, *cmd[1:]]
+
+
+async def _run_check(port: int) -> int:
+    proc = await asyncio.create_subprocess_exec(*_healthcheck(), env={"UIBUS_PORT": str(port)},
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    return await asyncio.wait_for(proc.wait(), 20)
+
+
+async def test_dockerfile_healthcheck_asks_the_port_in_uibus_port(app: App) -> None:
+    """The image's health check, run as Docker would (with UIBUS_PORT from ENV or `docker run -e`):
+    healthy on the port uibus serves, unhealthy where nothing answers. No port is hard-coded."""
+    assert "26040" not in " ".join(_healthcheck())
+    assert await _run_check(app.port) == 0
+    assert await _run_check(free_port()) != 0
+
+
+def _kustomize() -> list[dict[str, Any]]:
+    kubectl = require_binary("kubectl")
+    out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_kustomize_renders_a_pdb_and_hpa_for_the_deployment() -> None:
+    docs = _kustomize()
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], []).append(d)
+    (dep,) = [d for d in by_kind["Deployment"] if d["metadata"]["name"] == "uibus"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+
+    (pdb,) = by_kind["PodDisruptionBudget"]
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"].get("maxUnavailable") == 1 or pdb["spec"].get("minAvailable") == 1
+    others = [d for d in by_kind["Deployment"] if d is not dep]  # the PDB must not also hold Redis
+    assert all(not pdb["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"]
+               .items() for d in others)
+
+    (hpa,) = by_kind["HorizontalPodAutoscaler"]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "uibus"}
+    assert 2 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    (cpu,) = [m for m in hpa["spec"]["metrics"] if m["type"] == "Resource" and m["resource"]["name"] == "cpu"]
+    assert 0 < cpu["resource"]["target"]["averageUtilization"] <= 100
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"]["cpu"]  # utilization is a share of the request
+
+
+def test_ingress_example_routes_grpc_and_http_to_the_service() -> None:
+    docs = _docs(K8S / "examples" / "ingress.yaml")
+    assert docs and {d["kind"] for d in docs} == {"Ingress"}
+    svc = _one("Service", "uibus")
+    ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    seen = {}
+    for ing in docs:
+        assert ing["apiVersion"] == "networking.k8s.io/v1"
+        notes = ing["metadata"]["annotations"]
+        protocol = notes["nginx.ingress.kubernetes.io/backend-protocol"]
+        assert int(notes["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 3600  # long-lived streams
+        assert int(notes["nginx.ingress.kubernetes.io/proxy-send-timeout"]) >= 3600
+        assert ing["spec"]["tls"][0]["secretName"]
+        hosts = {h for t in ing["spec"]["tls"] for h in t["hosts"]}
+        for rule in ing["spec"]["rules"]:
+            assert rule["host"] in hosts  # gRPC through ingress-nginx needs TLS (HTTP/2) at the controller
+            for path in rule["http"]["paths"]:
+                backend = path["backend"]["service"]
+                assert backend["name"] == "uibus" and backend["port"]["name"] in ports
+                seen[protocol] = backend["port"]["name"]
+        if protocol == "HTTP":
+            assert notes["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"  # gRPC-Web streams
+    assert seen == {"GRPC": "grpc", "HTTP": "http"}
+    assert ports["grpc"] == 26040 and ports["http"] == 8080
+
+
+def test_redis_runs_locked_down() -> None:
+    dep = _one("Deployment", "uibus-redis")
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    ctx = {**pod.get("securityContext", {}), **container["securityContext"]}
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == 999
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"]["drop"] == ["ALL"] and "add" not in ctx["capabilities"]
+    assert ctx["seccompProfile"]["type"] == "RuntimeDefault"
+    # with a read-only root, Redis's only writes (AOF, RDB: its working directory /data) need a volume
+    assert any(m["mountPath"] == "/data" for m in container["volumeMounts"])
+
+
+def test_tokens_file_example_names_a_real_setting() -> None:
+    text = (K8S / "uibus.yaml").read_text()
+    assert "UIBUS_TOKENS_FILE" in text and "UIBUS_AUTH_TOKEN" in text
+    _check_env_names({"UIBUS_TOKENS_FILE": "", "UIBUS_AUTH_TOKEN": ""})
 
 
 def test_dockerfile_runs_uibus_as_non_root_on_all_interfaces() -> None:
     text = (REPO / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in text
     assert re.search(r"^EXPOSE 26040 8080$", text, re.MULTILINE)
     assert re.search(r'^CMD \["uibus", "serve"\]$', text, re.MULTILINE)
     users = re.findall(r"^USER (\S+)$", text, re.MULTILINE)

@@ -1,4 +1,5 @@
-"""The package as users get it — ONE slow end-to-end test (about a minute; more on a cold pip cache).
+"""The package as users get it — ONE slow end-to-end test (about a minute; more on a cold pip cache),
+and fast checks that the dependencies are ranges pinned by the lock files every install uses.
 
 `python -m build` (an sdist, then the wheel built FROM that sdist, each in an isolated build env),
 `pip install` of that wheel into a fresh venv, then the installed `uibus serve` and
@@ -20,11 +21,16 @@ import subprocess
 import sys
 import tarfile
 import time
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from packaging.requirements import Requirement
+from packaging.utils import NormalizedName, canonicalize_name
+from packaging.version import Version
 
 from tests.conftest import REPO, free_port
 
@@ -176,3 +182,87 @@ def test_built_wheel_installs_one_package_and_serves(tmp_path: Path) -> None:
     serve_then_sigterm([str(venv / "bin" / "python"), "-m", "uibus"], work, tmp_path, "python-m-uibus")
     timings["serve x2"] = time.monotonic() - t2
     print("timings:", {k: round(v, 1) for k, v in timings.items()}, f"total {time.monotonic() - t0:.1f}s")
+
+
+def lock_pins(path: Path) -> dict[NormalizedName, Version]:
+    """Each `name==version` line of a lock file; fails on any other requirement line, since a lock
+    that holds a range or a marker no longer says exactly what gets installed."""
+    pins: dict[NormalizedName, Version] = {}
+    for line in path.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        req = Requirement(line)
+        specs = list(req.specifier)
+        assert len(specs) == 1 and specs[0].operator == "==" and not req.marker and not req.extras, \
+            f"{path.name}: not an exact pin: {line!r}"
+        name = canonicalize_name(req.name)
+        assert name not in pins, f"{path.name}: {name} pinned twice"
+        pins[name] = Version(specs[0].version)
+    return pins
+
+
+def closure(roots: list[Requirement]) -> set[NormalizedName]:
+    """Every distribution `roots` pull in on this Python (markers evaluated, extras only where a root
+    names them), read from the metadata installed in this venv."""
+    seen: set[NormalizedName] = set()
+    todo = [(r, frozenset(r.extras)) for r in roots]
+    while todo:
+        req, extras = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in metadata.requires(name) or []:
+            sub = Requirement(line)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                todo.append((sub, frozenset(sub.extras)))
+    return seen
+
+
+def test_dependencies_are_ranges_pinned_by_the_lock_files() -> None:
+    """pyproject.toml states ranges (uibus installs beside other packages); requirements.lock and
+    requirements-dev.lock pin, inside those ranges, every package that CI, `.ci/serve` and the image
+    install, so a newcomer runs the versions CI ran."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = [Requirement(r) for r in project["dependencies"]]
+    test_extra = [Requirement(r) for r in project["optional-dependencies"]["test"]]
+    lock, dev = lock_pins(REPO / "requirements.lock"), lock_pins(REPO / "requirements-dev.lock")
+
+    for req in runtime:
+        operators = {s.operator for s in req.specifier}
+        assert operators and not operators & {"==", "==="}, f"{req}: a runtime dependency is a range, not a pin"
+        assert operators & {"<", "<=", "~="}, f"{req}: capped below the next release line that may break uibus"
+        name = canonicalize_name(req.name)
+        assert name in lock, f"{req.name} is missing from requirements.lock"
+        assert req.specifier.contains(lock[name], prereleases=True), \
+            f"requirements.lock pins {req.name}=={lock[name]}, outside {req.specifier}"
+    # grpcio 1.84+ makes every unary call dearer (grpc/grpc#41796, bench/README.md).
+    for name in ("grpcio", "grpcio-reflection", "grpcio-health-checking"):
+        (req,) = [r for r in runtime if canonicalize_name(r.name) == name]
+        assert not req.specifier.contains("1.84.0") and req.specifier.contains("1.83.2"), f"{req}: must stay below 1.84"
+
+    # Complete (the whole transitive closure) and nothing more; the dev lock agrees on every shared pin.
+    assert set(lock) == closure(runtime), "requirements.lock is not the runtime's transitive closure: regenerate it"
+    assert set(dev) == closure(runtime + test_extra), "requirements-dev.lock is not runtime + test: regenerate it"
+    assert {n: dev[n] for n in lock} == lock, "requirements-dev.lock pins a runtime package differently"
+    # Every exact version anywhere in pyproject (the test extra) is the locked one.
+    for extra, reqs in project["optional-dependencies"].items():
+        for req in map(Requirement, reqs):
+            pinned = [s.version for s in req.specifier if s.operator == "=="]
+            if pinned:
+                assert dev.get(canonicalize_name(req.name)) == Version(pinned[0]), \
+                    f"[{extra}] {req}: not in requirements-dev.lock at that version"
+
+
+def test_scripts_install_from_the_lock_files() -> None:
+    """`.ci/setup` (tests, CI) and `.ci/serve` install the locked versions, then uibus without
+    resolving again; only the build's own tools come from [build-system]."""
+    def commands(script: str) -> str:
+        lines = (REPO / ".ci" / script).read_text().splitlines()
+        return "\n".join(line for line in lines if not line.lstrip().startswith("#"))
+
+    setup, serve = commands("setup"), commands("serve")
+    assert "-r requirements-dev.lock" in setup and "--no-deps -e ." in setup, setup
+    assert ".[test]" not in setup, "setup must not resolve the test extra's ranges afresh"
+    assert "-r requirements.lock" in serve and "--no-deps -e ." in serve, serve
+    assert ".ci/setup" not in serve, "serving needs neither the test tools nor the client venvs"

@@ -133,6 +133,11 @@ async def test_chat_with_an_agent_from_the_page(web: App, browser: Any, tmp_path
         assert (await reply.locator(".text").text_content() or "").strip()
     assert "my name is Ada" in (await page.locator(".msg.agent").nth(1).text_content() or "")  # context kept
     await page.screenshot(path=str(_shots(tmp_path) / "chat.png"))
+    # Reloaded: the conversation comes back from the server, each question once, in order.
+    await page.reload()
+    await page.wait_for_function("() => document.querySelectorAll('#messages .msg').length >= 4", timeout=5000)
+    users = await page.evaluate("[...document.querySelectorAll('#messages .msg.user .text')].map(e => e.textContent)")
+    assert users == ["Hello agent, my name is Ada.", "What is my name?"], users
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
 
@@ -231,3 +236,137 @@ async def test_page_with_tokens_signs_in_from_the_fragment_or_the_form(web_confi
         await context.close()
     finally:
         await app.aclose(grace=0.5)
+
+
+async def _open(browser: Any, app: App, query: str, errors: list[str]) -> Any:
+    page = await browser.new_page(viewport={"width": 1100, "height": 700})
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    await page.goto(f"http://127.0.0.1:{app.http_port}/?{query}")
+    await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+    return page
+
+
+async def _texts(page: Any) -> list[str]:
+    return [t.strip() for t in await page.locator("#messages .msg .text").all_text_contents()]
+
+
+async def test_page_opened_later_shows_the_session_so_far(web: App, web_connect: Callable[..., Connection],
+                                                          browser: Any, tmp_path: Path) -> None:
+    """The issue's must-show: what was published before the page opened (messages, a light theme,
+    an extension-UI status) is on the page when it loads, and again after a reload, once each."""
+    from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
+    from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+
+    conn = web_connect("early")
+    ts = 1_700_000_000_000
+    await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                              text="first, before the page", partial=True))
+    await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                              text="first, before the page opened"))
+    await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts + 1, type=ui_pb2.ASK,
+                                                              ask=ui_pb2.FOLLOWUP, text="second: what next?"))
+    await conn.host.SetTheme(host_pb2.TextEvent(text='{"kind": "light"}'))
+    await ext_grpc.ExtensionUiServiceStub(conn.channel).SetStatus(ext.SetStatusRequest(key="build", text="green"),
+                                                                  metadata=(("x-uibus-session", "early"),))
+    want = ["first, before the page opened", "second: what next?"]
+
+    errors: list[str] = []
+    page = await _open(browser, web, "session=early", errors)
+    for attempt in ("load", "reload"):
+        await page.wait_for_function("n => document.querySelectorAll('#messages .msg').length >= n", arg=2,
+                                     timeout=WITHIN)
+        assert await _texts(page) == want, attempt
+        assert await page.evaluate("document.documentElement.dataset.kind") == "light"
+        assert await page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
+        await page.wait_for_selector('#statuses [data-key="build"]:text("green")', timeout=WITHIN)
+        if attempt == "load":
+            await page.screenshot(path=str(_shots(tmp_path) / "on-load.png"))
+            await page.reload()
+            await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+
+    # then live, after the replay: a new message is appended, not mixed into the history
+    await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts + 2, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                              text="third, live"))
+    await _shown_within(page, "() => document.querySelectorAll('#messages .msg').length === 3", None, "the live one")
+    assert await _texts(page) == [*want, "third, live"]
+    assert not errors, errors
+    await page.close()
+
+
+async def test_page_opened_after_a_chat_shows_it(web: App, web_connect: Callable[..., Connection],
+                                                 browser: Any) -> None:
+    """A chat turn made over native gRPC before the page opened: the question (kept by the server,
+    not published) and its reply (mirrored to the session's partial messages) are on the page when
+    it loads, in that order."""
+    from tests.chatkit import answer
+
+    reply = await answer(web_connect("chatted"), "hello_world", "hi from grpc")
+    assert reply.text
+    errors: list[str] = []
+    page = await _open(browser, web, "session=chatted", errors)
+    await page.wait_for_function("t => [...document.querySelectorAll('#messages .msg .text')]"
+                                 ".some(e => e.textContent === t)", arg=reply.text, timeout=WITHIN)
+    shown = await page.evaluate("[...document.querySelectorAll('#messages .msg')].map(e => "
+                                "[e.classList.contains('user'), e.querySelector('.text').textContent])")
+    assert shown == [[True, "hi from grpc"], [False, reply.text]], shown
+    assert not errors, errors
+    await page.close()
+
+
+async def test_page_theme_kind_switches_the_palette(web: App, web_connect: Callable[..., Connection],
+                                                    browser: Any) -> None:
+    """`kind` (or `type`) picks the page's palette; a theme's explicit colors win over it."""
+    host = web_connect("kinds").host
+    errors: list[str] = []
+    page = await _open(browser, web, "session=kinds", errors)
+    bg = "getComputedStyle(document.body).backgroundColor"
+    for theme, want in ((('{"kind": "hc"}'), "rgb(0, 0, 0)"),
+                        ('{"kind": "light"}', "rgb(255, 255, 255)"),
+                        ('{"kind": "dark"}', "rgb(30, 31, 36)"),
+                        ('{"type": "high-contrast-light"}', "rgb(255, 255, 255)"),
+                        ('{"kind": "light", "colors": {"editor.background": "#102030"}}', "rgb(16, 32, 48)")):
+        await host.SetTheme(host_pb2.TextEvent(text=theme))
+        await _shown_within(page, "t => document.body.dataset.theme === t", theme, f"theme {theme}")
+        assert await page.evaluate(bg) == want, theme
+    assert await page.evaluate("getComputedStyle(document.body).color") == "rgb(31, 35, 40)"  # light's foreground
+    assert not errors, errors
+    await page.close()
+
+
+async def test_page_as_tab_gets_tab_typed_clicks(web: App, browser: Any) -> None:
+    """`?provider=TAB`: the README's `uibus publish button history TAB` reaches the page (and a
+    SIDEBAR-typed click does not)."""
+    import asyncio
+    import sys
+
+    errors: list[str] = []
+    page = await _open(browser, web, "session=tabbed&provider=TAB", errors)
+    assert await page.text_content("#provider") == "TAB"
+    await wait_for(lambda: web.bus.count(session="tabbed") == STREAMS_PER_PAGE, timeout=5, what="page subscribed")
+    uibus = str(Path(sys.executable).parent / "uibus")
+    for provider in ("SIDEBAR", "TAB"):
+        proc = await asyncio.create_subprocess_exec(uibus, "publish", "button", "history", provider, "--session",
+                                                    "tabbed", "--target", f"127.0.0.1:{web.port}")
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    await _shown_within(page, "() => !!document.querySelector('#events [data-event=\"history button clicked\"]')",
+                        None, "the TAB-typed history click")
+    await page.wait_for_timeout(200)
+    assert await page.locator('#events [data-event="history button clicked"]').count() == 1  # not the SIDEBAR one
+    assert not errors, errors
+    await page.close()
+
+
+async def test_favicon(web: App, browser: Any) -> None:
+    import httpx
+
+    async with httpx.AsyncClient() as client:
+        for path in ("/favicon.ico", "/favicon.svg"):
+            r = await client.get(f"http://127.0.0.1:{web.http_port}{path}")
+            assert r.status_code == 200 and r.headers["content-type"] == "image/svg+xml", path
+            assert r.text.startswith("<svg")
+    errors: list[str] = []
+    page = await _open(browser, web, "session=icon", errors)
+    href = await page.evaluate("document.querySelector('link[rel=icon]').href")
+    assert href == f"http://127.0.0.1:{web.http_port}/favicon.svg"
+    assert (await page.request.get(href)).status == 200
+    await page.close()

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from tests.conftest import wait_for
+from tests.redisproc import RedisProcess, redis_server
+from uibus.bus import LIVE
+from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
 
 STREAMS = 11
+__all__ = ["redis_server"]  # the fixture, imported to be used here
 
 
 async def test_one_stream_carries_every_ui_event(app, connect) -> None:
@@ -47,3 +53,208 @@ async def test_client_id_required(connect) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Subscribe(webview_pb2.WebviewSubscribeRequest()).read()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "client_id" in err.value.details()
+
+
+def _subscribe(conn: Connection, session: str, client_id: str = "c1", provider_type: int = ui_pb2.SIDEBAR) -> Any:
+    stub = webview_pb2_grpc.WebviewServiceStub(conn.channel)
+    return stub.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id=client_id, provider_type=provider_type),
+                          metadata=(("x-uibus-session", session),))
+
+
+def _say(ts: int, text: str, partial: bool = False) -> ui_pb2.ClineMessage:
+    return ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=text, partial=partial)
+
+
+async def test_stream_starts_with_the_recent_messages_then_live(app, connect) -> None:
+    """What was published before the webview subscribed comes first (marked replayed, oldest ts
+    first, each message in its latest state), then live events; nothing twice."""
+    session = "replay"
+    host = connect(session=session).host
+    await host.PublishPartialMessage(_say(20, "second", partial=False))
+    await host.PublishPartialMessage(_say(10, "fir", partial=True))
+    await host.PublishPartialMessage(_say(10, "first", partial=False))  # replaces its earlier state
+    call = _subscribe(connect(session=session), session)
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(2)]
+    assert [(g.partial_message.ts, g.partial_message.text, g.replayed) for g in got] == [
+        (10, "first", True), (20, "second", True)]
+    await wait_for(lambda: app.bus.count(session=session) == STREAMS, what="all UiService subscriptions")
+
+    await host.PublishPartialMessage(_say(30, "live"))
+    await host.PublishPartialMessage(_say(10, "first, edited"))
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(2)]
+    assert [(g.partial_message.ts, g.partial_message.text, g.replayed) for g in got] == [
+        (30, "live", False), (10, "first, edited", False)]
+    with pytest.raises(asyncio.TimeoutError):  # nothing else: no message arrives twice
+        await asyncio.wait_for(call.read(), 0.3)
+    call.cancel()
+
+    again = _subscribe(connect(session=session), session, client_id="c2")  # a reload sees the newest states
+    got = [await asyncio.wait_for(again.read(), 2) for _ in range(3)]
+    assert [(g.partial_message.ts, g.partial_message.text) for g in got] == [
+        (10, "first, edited"), (20, "second"), (30, "live")]
+    again.cancel()
+
+
+async def test_messages_published_while_subscribing_are_sent_once(app, connect) -> None:
+    """A publisher racing the subscription: every message arrives, in its final state, exactly
+    once (replayed or live), whatever the interleaving."""
+    session = "race"
+    host = connect(session=session).host
+    done = asyncio.Event()
+
+    async def publish() -> None:
+        for ts in range(1, 41):
+            await host.PublishPartialMessage(_say(ts, f"m{ts}"))
+        done.set()
+
+    publisher = asyncio.ensure_future(publish())
+    await asyncio.sleep(0.01)
+    call = _subscribe(connect(session=session), session)
+    await done.wait()
+    await publisher
+    seen: list[int] = []
+    while len(set(seen)) < 40:
+        event = await asyncio.wait_for(call.read(), 2)
+        seen.append(event.partial_message.ts)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(call.read(), 0.3)
+    assert sorted(seen) == list(range(1, 41)), seen  # none twice, none missing
+    call.cancel()
+
+
+async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
+    """The newest 200 by ts are kept, each in its latest state, in the session store: a finished
+    message under RECENT_KEY, one still growing under RECENT_PARTIAL_KEY (so streaming rewrites
+    only the small key); a message that finishes moves from the second to the first."""
+    from uibus.domain.feed import MAX_RECENT, RECENT_KEY, RECENT_PARTIAL_KEY, RecentMessages
+
+    session = "bound"
+    host = connect(session=session).host
+    for ts in range(1, 251):
+        await host.PublishPartialMessage(_say(ts, f"m{ts}-partial", partial=True))
+    await host.PublishPartialMessage(_say(250, "m250 final"))
+    await app.core.feed.recent.flush()
+    assert list(await app.store.get(session, RECENT_KEY)) == ["250"]
+    growing = await app.store.get(session, RECENT_PARTIAL_KEY)
+    assert len(growing) <= MAX_RECENT and "250" not in growing and list(growing)[-1] == "249"
+    stored = await RecentMessages(app.store).read(session)  # the store alone, nothing from memory
+    assert list(stored) == list(range(51, 251))  # the newest 200
+    assert stored[250].text == "m250 final" and not stored[250].partial
+    assert stored[249].text == "m249-partial" and stored[249].partial
+
+    call = _subscribe(connect(session=session), session)
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(MAX_RECENT)]
+    assert [g.partial_message.ts for g in got] == list(range(51, 251)) and all(g.replayed for g in got)
+    assert got[-1].partial_message.text == "m250 final"
+    call.cancel()
+
+
+async def test_recent_messages_are_bounded_in_bytes(app, connect) -> None:
+    from uibus.domain.feed import MAX_RECENT_BYTES, RECENT_KEY
+
+    session = "big"
+    host = connect(session=session).host
+    big = "x" * (50 * 1024)
+    for ts in range(1, 11):
+        await host.PublishPartialMessage(_say(ts, big))
+    await app.core.feed.recent.flush()
+    stored = await app.store.get(session, RECENT_KEY)
+    assert 0 < len(stored) < 10 and list(stored)[-1] == "10"  # the newest kept, the oldest dropped
+    assert sum(len(k) + len(v) for k, v in stored.items()) <= MAX_RECENT_BYTES
+
+    huge = "y" * (MAX_RECENT_BYTES + 1)  # alone over the bound: kept (the newest always is), alone
+    await host.PublishPartialMessage(_say(11, huge))
+    await app.core.feed.recent.flush()
+    assert list(await app.store.get(session, RECENT_KEY)) == ["11"]
+
+
+async def test_ui_service_does_not_replay(app, connect) -> None:
+    """cline.UiService/subscribeToPartialMessage stays live only, as in Cline."""
+    from tests.conftest import Reader
+
+    session = "cline"
+    conn = connect(session=session)
+    await conn.host.PublishPartialMessage(_say(1, "before"))
+    reader = Reader(conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest()))
+    await wait_for(lambda: app.bus.count(session=session) == 1, what="subscribed")
+    await conn.host.PublishPartialMessage(_say(2, "after"))
+    assert (await reader.next()).text == "after"
+    reader.cancel()
+
+
+async def test_published_between_subscribing_and_reading_is_replayed_once(app) -> None:
+    """The window the gRPC tests can only race: messages published after the subscription is
+    registered (LIVE) but before the stored ones are read are queued in the mailbox and also noted;
+    they are replayed once, in their latest state, and not sent again live."""
+    from uibus.domain.feed import UI_STREAMS, Replayed
+
+    feed = app.core.feed
+    stream = next(s for s in UI_STREAMS if s.rpc == "subscribeToPartialMessage")
+    events = feed.events("window", stream, replay=True)
+    try:
+        assert await anext(events) is LIVE
+        feed.publish_message("window", _say(2, "b"))
+        feed.publish_message("window", _say(1, "a", partial=True))
+        feed.publish_message("window", _say(1, "a!"))
+        got = [await anext(events) for _ in range(2)]
+        assert all(isinstance(g, Replayed) for g in got)
+        assert [(g.item.ts, g.item.text) for g in got] == [(1, "a!"), (2, "b")]
+        feed.publish_message("window", _say(3, "c"))
+        live = await asyncio.wait_for(anext(events), 1)
+        assert not isinstance(live, Replayed) and live.ts == 3  # nothing of the window came again
+    finally:
+        await events.aclose()
+
+
+async def test_recent_messages_are_written_without_being_asked(app, connect) -> None:
+    """Write-behind: a burst of states is written at once, then at most every RECENT_WRITE_S, and
+    the latest state of each message reaches the store on its own (no flush)."""
+    from uibus.domain.feed import RECENT_WRITE_S, RecentMessages
+
+    session = "behind"
+    host = connect(session=session).host
+    for i in range(30):
+        await host.PublishPartialMessage(_say(5, "x" * (i + 1), partial=i < 29))
+    await host.PublishPartialMessage(_say(6, "still growing", partial=True))
+    from_store = RecentMessages(app.store)
+    deadline = asyncio.get_running_loop().time() + 4 * RECENT_WRITE_S + 1
+    while True:
+        stored = await from_store.read(session)
+        if stored.get(5) is not None and stored[5].text == "x" * 30 and 6 in stored:
+            break
+        assert asyncio.get_running_loop().time() < deadline, stored
+        await asyncio.sleep(0.02)
+    assert not stored[5].partial and stored[6].partial
+
+
+async def test_a_webview_on_another_replica_starts_with_the_recent_messages(redis_server: RedisProcess,
+                                                                            tmp_path: Path) -> None:
+    """With Redis, the recent messages are in the shared store: a webview subscribing on replica B
+    starts with what was published on replica A, then gets A's live messages once."""
+    from tests.conftest import start_app
+    from uibus.config import Config
+
+    apps = [await start_app(Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / f"{name}.db"),
+                                   redis_url=redis_server.url, grace_seconds=1.0)) for name in ("a", "b")]
+    conns: list[Connection] = []
+    try:
+        a, b = apps
+        await wait_for(lambda: all(getattr(app.bus, "connected", False) for app in apps), what="both on redis")
+        conns.append(Connection(f"127.0.0.1:{a.port}", session="shared"))
+        conns.append(Connection(f"127.0.0.1:{b.port}", session="shared"))
+        await conns[0].host.PublishPartialMessage(_say(1, "done on a"))
+        await conns[0].host.PublishPartialMessage(_say(2, "growing on a", partial=True))
+        await a.core.feed.recent.flush()  # B reads the store, not A's memory
+        call = _subscribe(conns[1], "shared")
+        got = [await asyncio.wait_for(call.read(), 2) for _ in range(2)]
+        assert [(g.partial_message.text, g.replayed) for g in got] == [("done on a", True), ("growing on a", True)]
+        await wait_for(lambda: b.bus.count(session="shared") == STREAMS, what="B's webview subscribed")
+        await conns[0].host.PublishPartialMessage(_say(2, "finished on a"))
+        live = await asyncio.wait_for(call.read(), 2)
+        assert (live.partial_message.text, live.replayed) == ("finished on a", False)
+        call.cancel()
+    finally:
+        for conn in conns:
+            await conn.close()
+        for app in apps:
+            await app.aclose(grace=0.5)

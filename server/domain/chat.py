@@ -256,6 +256,7 @@ class Chat:
 
         feed = self.feed
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
+        feed.remember_question(session, text)  # before the reply's ts: a replay shows the turn in order
         ts = feed.clock.next()
         parts: list[str] = []
         final: Final | None = None

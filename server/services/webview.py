@@ -4,6 +4,11 @@ Browsers keep at most six HTTP/1.1 connections per server and a gRPC-Web stream 
 webview page cannot open UiService's eleven streams. This service reads the very same feed streams
 UiService serves (the feed's one table, `UI_STREAMS`) and multiplexes their messages, so behaviour
 (current theme first, provider-type filtering, targeted focus) cannot drift apart.
+
+One difference, for a page opened (or reloaded) mid-conversation: its partial-message stream
+starts with the session's recent messages (the feed's `replay`), read after the subscription is
+registered so nothing is missed or sent twice; those and the current theme are marked `replayed`.
+cline.UiService's subscribeToPartialMessage stays live only, as in Cline.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 import grpc
 
 from uibus.bus import LIVE
-from uibus.domain.feed import UI_STREAMS, UiFeed, UiStream
+from uibus.domain.feed import UI_STREAMS, Replayed, UiFeed, UiStream
 from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
@@ -26,6 +31,10 @@ _END = object()
 
 
 def _event(source: str, message: Any) -> webview_pb2.WebviewEvent:
+    if isinstance(message, Replayed):
+        event = _event(source, message.item)
+        event.replayed = True
+        return event
     if isinstance(message, ui_pb2.ClineMessage):
         return webview_pb2.WebviewEvent(source=source, partial_message=message)
     if isinstance(message, common_pb2.String):
@@ -56,7 +65,7 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
 
         async def pump(stream: UiStream, target: str) -> None:
             try:
-                async with contextlib.aclosing(self.feed.events(session, stream, target)) as events:
+                async with contextlib.aclosing(self.feed.events(session, stream, target, replay=True)) as events:
                     async for message in events:
                         await queue.put(LIVE if message is LIVE else _event(stream.rpc, message))
             except asyncio.CancelledError:  # the call ended

@@ -58,6 +58,10 @@ class Routes:
             else:
                 await respond(send, 200, self.page(), "text/html; charset=utf-8",
                               [(b"cache-control", b"no-cache")])
+        elif path in ("/favicon.ico", "/favicon.svg"):
+            # Public like health: a browser fetches it without the page's token. SVG under both
+            # names (every current browser takes SVG at /favicon.ico too), so no binary asset.
+            await respond(send, 200, FAVICON_SVG, "image/svg+xml", [(b"cache-control", b"max-age=86400")])
         elif path in ("/healthz", "/livez"):
             await respond(send, 200, "ok\n")
         elif path == "/readyz":
@@ -79,7 +83,12 @@ class Routes:
             await respond(send, 404, f"not found: {path}\n")
 
 
-_GET_PATHS = frozenset({"/", "/healthz", "/livez", "/readyz", "/metrics"})
+_GET_PATHS = frozenset({"/", "/healthz", "/livez", "/readyz", "/metrics", "/favicon.ico", "/favicon.svg"})
+# The page's icon (web/src/index.html links `favicon.svg`): a speech bubble on the page's accent blue.
+FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
+               '<rect width="32" height="32" rx="7" fill="#3b82f6"/>'
+               '<path d="M8 9h16a2 2 0 0 1 2 2v8a2 2 0 0 1-2 2h-9l-5 4v-4H8a2 2 0 0 1-2-2v-8a2 2 0 0 1 2-2z" '
+               'fill="#fff"/></svg>\n')
 _CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
 _LOGIN_HEADERS = [_CHALLENGE, (b"cache-control", b"no-store")]
 

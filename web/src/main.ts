@@ -2,7 +2,9 @@
 //
 // It follows the session's UI streams (one multiplexed WebviewService stream, because a browser
 // allows only six HTTP/1.1 connections per server), renders Cline partial messages growing in
-// place (replaced by `ts`), applies the theme, and chats with any agent the concierge lists.
+// place (replaced by `ts`), applies the theme, and chats with any agent the concierge lists. The
+// stream starts with the session's state (recent messages, theme; marked `replayed`), so a page
+// opened or reloaded mid-conversation shows the conversation so far.
 import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import type { Interceptor } from "@connectrpc/connect";
@@ -32,6 +34,10 @@ if (fragment.has("token")) {
 }
 const server = params.get("server") || location.origin;
 const clientId = params.get("client") || `webview-${Math.random().toString(36).slice(2, 10)}`;
+// `?provider=TAB` subscribes as a TAB webview (typed history/settings/MCP clicks, as Cline's
+// subscribeTo*ButtonClicked); anything else is SIDEBAR, Cline's default.
+const provider = (params.get("provider") || "").toUpperCase() === "TAB" ? WebviewProviderType.TAB
+  : WebviewProviderType.SIDEBAR;
 
 const withSession: Interceptor = (next) => async (req) => {
   req.header.set("x-uibus-session", session);
@@ -52,6 +58,7 @@ const form = $<HTMLFormElement>("chat");
 const statusEl = $<HTMLElement>("status");
 const themeName = $<HTMLElement>("theme-name");
 $<HTMLElement>("session").textContent = session;
+$<HTMLElement>("provider").textContent = WebviewProviderType[provider];
 document.title = `uibus · ${session}`;
 
 function setStatus(state: "connecting" | "live" | "down", text: string): void {
@@ -95,13 +102,23 @@ function scrollDown(): void {
 // A chat sent from this page claims the partial messages the server mirrors from it (Chat → UI),
 // so the reply grows in one bubble instead of showing twice.
 let pendingChat: { el: HTMLElement; ts: string | null } | null = null;
+// Questions asked from this page, not yet matched to the copy the server keeps (see showPartial).
+const sentByMe: { text: string; el: HTMLElement }[] = [];
 
-function showPartial(m: ClineMessage): void {
+function showPartial(m: ClineMessage, replayed = false): void {
   const key = m.ts.toString();
   let el = byTs.get(key);
-  if (!el && pendingChat && (pendingChat.ts === null || pendingChat.ts === key) && m.type === ClineMessageType.SAY) {
+  // A replayed message is history (a reconnect brings it again), never the reply being awaited.
+  if (!el && !replayed && pendingChat && (pendingChat.ts === null || pendingChat.ts === key)
+      && m.type === ClineMessageType.SAY) {
     pendingChat.ts = key;
     el = pendingChat.el;
+  }
+  // A chat question the server kept (replayed only): the "you" bubble this page already shows for
+  // it, if it sent it, else a new one.
+  if (!el && m.type === ClineMessageType.SAY && m.say === ClineSay.USER_FEEDBACK) {
+    const i = sentByMe.findIndex((s) => s.text === m.text);
+    el = i >= 0 ? sentByMe.splice(i, 1)[0].el : bubble("user", "you");
   }
   if (!el) el = bubble(m.type === ClineMessageType.ASK ? "ask" : "say", messageLabel(m));
   byTs.set(key, el);
@@ -113,11 +130,30 @@ function showPartial(m: ClineMessage): void {
 }
 
 // ---- theme ----------------------------------------------------------------------------------------
+// The palette a theme's kind selects (the CSS rules :root[data-kind=…] in index.html). Accepted:
+// `kind` or `type` as "dark" | "light" | "high-contrast" ("hc", "hc-black") | "high-contrast-light"
+// ("hc-light"), VS Code's uiTheme names ("vs", "vs-dark") and ColorThemeKind numbers (1-4).
+type Kind = "dark" | "light" | "high-contrast" | "high-contrast-light";
+const KIND_NUMBERS: Record<number, Kind> = { 1: "light", 2: "dark", 3: "high-contrast", 4: "high-contrast-light" };
+
+function themeKind(raw: unknown): Kind | undefined {
+  if (typeof raw === "number") return KIND_NUMBERS[raw];
+  if (typeof raw !== "string") return undefined;
+  const k = raw.trim().toLowerCase().replace(/[\s_]+/g, "-");
+  if (!k) return undefined;
+  const contrast = k.startsWith("hc") || k.includes("high-contrast") || k.includes("highcontrast");
+  if (contrast) return k.includes("light") ? "high-contrast-light" : "high-contrast";
+  if (k === "vs" || k.includes("light")) return "light";
+  if (k.includes("dark") || k.includes("black")) return "dark";
+  return undefined;
+}
+
 function applyTheme(json: string): void {
   document.body.dataset.theme = json;
   let theme: Record<string, unknown> = {};
   try {
-    theme = JSON.parse(json) as Record<string, unknown>;
+    const parsed: unknown = JSON.parse(json);
+    if (parsed && typeof parsed === "object" && !Array.isArray(parsed)) theme = parsed as Record<string, unknown>;
   } catch {
     return;
   }
@@ -136,9 +172,13 @@ function applyTheme(json: string): void {
   set("--panel", pick("sideBar.background", "panel"));
   set("--accent", pick("button.background", "focusBorder", "accent"));
   set("--border", pick("panel.border", "border"));
-  const kind = String(theme.type ?? theme.kind ?? "");
-  if (kind) document.body.dataset.kind = kind.includes("light") ? "light" : "dark";
-  themeName.textContent = String(theme.name ?? kind ?? "custom");
+  // The kind picks the palette; explicit colors (inline on :root, just above) still win over it.
+  const kind = themeKind(theme.kind ?? theme.type ?? theme.uiTheme);
+  for (const target of [document.documentElement, document.body]) {
+    if (kind) target.dataset.kind = kind;
+    else delete target.dataset.kind;
+  }
+  themeName.textContent = String(theme.name || kind || "custom");
 }
 
 // ---- UI streams -----------------------------------------------------------------------------------
@@ -146,14 +186,14 @@ async function followUi(): Promise<void> {
   for (let attempt = 0; ; attempt++) {
     try {
       setStatus("connecting", "connecting…");
-      const stream = webview.subscribe({ clientId, providerType: WebviewProviderType.SIDEBAR });
+      const stream = webview.subscribe({ clientId, providerType: provider });
       let first = true;
       await ui.initializeWebview(create(EmptyRequestSchema));
       setStatus("live", "live");
       for await (const ev of stream) {
         if (first) { first = false; attempt = 0; }
         const e = ev.event;
-        if (e.case === "partialMessage") showPartial(e.value);
+        if (e.case === "partialMessage") showPartial(e.value, ev.replayed);
         else if (ev.source === "subscribeToTheme" && e.case === "text") applyTheme(e.value);
         else if (ev.source === "subscribeToAddToInput" && e.case === "text") {
           input.value = input.value ? `${input.value}\n${e.value}` : e.value;
@@ -211,6 +251,7 @@ async function send(text: string): Promise<void> {
   if (!text.trim() || !agent) return;
   const mine = bubble("user", "you");
   mine.querySelector<HTMLElement>(".text")!.textContent = text;
+  sentByMe.push({ text, el: mine });
   const reply = bubble("agent partial", agent);
   reply.dataset.agent = agent;
   pendingChat = { el: reply, ts: null };
