@@ -1,9 +1,10 @@
-"""One command, one machine: uibus against a raw grpc.aio baseline, alternating, as ratios.
+"""One command, one machine: uibus against a raw grpc.aio baseline (and grpc-js), alternating, as ratios.
 
-Both servers run at once in their own processes (loopback only); client roles run in spawned
-worker processes. Every scenario runs against raw, then uibus, then (next round) raw, uibus
-again, so drift in the machine's load hits both alike; the table shows per-figure medians over
-rounds and the uibus/raw ratio. Servers are restarted each round so memory figures start fresh.
+All servers run at once in their own processes (loopback only); client roles run in spawned
+worker processes. Every scenario runs against raw, then uibus, then grpc-js (Node, when found),
+then (next round) the same again, so drift in the machine's load hits all alike; the table shows
+per-figure medians over rounds and the uibus/raw and uibus/grpcjs ratios. Servers are restarted
+each round so memory figures start fresh.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-SERVERS = ("raw", "uibus")
+SERVERS = ("raw", "uibus", "grpcjs")
+GRPCJS = Path(__file__).resolve().parent / "grpcjs"  # @grpc/grpc-js twin of raw_server.py (Cline's own stack)
 SCENARIOS = ("memory", "unary", "chat", "fanout")
 N_WORKERS = 3
 PUBLISHER = 2  # worker index; 0 and 1 subscribe / call
@@ -65,7 +67,9 @@ class Plan:
         return [(sc, p) for sc in self.scenarios for p in params[sc]]
 
     def all_servers(self) -> list[str]:
-        return [*self.servers, *(f"{s}@{label}" for label in self.alt_roots for s in self.servers)]
+        # grpcjs has no @LABEL twin: --with swaps the Python/grpcio side, which Node does not use.
+        alt = [f"{s}@{label}" for label in self.alt_roots for s in self.servers if s != "grpcjs"]
+        return [*self.servers, *alt]
 
     @classmethod
     def quick(cls) -> Plan:
@@ -131,6 +135,9 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     if kind == "raw":
         cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks),
                *plan.raw_args]
+    elif kind == "grpcjs":  # node itself is the server process, so /proc/<pid> reads its CPU and RSS
+        cmd = [shutil.which("node") or "node", str(GRPCJS / "server.js"), "--port", str(port),
+               "--chat-chunks", str(plan.chat_chunks)]
     else:  # the documented way to run uibus
         cmd = [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
                "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
@@ -150,6 +157,38 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     time.sleep(0.3)
     srv.rss_start_kb = procstat.rss_kb(srv.pid)
     return srv
+
+
+def setup_grpcjs() -> bool:
+    """Installs bench/grpcjs's pinned npm packages when missing or when the lock changed (a stamp,
+    as .ci/setup does), so a run needs no manual step; False (said in one line) when it cannot."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node:
+        print("grpc-js skipped: node not found on PATH", flush=True)
+        return False
+    lock = GRPCJS / "package-lock.json"
+    stamp = GRPCJS / "node_modules" / ".uibus-lock"
+    try:
+        current = stamp.read_bytes() == lock.read_bytes()
+    except OSError:
+        current = False
+    if current:
+        return True
+    if not npm:
+        print("grpc-js skipped: npm not found on PATH (bench/grpcjs/node_modules needs installing)", flush=True)
+        return False
+    print("installing bench/grpcjs's pinned npm packages (npm ci: @grpc/grpc-js, @grpc/proto-loader)", flush=True)
+    cmd = [npm, "ci", "--prefix", str(GRPCJS), "--ignore-scripts", "--no-audit", "--no-fund", "--loglevel=error"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        print("grpc-js skipped: npm ci took over 600 s", flush=True)
+        return False
+    if done.returncode != 0:
+        print(f"grpc-js skipped: npm ci failed: {(done.stderr or done.stdout).strip()[-300:]}", flush=True)
+        return False
+    shutil.copyfile(lock, stamp)
+    return True
 
 
 def stop_server(srv: Server) -> None:
@@ -430,7 +469,7 @@ def _ratio(a: Any, b: Any) -> float | None:
 
 
 def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per figure: each server's median over rounds, uibus/raw per grpcio build, and the verdict."""
+    """Per figure: each server's median over rounds, uibus/raw per grpcio build, uibus/grpcjs, and the verdict."""
     keys: list[str] = []
     for r in runs:
         keys += [k for k in r["metrics"] if k not in keys and not k.startswith("_")]
@@ -445,6 +484,7 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
             row[f"{name}_all"] = vals
         raw, ub = row.get("raw"), row.get("uibus")
         row["ratio"] = _ratio(ub, raw)
+        row["ratio_js"] = _ratio(ub, row.get("grpcjs"))
         for label in labels:
             row[f"ratio@{label}"] = _ratio(row.get(f"uibus@{label}"), row.get(f"raw@{label}"))
             row[f"uibus@{label}/uibus"] = _ratio(row.get(f"uibus@{label}"), ub)
@@ -469,6 +509,8 @@ def table(summary: dict[str, dict[str, Any]], names: list[str], outside: dict[st
     labels = sorted({n.partition("@")[2] for n in names if "@" in n})
     cols: list[tuple[str, str, bool]] = [(n, n, False) for n in names if "@" not in n]
     cols.append(("ratio", "uibus/raw", True))
+    if "grpcjs" in names:
+        cols.append(("ratio_js", "uibus/grpcjs", True))
     for label in labels:
         cols += [(n, n, False) for n in names if n.endswith("@" + label)]
         cols += [(f"ratio@{label}", f"ratio@{label}", True), (f"uibus@{label}/uibus", f"{label}/main", True)]
@@ -497,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int)
     p.add_argument("--duration", type=float, help="seconds per measured phase")
     p.add_argument("--only", help=f"comma-separated scenarios of {','.join(SCENARIOS)}")
-    p.add_argument("--servers", help="comma-separated: raw,uibus (default both)")
+    p.add_argument("--servers", help="comma-separated: raw,uibus,grpcjs (default all; grpcjs when node is found)")
     p.add_argument("--fanout", help="comma-separated subscriber counts, e.g. 10,1000")
     p.add_argument("--unary", help="comma-separated unary concurrencies, e.g. 1,100")
     p.add_argument("--chat", help="comma-separated chat concurrencies, e.g. 1,10")
@@ -521,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         plan.scenarios = tuple(s for s in SCENARIOS if s in ns.only.split(","))
     if ns.servers:
         plan.servers = tuple(s for s in SERVERS if s in ns.servers.split(","))
+    if "grpcjs" in plan.servers and not setup_grpcjs():
+        plan.servers = tuple(s for s in plan.servers if s != "grpcjs")
+    if not plan.servers:
+        p.error("no server left to run")
     if ns.fanout:
         plan.fanout_s = tuple(int(x) for x in ns.fanout.split(","))
     if ns.unary:
