@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NoReturn
@@ -39,30 +38,6 @@ class Rejected:
 
     def __init__(self, error: UibusError) -> None:
         self.error = error
-
-
-def load_json(text: str | bytes, what: str, max_depth: int = 64) -> Any:
-    """Client JSON, parsed: `InvalidArgument` names `what` when it is not JSON or nests deeper than
-    `max_depth` arrays/objects. Never RecursionError: the C parser raises that on deep input (about
-    1000 levels), and a handler or encoder that recurses over a value (proto3 JSON, `json.dumps`)
-    would raise it later, where it kills a WebSocket instead of answering. The depth check is an
-    explicit stack, linear in the size of the value."""
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise InvalidArgument(f"{what} is nested deeper than {max_depth} levels") from None
-    except ValueError as exc:  # also UnicodeDecodeError, for bytes that are not UTF-8/16/32
-        raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > max_depth:
-            raise InvalidArgument(f"{what} is nested deeper than {max_depth} levels")
-        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return value
 
 
 def decode(parse: Callable[[Any], Any], data: Any, what: str = "request") -> Any:

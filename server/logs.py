@@ -30,3 +30,29 @@ def setup(level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class Throttle:
+    """At most `burst` log lines per `window_s` for one reason, then one line saying how many
+    were left out: a client sending garbage in a loop, a store failing every call or a connection
+    flood cannot flood the log. One instance per reason."""
+
+    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self._start = 0.0
+        self._count = 0
+        self._skipped = 0
+
+    def allow(self) -> int | None:
+        """None to skip this line; else how many were skipped before it (to mention)."""
+        now = time.monotonic()
+        if now - self._start >= self.window_s:
+            skipped, self._skipped = self._skipped, 0
+            self._start, self._count = now, 1
+            return skipped
+        if self._count < self.burst:
+            self._count += 1
+            return 0
+        self._skipped += 1
+        return None

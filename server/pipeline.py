@@ -42,6 +42,7 @@ from uibus.auth import Grant, Tokens, bearer
 from uibus.bus import LIVE
 from uibus.calls import CallContext, Rejected, decode
 from uibus.errors import PermissionDenied, UibusError, Unauthenticated
+from uibus.logs import Throttle
 from uibus.metrics import Metrics
 from uibus.session import session_from_metadata
 
@@ -113,38 +114,13 @@ def code_name(context: Any) -> str:
         return "UNKNOWN"
 
 
-class _Throttle:
-    """At most `burst` log lines per `window_s` for one reason, then one line saying how many
-    were left out: a client sending garbage in a loop cannot flood the log."""
-
-    def __init__(self, burst: int = 10, window_s: float = 10.0) -> None:
-        self.burst = burst
-        self.window_s = window_s
-        self._start = 0.0
-        self._count = 0
-        self._skipped = 0
-
-    def allow(self) -> int | None:
-        """None to skip this line; else how many were skipped before it (to mention)."""
-        now = time.monotonic()
-        if now - self._start >= self.window_s:
-            skipped, self._skipped = self._skipped, 0
-            self._start, self._count = now, 1
-            return skipped
-        if self._count < self.burst:
-            self._count += 1
-            return 0
-        self._skipped += 1
-        return None
-
-
 class Pipeline:
     def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None) -> None:
         """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open."""
         self.metrics = metrics
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
-        self._rejected_log = _Throttle()
-        self._failed_log = _Throttle()
+        self._rejected_log = Throttle()
+        self._failed_log = Throttle()
 
     # ---- the policies -------------------------------------------------------------------------
 

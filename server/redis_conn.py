@@ -6,8 +6,6 @@ bus in the path of publishes, so a Redis outage must turn into a quick error, ne
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -21,36 +19,22 @@ OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTim
 
 CONNECT_TIMEOUT_S = 1.0
 COMMAND_TIMEOUT_S = 2.0
-SCHEMES = ("redis", "rediss", "unix")
-
-
-def check_url(url: str) -> None:
-    """Raises ConfigError("--redis-url", …) for a URL no client could use, at start rather than at
-    the first call. The message never repeats the URL: it may carry a password."""
-    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
-    if scheme not in SCHEMES:
-        raise ConfigError("--redis-url", f"must start with redis://, rediss:// or unix:// "
-                                         f"(got {scheme + '://' if scheme else 'no scheme'})")
 
 
 def make_client(url: str, name: str) -> Redis:
     """A client for `url` (redis://, rediss:// or unix://) owning its pool; `aclose()` releases
-    both. A URL that cannot be parsed is a ConfigError (connecting is not tried here)."""
-    check_url(url)
+    both. A URL that cannot be parsed is a ConfigError (connecting is not tried here); Config has
+    already refused other schemes, and redis-py's own refusal never repeats the URL (a password)."""
     try:
-        return _client(url, name)
+        return Redis.from_url(
+            url,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=COMMAND_TIMEOUT_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            health_check_interval=10,
+            client_name=name,
+            decode_responses=False,
+        )
     except ValueError as exc:  # a port that is not a number, an unknown query option
         raise ConfigError("--redis-url", f"cannot be parsed: {exc}") from exc
-
-
-def _client(url: str, name: str) -> Redis:
-    return Redis.from_url(
-        url,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        socket_timeout=COMMAND_TIMEOUT_S,
-        retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=10,
-        client_name=name,
-        decode_responses=False,
-    )

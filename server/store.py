@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.errors import ConfigError, StoreFull, StoreUnavailable
+from uibus.logs import Throttle
 
 __all__ = ["SqliteStore", "Store", "StoreFull", "StoreStats", "StoreUnavailable"]
 
@@ -65,26 +66,6 @@ class StoreStats:
     sessions: int = -1  # sessions stored, as last seen by a write or the sweep (-1: not yet known)
 
 
-class FailureLog:
-    """At most one line per kind of failure per `window_s`, saying how many were left out: a store
-    that fails every call must not write a line (let alone a traceback) per call."""
-
-    def __init__(self, window_s: float = FAILURE_LOG_S) -> None:
-        self.window_s = window_s
-        self._last: dict[str, float] = {}  # kind -> when it was last logged (monotonic)
-        self._skipped: dict[str, int] = {}
-
-    def allow(self, kind: str) -> int | None:
-        """None to skip this line; else how many of this kind were skipped since the last one."""
-        now = time.monotonic()
-        last = self._last.get(kind)
-        if last is not None and now - last < self.window_s:
-            self._skipped[kind] = self._skipped.get(kind, 0) + 1
-            return None
-        self._last[kind] = now
-        return self._skipped.pop(kind, 0)
-
-
 class Store(abc.ABC):
     """Async interface so that a networked backend fits; values are JSON-serialisable."""
 
@@ -104,7 +85,7 @@ class Store(abc.ABC):
         self._failed_since = 0.0
         self._listeners: list[Callable[[], None]] = []
         self._prober: asyncio.Task[None] | None = None
-        self._failure_log = FailureLog()
+        self._failure_logs: dict[str, Throttle] = {}  # one per kind of failure
 
     @abc.abstractmethod
     async def get(self, session: str, key: str) -> Any | None: ...
@@ -169,13 +150,20 @@ class Store(abc.ABC):
             except Exception as exc:  # one broken listener must not break the store call that noticed
                 log.error("store health listener failed", exc_info=exc)
 
+    def _log_allowed(self, kind: str) -> int | None:
+        """Throttle.allow for this kind of failure: one line per kind per FAILURE_LOG_S."""
+        throttle = self._failure_logs.get(kind)
+        if throttle is None:
+            throttle = self._failure_logs[kind] = Throttle(burst=1, window_s=FAILURE_LOG_S)
+        return throttle.allow()
+
     def _failed(self, kind: str, error: StoreUnavailable | StoreFull) -> StoreUnavailable | StoreFull:
         """Notes a failure of the backend (`kind` names it for the log throttle): marks the store
         unhealthy, starts the probe, logs (at most once per kind per minute); returns `error` for
         the caller to raise. A store that is closing is not "failing": it is going away."""
         if self._stopping:
             return error
-        skipped = self._failure_log.allow(kind)
+        skipped = self._log_allowed(kind)
         if skipped is not None:
             fields: dict[str, Any] = {"kind": kind, "error": str(error)}
             if skipped:
@@ -201,7 +189,7 @@ class Store(abc.ABC):
             except (StoreUnavailable, StoreFull):
                 continue  # noted (and logged, throttled) by the backend's mapping
             except Exception as exc:  # not an outage we know: keep probing, say so once a minute
-                if self._failure_log.allow("probe") is not None:
+                if self._log_allowed("probe") is not None:
                     log.error("session store probe failed", exc_info=exc)
                 continue
             if self._stopping:

@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import Reader, free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.test_redis_replicas import Replica as BaseReplica
+from tests.test_redis_replicas import two_replicas
 from uibus import kinds
-from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.domain.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
@@ -55,21 +55,8 @@ class Replica(BaseReplica):
 @pytest.fixture
 async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
     """Two replicas on one Redis, each with an HTTP port (for /metrics)."""
-    apps: list[App] = []
-    opened: list[Connection] = []
-    try:
-        for name in ("a", "b"):
-            apps.append(await start_app(Config(host="127.0.0.1", port=0, http_port=free_port(),
-                                               store=str(tmp_path / f"{name}.db"), redis_url=redis_server.url,
-                                               grace_seconds=1.0)))
-        a, b = Replica(apps[0], opened), Replica(apps[1], opened)
-        await wait_for(lambda: a.bus.connected and b.bus.connected, what="both replicas on redis")
-        yield a, b
-    finally:
-        for conn in opened:
-            await conn.close()
-        for app in apps:
-            await app.aclose(grace=0.5)
+    async with two_replicas(redis_server.url, tmp_path, Replica, http=True) as pair:
+        yield pair
 
 
 async def timed_respond(stub: Stub, answer: pb.RespondRequest) -> tuple[grpc.StatusCode, float]:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pytest
 
-from tests.conftest import next_message, wait_for
+from tests.conftest import free_port, next_message, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus import kinds
 from uibus.app import App
@@ -45,18 +46,22 @@ class Replica:
         await wait_for(lambda: self.bus.count(kind, session) == n, what=f"{n} {kind} subscription(s)")
 
 
-@pytest.fixture
-async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+R = TypeVar("R", bound=Replica)
+
+
+@asynccontextmanager
+async def two_replicas(redis_url: str, tmp_path: Path, replica: type[R], *,
+                       http: bool = False) -> AsyncIterator[tuple[R, R]]:
+    """Two replicas (of the `replica` wrapper class) on one Redis, both connected to it; with
+    `http`, each also has an HTTP port (for /metrics). Closes their connections and apps."""
     apps: list[App] = []
     opened: list[Connection] = []
-    for name in ("a", "b"):
-        cfg = Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / f"{name}.db"),
-                     redis_url=redis_server.url, grace_seconds=1.0)
-        app = App(cfg)
-        await app.start()
-        apps.append(app)
-    a, b = Replica(apps[0], opened), Replica(apps[1], opened)
     try:
+        for name in ("a", "b"):
+            apps.append(await start_app(Config(host="127.0.0.1", port=0, http_port=free_port() if http else 0,
+                                               store=str(tmp_path / f"{name}.db"), redis_url=redis_url,
+                                               grace_seconds=1.0)))
+        a, b = replica(apps[0], opened), replica(apps[1], opened)
         await wait_for(lambda: a.bus.connected and b.bus.connected, what="both replicas on redis")
         yield a, b
     finally:
@@ -64,6 +69,12 @@ async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[
             await conn.close()
         for app in apps:
             await app.aclose(grace=0.5)
+
+
+@pytest.fixture
+async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+    async with two_replicas(redis_server.url, tmp_path, Replica) as pair:
+        yield pair
 
 
 async def test_uses_redis_for_store_and_bus(replicas: tuple[Replica, Replica]) -> None:

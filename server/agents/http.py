@@ -9,7 +9,6 @@ generating instead of talking to a pooled socket nobody reads.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import aiohttp
 
 from uibus.agents import AgentError
+from uibus.errors import InvalidArgument
+from uibus.json_input import load_json
 
 MAX_ERROR_BODY = 2_000
 
@@ -68,8 +69,8 @@ def json_object(source: str, text: str, what: str) -> dict[str, Any]:
     """One JSON object from an upstream stream (a JSON line, an SSE `data:` payload); anything
     else is an AgentError naming the upstream and showing the start of what it sent."""
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python recurses
+        data = load_json(text, what)
+    except InvalidArgument as exc:
         raise AgentError(f"{source} sent {'an' if what[0] in 'aeiou' else 'a'} {what} that is not JSON: "
                          f"{text[:200]!r}") from exc
     if not isinstance(data, dict):

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from uibus.calls import load_json
 from uibus.errors import InvalidArgument
+from uibus.json_input import load_json
 
 # Every event family of the AsyncAPI document and its actions (the schema's enums).
 ASYNCAPI: dict[str, tuple[str, ...]] = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import time
 import uuid
@@ -31,6 +30,7 @@ from uibus import kinds
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.errors import FailedPrecondition, InvalidArgument, StoreFull, StoreUnavailable
+from uibus.json_input import load_json
 from uibus.kinds import Kind
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
@@ -414,10 +414,7 @@ class UiFeed:
         """Cline sends the theme as a JSON document; anything else would break its webview."""
         if len(theme) > MAX_THEME_CHARS:
             raise InvalidArgument(f"theme is {len(theme)} characters; the limit is {MAX_THEME_CHARS}")
-        try:
-            json.loads(theme)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python recurses
-            raise InvalidArgument(f"theme must be a JSON document: {exc}") from None
+        load_json(theme, "theme (a JSON document)")
         await self.store.put(session, THEME_KEY, theme)
         return self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
 

@@ -22,7 +22,6 @@ import logging
 import os
 import socket
 import ssl
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -33,6 +32,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from uibus.config import Config
 from uibus.errors import ConfigError
+from uibus.logs import Throttle
 from uibus.transports.asgi import ASGIApp
 from uibus.transports.routes import Routes, build
 
@@ -42,7 +42,6 @@ _REFUSED_BODY = b"too many open connections\n"
 _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(_REFUSED_BODY), _REFUSED_BODY))
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-_REFUSAL_LOG_EVERY_S = 10.0
 
 
 def read_pem(path: str, flag: str) -> bytes:
@@ -100,7 +99,7 @@ class _GuardedH11(H11Protocol):
 
     limits: ClassVar[Limits]
     _header_timer: asyncio.TimerHandle | None = None
-    _last_refusal_log: ClassVar[float] = 0.0
+    _refusal_log: ClassVar[Throttle] = Throttle(burst=1, window_s=10.0)  # a flood must not flood the log
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -138,11 +137,12 @@ class _GuardedH11(H11Protocol):
         self.transport.close()
 
     def _refuse(self) -> None:
-        now = time.monotonic()
-        if now - _GuardedH11._last_refusal_log >= _REFUSAL_LOG_EVERY_S:  # a flood must not flood the log
-            _GuardedH11._last_refusal_log = now
-            log.warning("HTTP connection refused", extra={"fields": {
-                "reason": "too many open connections", "limit": self.limits.max_connections}})
+        skipped = self._refusal_log.allow()
+        if skipped is not None:
+            fields: dict[str, object] = {"reason": "too many open connections", "limit": self.limits.max_connections}
+            if skipped:
+                fields["not_logged_before"] = skipped
+            log.warning("HTTP connection refused", extra={"fields": fields})
         self.transport.write(_REFUSED)
         self.transport.close()
 

@@ -21,7 +21,8 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
-from uibus.calls import CallContext, Rejected, decode, load_json, responses
+from uibus.calls import CallContext, Rejected, decode, responses
+from uibus.json_input import load_json
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.transports.asgi import (
     BodyTooLarge,
