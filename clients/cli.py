@@ -17,11 +17,11 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from importlib import metadata
 
 import grpc
 from google.protobuf import json_format
 
+from uibus import version
 from uibus.clients import ext_ui_stdio
 from uibus.clients.connection import Connection, to_json
 from uibus.pb.cline import common_pb2, ui_pb2
@@ -121,21 +121,12 @@ def _async_command(fn: Callable[[argparse.Namespace], object]) -> Callable[[argp
     return run
 
 
-def _version() -> str:
-    """The installed distribution's version, so `uibus --version` names what pip installed (a bug
-    report then says which release it is); "unknown" for a tree imported without being installed."""
-    try:
-        return metadata.version("uibus")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from uibus.main import add_parser as add_serve
 
     parser = argparse.ArgumentParser(prog="uibus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"uibus {_version()}")
+    parser.add_argument("--version", action="version", version=f"uibus {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_serve(sub)
 

@@ -11,6 +11,10 @@ that fails half way undoes what it started. Shutdown has two phases:
   reverse order of its start, the store last; every teardown runs even when one fails.
 
 Use it as `async with App(config) as app:`.
+
+A worker of `uibus serve --workers N` is an App given its `Worker` (uibus.worker_table): it shares
+the gRPC port with the other workers (SO_REUSEPORT) and serves HTTP on the socket its parent bound;
+its readiness, and so its health, also requires every other worker to be ready.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from uibus.transports.inprocess import Channel
 from uibus.transports.routes import Routes
 from uibus.webview import webview_html
 from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
+from uibus.worker_table import Worker
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
@@ -126,10 +131,12 @@ class Resources:
 
 class App:
     def __init__(self, config: Config, *, installers: Sequence[Installer] = INSTALLERS,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, worker: Worker | None = None) -> None:
         """`installers` are the parts to serve (uibus.installers.INSTALLERS by default); a `store`
-        given here is used instead of the configured one, and closed with the app."""
+        given here is used instead of the configured one, and closed with the app. `worker`: this
+        app is one worker process of `uibus serve --workers` (see the module docstring)."""
         self.config = config
+        self.worker = worker
         self._installers = tuple(installers)
         self._store = store
         self._resources = Resources()
@@ -161,7 +168,15 @@ class App:
     def not_ready(self) -> str | None:
         """Why stateful calls would fail now, None when the app is ready: /readyz answers 503 with
         it and gRPC health is NOT_SERVING meanwhile. Liveness (/livez, /healthz) ignores it: a
-        restart fixes neither a full disk nor a Redis that is down."""
+        restart fixes neither a full disk nor a Redis that is down. A worker is ready only while
+        every other worker is too: a probe reaches one of them, for connections that go to all."""
+        reason = self._not_ready_here()
+        if reason is None and self.worker is not None:
+            reason = self.worker.others_not_ready()
+        return reason
+
+    def _not_ready_here(self) -> str | None:
+        """Why this process alone is not ready (what a worker publishes to the others)."""
         if self._stopping:
             return "shutting down"
         if self.core is None:
@@ -235,19 +250,24 @@ class App:
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("recent messages", self._flush_recent)
         gauges: Gauges = {
-            "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down)",
+            "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down; "
+                            "with --workers, every worker ready)",
                             lambda: 0.0 if self.not_ready() else 1.0),
             "uibus_store_up": ("1 while the session store answers, 0 while it fails (see /readyz for why)",
                                lambda: 0.0 if store.problem else 1.0),
         }
         counters: Gauges = {}
-        metrics = self.metrics = Metrics(bus, gauges, counters, store=store)
+        worker = self.worker
+        metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
+            "index": str(worker.index), "pid": str(worker.pid)})
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
-        pipeline = Pipeline(metrics, tokens)
+        pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else ())
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            # A second server on a taken port must fail, not share it; workers share theirs on purpose
+            # (the parent checked that nothing else listens there, and holds the port from the start).
+            ("grpc.so_reuseport", 0 if worker is None else 1),
             *keepalive_options(cfg),
         ])
         registry = self.registry = Registry(server, pipeline)
@@ -274,16 +294,16 @@ class App:
         if cfg.http_port:
             routes = Routes(registry.lookup, metrics, webview_html, self.not_ready, cfg.max_message_bytes,
                             setup.mounts, tokens=tokens)
-            self._http = HttpServer(routes, cfg)
+            self._http = HttpServer(routes, cfg, worker.http_socket if worker is not None else None)
             await self._http.start()
             self.http_port = self._http.port
-        serving = await self._set_health(self.not_ready() is None)
+        serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)
         log.info("serving", extra={"fields": {
             "grpc": f"{cfg.host}:{self.port}", "http": self.http_port, "tls": bool(cfg.tls_cert),
             "http_tls": bool(cfg.http_tls_cert or cfg.tls_cert), "mtls": bool(cfg.tls_client_ca),
-            "store": redacted(cfg.redis_url) or cfg.store}})
+            "store": redacted(cfg.redis_url) or cfg.store, **({} if worker is None else {"pid": worker.pid})}})
 
     async def _set_health(self, serving: bool) -> bool:
         """Sets "" and every service to SERVING or NOT_SERVING; never SERVING once shutdown began
@@ -302,11 +322,18 @@ class App:
         self._core().store.on_change(changed.set)
         while not self._stopping:
             changed.clear()  # before reading: a change while health is being set wakes the next pass
-            ready = self.not_ready() is None
+            ready = self._publish_readiness() is None
             if ready != serving:
                 serving = await self._set_health(ready)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), HEALTH_POLL_S)
+
+    def _publish_readiness(self) -> str | None:
+        """`not_ready()`, after writing this worker's own readiness to the table the workers share (so
+        the others' health follows ours within a poll); the same as `not_ready()` outside workers."""
+        if self.worker is not None:
+            self.worker.mark(self._not_ready_here() is None)
+        return self.not_ready()
 
     async def _stop_health_watch(self) -> None:
         task, self._health_watch = self._health_watch, None
@@ -341,6 +368,8 @@ class App:
 
     async def _begin_shutdown(self) -> None:
         self._stopping = True
+        if self.worker is not None:
+            self.worker.mark_down()  # the other workers stop reporting SERVING too
         log.info("shutting down", extra={"fields": {
             "grace_s": self._grace, "open_streams": self.core.bus.count() if self.core else 0}})
         await self.health.enter_graceful_shutdown()

@@ -101,6 +101,8 @@ class Config:
     store: str = field(default_factory=_default_store,
                        metadata={"help": "SQLite file of the session store; ':memory:' keeps nothing"})
     redis_url: str = field(default="", metadata={"help": "redis://… to use Redis as store and bus"})
+    workers: int = field(default=1, metadata={
+        "help": "worker processes serving the same ports (one per core); more than 1 needs --redis-url"})
     queue_size: int = field(default=256, metadata={"help": "bound of each subscriber's queue"})
     max_streams_per_session: int = field(default=10_000,
                                          metadata={"help": "open subscriptions allowed per session"})
@@ -191,6 +193,10 @@ class Config:
             scheme = self.redis_url.partition("://")[0] if "://" in self.redis_url else "no scheme"
             problems.append(("--redis-url", f"must start with {', '.join(_REDIS_SCHEMES[:-1])} or "
                                             f"{_REDIS_SCHEMES[-1]} (got {scheme[:20]!r})"))
+        # Workers share sessions and events only through Redis: each has its own store and bus otherwise.
+        check(1 <= self.workers <= 64, "workers", "must be within 1..64")
+        check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",
+              "more than 1 needs --redis-url (the workers share sessions and events through Redis)")
         check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
               f"{self.log_level[:20]!r} is not one of DEBUG, INFO, WARNING, ERROR")
         if problems:

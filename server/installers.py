@@ -10,12 +10,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from uibus import version
 from uibus.codebolt.gateway import Gateway
+from uibus.mcp.server import McpServer
 from uibus.services import agent, codebolt, extension_ui, host, ui, webview
 from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
+from uibus.transports.mcp_http import PATH as MCP_PATH
+from uibus.transports.mcp_http import McpHttp
 from uibus.wiring import AppKey, Installer, Setup
 
 CODEBOLT = AppKey("codebolt", Gateway)  # the CodeBolt gateway: `app[CODEBOLT]`
+MCP = AppKey("mcp", McpHttp)  # the MCP endpoint (and its server, `.server`): `app[MCP]`
 
 
 @asynccontextmanager
@@ -68,4 +73,17 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
     yield
 
 
-INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway)
+@asynccontextmanager
+async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
+    """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
+    server = McpServer(setup.core, setup.pipeline.wrap, version())
+    endpoint = McpHttp(server, setup.config.max_message_bytes)
+    setup.mount(MCP_PATH, endpoint)
+    setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",
+                lambda: len(server.inflight))
+    setup.provide(MCP, endpoint)
+    yield
+
+
+INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
+                                     mcp_endpoint)

@@ -9,12 +9,18 @@ import time
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, static: dict[str, object] | None = None) -> None:
+        """`static`: fields on every line (a worker of `uibus serve --workers` adds its index)."""
+        super().__init__()
+        self.static = static or {}
+
     def format(self, record: logging.LogRecord) -> str:
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **self.static,
         }
         fields = getattr(record, "fields", None)
         if fields:
@@ -24,9 +30,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def setup(level: str) -> None:
+def setup(level: str, **static: object) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(static))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

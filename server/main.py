@@ -1,5 +1,6 @@
 """`uibus serve`: run the service until SIGTERM/SIGINT, then shut down gracefully and exit 0;
-SIGHUP re-reads `--tokens-file`."""
+SIGHUP re-reads `--tokens-file`. With `--workers N` (N > 1) this process becomes the parent of N
+worker processes (uibus.workers), each of which runs `serve` here."""
 
 from __future__ import annotations
 
@@ -13,17 +14,20 @@ import sys
 from uibus import logs
 from uibus.config import Config, describe
 from uibus.errors import ConfigError
+from uibus.worker_table import Worker
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config, worker: Worker | None = None) -> None:
     from uibus.app import App
 
-    async with App(config) as app:
+    async with App(config, worker=worker) as app:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, app.reload_tokens)  # --tokens-file edited: reload it
+        if worker is not None:  # blocked since the fork (uibus.workers): one sent meanwhile is handled now
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         await stop.wait()
 
 
@@ -89,21 +93,41 @@ def run(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(describe(exc, ns), 2)
     logs.setup(config.log_level)
+    if config.workers > 1:
+        from uibus.workers import supervise
+
+        text, code = supervise(config, lambda resolved, worker: _run_worker(resolved, ns, worker))
+    else:
+        text, code = _serve(config, ns)
+    return _fail(text, code) if text else code
+
+
+def _serve(config: Config, ns: argparse.Namespace, worker: Worker | None = None) -> tuple[str, int]:
+    """Serves until stopped: ("", 0) after a clean shutdown, else the one line to print and the exit code."""
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, worker))
     except ConfigError as exc:  # the store, TLS, agents or tokens file, found bad while starting
-        return _fail(describe(exc, ns), 2)
+        return describe(exc, ns), 2
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed
-        return 130
+        return "", 130
     except RuntimeError as exc:
         if "Failed to bind" in str(exc):  # grpc.aio's words; the port was taken after the check above
-            return _fail(f"--port: cannot listen on {_address(config.host, config.port)}: address in use or "
-                         "not available", 1)
-        return _fail(f"cannot start: {exc}", 1)
+            return f"--port: cannot listen on {_address(config.host, config.port)}: address in use or not available", 1
+        return f"cannot start: {exc}", 1
     except OSError as exc:  # the HTTP port, or a file the OS refused
-        return _fail(str(exc) if exc.errno is None else f"cannot start: {_why_not(exc)}"
-                     + (f": {exc.filename}" if exc.filename else ""), 1)
+        return (str(exc) if exc.errno is None else f"cannot start: {_why_not(exc)}"
+                + (f": {exc.filename}" if exc.filename else "")), 1
     except ValueError as exc:
-        return _fail(f"cannot start: {exc}", 1)
-    return 0
+        return f"cannot start: {exc}", 1
+    return "", 0
+
+
+def _run_worker(config: Config, ns: argparse.Namespace, worker: Worker) -> int:
+    """One worker process of `--workers`: its start-up failure goes to the parent, which prints it
+    once for all workers (they usually fail alike), instead of N copies of the line."""
+    logs.setup(config.log_level, worker=worker.index)
+    text, code = _serve(config, ns, worker)
+    if text:
+        worker.report(" ".join(line.strip() for line in text.splitlines()))
+    return code
 

@@ -27,8 +27,10 @@ UNKNOWN_METHOD = "unknown"
 class _BusCollector(Collector):
     def __init__(self, bus: Bus, chat_turns: dict[str, int],
                  gauges: dict[str, tuple[str, Callable[[], float]]],
-                 counters: dict[str, tuple[str, Callable[[], float]]], store: Store | None = None) -> None:
+                 counters: dict[str, tuple[str, Callable[[], float]]], store: Store | None = None,
+                 worker: dict[str, str] | None = None) -> None:
         self.bus = bus
+        self.worker = worker
         self.store = store
         self.chat_turns = chat_turns
         self.gauges = gauges
@@ -75,6 +77,12 @@ class _BusCollector(Collector):
                                         "sweep)", value=st.sessions)
         for name, (help_, read) in sorted(self.gauges.items()):
             yield GaugeMetricFamily(name, help_, value=read())
+        if self.worker:  # which worker of `uibus serve --workers` answered this scrape
+            info = GaugeMetricFamily("uibus_worker", "1, labelled with the worker process that answered this scrape "
+                                     "(uibus serve --workers; each scrape shows one worker's figures)",
+                                     labels=sorted(self.worker))
+            info.add_metric([self.worker[k] for k in sorted(self.worker)], 1)
+            yield info
         for name, (help_, read) in sorted(self.counters.items()):
             yield CounterMetricFamily(name, help_, value=read())
         stats = getattr(self.bus, "stats", None)  # only a ReplicatedBus counts what crossed Redis
@@ -90,7 +98,8 @@ class Metrics:
 
     def __init__(self, bus: Bus, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None,
                  counters: dict[str, tuple[str, Callable[[], float]]] | None = None, *,
-                 store: Store | None = None) -> None:
+                 store: Store | None = None, worker: dict[str, str] | None = None) -> None:
+        """`worker`: the labels of the `uibus_worker` gauge (index, pid), in a worker process only."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.chat_turns: dict[str, int] = {}
         self.rpc = Histogram("uibus_rpc_duration_seconds", "RPC duration (whole stream for streaming calls); "
@@ -99,7 +108,7 @@ class Metrics:
         self._children: dict[tuple[str, str, str], Any] = {}
         self._methods: set[str] = set()
         self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {},
-                                             counters if counters is not None else {}, store))
+                                             counters if counters is not None else {}, store, worker))
 
     def observe(self, method: str, code: str, seconds: float, transport: str) -> None:
         key = (method, code, transport)

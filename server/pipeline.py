@@ -19,7 +19,9 @@ The policies, outermost first:
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
    gets its error's status before the handler runs, with one short log line;
 5. liveness — a stream that yields `uibus.bus.LIVE` (its subscription is registered) has its
-   response headers sent then, so "headers received" means "subscribed" on every transport.
+   response headers sent then, so "headers received" means "subscribed" on every transport. The
+   headers carry the pipeline's own metadata, if any (a worker of `uibus serve --workers` sends
+   `x-uibus-worker`, so a client can tell which worker answered).
 
 They run in one wrapper per handler, not one wrapper per policy: on streams every extra wrapper
 layer costs an extra hop per message, which is most of what a delivery costs.
@@ -31,7 +33,7 @@ import asyncio
 import inspect
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -115,9 +117,13 @@ def code_name(context: Any) -> str:
 
 
 class Pipeline:
-    def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None) -> None:
-        """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open."""
+    def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None,
+                 headers: Sequence[tuple[str, str]] = ()) -> None:
+        """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open.
+        `headers`: response metadata every call sends once admitted (none: nothing is added, and the
+        calls cost what they did)."""
         self.metrics = metrics
+        self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = Throttle()
         self._failed_log = Throttle()
@@ -198,6 +204,7 @@ class Pipeline:
         rejected = self._rejected
         classify = self._classify
         status = _STATUS
+        extra = self.headers
 
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
@@ -225,9 +232,12 @@ class Pipeline:
                             if message is LIVE:  # subscribed: the headers say so (uibus.bus.LIVE)
                                 if not headers:
                                     headers = True
-                                    await context.send_initial_metadata(())
+                                    await context.send_initial_metadata(extra)
                                 continue
-                            headers = True
+                            if not headers:
+                                headers = True
+                                if extra:  # else grpc sends the headers with the first message
+                                    await context.send_initial_metadata(extra)
                             yield message
                     code = code_name(context)
                 except BaseException as exc:
@@ -243,7 +253,10 @@ class Pipeline:
             started = time.perf_counter()
             code = "OK"
             try:
-                result = behavior(admit(request, context), context)
+                request = admit(request, context)
+                if extra:  # before the handler runs: a `write()` stream sends its headers with its first write
+                    await context.send_initial_metadata(extra)
+                result = behavior(request, context)
                 if inspect.isawaitable(result):
                     result = await result
                 code = code_name(context)

@@ -20,12 +20,13 @@ ROOTS = {"uibus": REPO / "server", "uibus.clients": REPO / "clients"}
 # Layers, lowest first: a module may import its own layer and the ones below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis_bus",
-              "uibus.redis_conn", "uibus.store", "uibus.redis_store", "uibus.session", "uibus.webview", "uibus.pb")),
+              "uibus.redis_conn", "uibus.store", "uibus.redis_store", "uibus.session", "uibus.webview", "uibus.pb",
+              "uibus.worker_table", "uibus.proto_schema")),
     ("domain", ("uibus.domain", "uibus.agents")),
-    ("services", ("uibus.services", "uibus.codebolt", "uibus.pipeline", "uibus.calls", "uibus.metrics",
+    ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
                   "uibus.reflection", "uibus.wiring")),
     ("transports", ("uibus.transports",)),
-    ("app", ("uibus.app", "uibus.installers", "uibus.main")),
+    ("app", ("uibus.app", "uibus.installers", "uibus.main", "uibus.workers")),
     ("clients", ("uibus.clients", "uibus.__main__")),  # the `uibus` command: `serve` runs the app
 ]
 

@@ -2,12 +2,12 @@
 transport, and is counted in the same metrics series.
 
 Transports: native gRPC, gRPC-Web (binary and text), the neuro-san HTTP API, the CodeBolt
-WebSocket and an in-process channel. Policies: undecodable input, a missing or wrong token, a
+WebSocket, MCP (JSON-RPC on `/mcp`) and an in-process channel. Policies: undecodable input, a missing or wrong token, a
 token bound to other sessions (and its reload), the store unreachable (a real redis-server,
 stopped), and an unexpected exception in a handler (a store that breaks for one session). Each
 case is a real call over a real connection to a real App; the status is read the way that
 transport's client reads it (gRPC status, grpc-status trailer, HTTP status and JSON `code`, the
-CodeBolt reply's `code`).
+CodeBolt reply's `code`, the JSON-RPC error's `data.status`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from uibus.store import SqliteStore
 
 __all__ = ["redis_server"]
 
-TRANSPORTS = ("grpc", "grpc-web", "grpc-web-text", "http", "websocket", "inprocess")
+TRANSPORTS = ("grpc", "grpc-web", "grpc-web-text", "http", "websocket", "mcp", "inprocess")
 SET_THEME = "/uibus.v1.HostService/SetTheme"
 CHAT = "/hello_world.AgentService/StreamingChat"
 MEMORY_SET = "/codebolt.AgentToApp/memoryEvent.memorySet"
@@ -146,6 +146,24 @@ async def via_websocket(app: App, session: str, headers: dict[str, str], garbage
     return Outcome(reply["code"], reply["error"], method)
 
 
+async def via_mcp(app: App, session: str, headers: dict[str, str], garbage: bool) -> Outcome:
+    body = b"{not json" if garbage else json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+        "name": "hello_world", "arguments": {"user_message": {"text": "hi"}}}}).encode()
+    async with httpx.AsyncClient(timeout=10) as http:
+        r = await http.post(f"http://127.0.0.1:{app.http_port}/mcp", content=body,
+                            headers={"content-type": "application/json", "x-uibus-session": session, **headers})
+    method = "/mcp/invalid" if garbage else "/mcp/tools/call"
+    reply = r.json()
+    if "result" in reply:
+        assert r.status_code == 200 and not reply["result"]["isError"], reply
+        return Outcome("OK", "", method)
+    code = reply["error"]["data"]["status"]
+    # Refused for the token: MCP's HTTP statuses; input that is no message: 400; every answered call: 200.
+    assert r.status_code == {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "PERMISSION_DENIED": 403}.get(
+        code, 200), (r.status_code, reply)
+    return Outcome(code, reply["error"]["message"], method)
+
+
 async def via_inprocess(app: App, session: str, headers: dict[str, str], garbage: bool) -> Outcome:
     channel = app.channel([("x-uibus-session", session), *headers.items()])
     try:
@@ -156,10 +174,11 @@ async def via_inprocess(app: App, session: str, headers: dict[str, str], garbage
 
 
 ATTEMPTS: dict[str, Attempt] = {"grpc": via_grpc, "grpc-web": via_grpc_web, "grpc-web-text": via_grpc_web_text,
-                                "http": via_http, "websocket": via_websocket, "inprocess": via_inprocess}
+                                "http": via_http, "websocket": via_websocket, "mcp": via_mcp,
+                                "inprocess": via_inprocess}
 # The metrics `transport` label of each (both gRPC-Web forms are one transport).
 LABELS = {"grpc": "grpc", "grpc-web": "grpc-web", "grpc-web-text": "grpc-web", "http": "http",
-          "websocket": "websocket", "inprocess": "inprocess"}
+          "websocket": "websocket", "mcp": "mcp", "inprocess": "inprocess"}
 
 
 def rpc_count(app: App, method: str, code: str, transport: str) -> float:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header, respond
 
 ALLOW_HEADERS = ("content-type, x-grpc-web, x-user-agent, grpc-timeout, x-uibus-session, authorization, "
-                 "service_version, user_id, request_id")
-EXPOSE_HEADERS = "grpc-status, grpc-message, grpc-status-details-bin, content-type"
+                 "service_version, user_id, request_id, mcp-session-id, mcp-protocol-version, last-event-id")
+EXPOSE_HEADERS = "grpc-status, grpc-message, grpc-status-details-bin, content-type, mcp-session-id"
 MAX_AGE = "600"
 
 
@@ -43,7 +43,7 @@ class Cors:
         echo = [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
         if preflight:
             await respond(send, 204, b"", headers=[
-                *echo, (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                *echo, (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                 (b"access-control-allow-headers", ALLOW_HEADERS.encode()),
                 (b"access-control-max-age", MAX_AGE.encode())])
             return

@@ -12,6 +12,13 @@ The port is exposed to whoever can reach it, so every connection is bounded, not
 * at most `--http-max-connections` are open (WebSockets and streams included); one more is
   answered 503 and closed at once, so a flood cannot starve the loop or the file descriptors;
 * WebSockets are pinged (`--ws-ping-seconds`), and closed when a ping goes unanswered.
+
+With `uibus serve --workers N` the parent binds the HTTP port once and every worker serves on
+that one listening socket (`HttpServer(..., sock=)`), as uvicorn's own `--workers` does, rather
+than each binding it with SO_REUSEPORT: port 0 gets one real port for all of them, a taken port
+fails once in the parent, no other process of the same user can join the port, and a worker that
+stops (or dies) leaves no connections queued on a listener of its own — the others keep
+accepting from the shared queue. (gRPC cannot take a socket, so its port uses SO_REUSEPORT.)
 """
 
 from __future__ import annotations
@@ -169,10 +176,11 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Binds as uvicorn does for a host and port (lifespan is off), with two differences: a bind
-        failure is an OSError naming the port, where uvicorn logs it and calls sys.exit; and the TLS
-        handshake and shutdown are bounded by the header timeout, where asyncio allows 60 and 30 s
-        (the protocol, and so its header timer, only starts once the handshake is done)."""
+        """Binds as uvicorn does for a host and port (lifespan is off), or serves on the one listening
+        socket given (a worker's, see the module docstring), with two differences: a bind failure is
+        an OSError naming the port, where uvicorn logs it and calls sys.exit; and the TLS handshake
+        and shutdown are bounded by the header timeout, where asyncio allows 60 and 30 s (the
+        protocol, and so its header timer, only starts once the handshake is done)."""
         config = self.config
 
         def create_protocol(_loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Protocol:
@@ -182,9 +190,10 @@ class _EmbeddedServer(uvicorn.Server):
         tls: dict[str, float] = {}
         if config.ssl is not None:
             tls = {"ssl_handshake_timeout": self.tls_timeout, "ssl_shutdown_timeout": self.tls_timeout}
+        where = {"sock": sockets[0]} if sockets else {"host": config.host, "port": config.port}
         try:
             server = await asyncio.get_running_loop().create_server(
-                create_protocol, host=config.host, port=config.port, ssl=config.ssl, backlog=config.backlog, **tls)
+                create_protocol, **where, ssl=config.ssl, backlog=config.backlog, **tls)  # type: ignore[arg-type]
         except OSError as exc:  # the whole message is the one line `uibus serve` prints (exit 1)
             why = os.strerror(exc.errno).lower() if exc.errno else str(exc)  # asyncio's strerror repeats the address
             raise OSError(f"--http-port: cannot listen on {config.host}:{config.port}: {why}") from None
@@ -193,9 +202,11 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, routes: Routes, config: Config) -> None:
-        """Serves `routes` on `config.http_port`, with TLS when `--http-tls-cert` or `--tls-cert` is
-        set (a bad certificate file is a ConfigError from here, before anything is bound)."""
+    def __init__(self, routes: Routes, config: Config, sock: socket.socket | None = None) -> None:
+        """Serves `routes` on `config.http_port` (or on `sock`, a listening socket, when given), with
+        TLS when `--http-tls-cert` or `--tls-cert` is set (a bad certificate file is a ConfigError
+        from here, before anything is bound)."""
+        self._sock = sock
         # Other parts that live on the HTTP port add themselves to `routes.mounts`.
         self.routes = routes
         app: ASGIApp = build(routes, config.cors_origins)
@@ -231,7 +242,7 @@ class HttpServer:
 
     async def _serve(self) -> None:
         try:
-            await self.server.serve()
+            await self.server.serve([self._sock] if self._sock is not None else None)
         except SystemExit as exc:  # uvicorn exits the process on a start-up failure it only logs
             raise OSError(f"the HTTP server on port {self.server.config.port} could not start") from exc
 

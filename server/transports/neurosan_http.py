@@ -8,6 +8,9 @@ chat context, the Chat → UI mirroring and every policy of the pipeline (token,
 failures, metrics) behave the same over both transports. A body that is not the request in proto3
 JSON, or is over the size limit, goes to the handler as `Rejected`, so the pipeline answers it.
 Failures are answered with the HTTP status of their gRPC status and `{"error", "code"}`.
+
+`GET /api/v1/docs` is the OpenAPI description of all this (uibus.transports.openapi), open
+without a token like /healthz: it is the same for everyone and reveals only message schemas.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from uibus.transports.asgi import (
     error_body,
     http_status,
     read_body,
+    respond,
     respond_json,
     until_disconnect,
 )
 from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.transports.openapi import document_json
 
 PREFIX = "/api/v1/"
 CONCIERGE_LIST = "/dev.cognizant_ai.neuro_san.api.grpc.concierge.ConciergeService/List"
@@ -71,6 +76,12 @@ class NeuroSanHttp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = scope["path"][len(PREFIX):].split("/")
         method = scope["method"]
+        if parts == ["docs"]:  # before the handlers and their token check: the document is public
+            if method != "GET":
+                await respond_json(send, 405, {"error": "use GET /api/v1/docs"})
+            else:
+                await respond(send, 200, document_json(), "application/json")
+            return
         if parts == ["list"]:
             if method != "GET":
                 await respond_json(send, 405, {"error": "use GET /api/v1/list"})

@@ -1,0 +1,283 @@
+"""`/mcp`: the Model Context Protocol's streamable HTTP transport, framing only (uibus.mcp.server
+has the methods).
+
+* `POST /mcp` carries one JSON-RPC message. A request is answered with `application/json`, or —
+  for a client that accepts `text/event-stream`, on `tools/call` — with an event stream that
+  opens once the call is admitted and carries progress notifications, keep-alive comments (so
+  proxies and clients do not give up on a person who takes minutes to answer) and the response.
+  Notifications and responses from the client get 202.
+* `DELETE /mcp` ends the `Mcp-Session-Id` it names: its calls in flight are cancelled and the id
+  is answered 404 from then on. `GET /mcp` is 405: uibus sends nothing unasked.
+
+Every message runs through the handler pipeline as `/mcp/<method>`, so the token, the session
+binding (`x-uibus-session`), limits, metrics (transport `mcp`) and error policy are the ones of
+every other transport. Input that is no JSON-RPC message goes to the pipeline as `Rejected`.
+Statuses are JSON-RPC errors whose `data.status` names the gRPC status; at the HTTP level a call
+refused for its token is 401/403 (MCP's authorization rules), input that is not a message is
+400 (or 429 over the size limit), and every answered request is 200 — never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+import grpc
+
+from uibus.calls import CallContext, Rejected, responses
+from uibus.errors import UibusError
+from uibus.json_input import load_json
+from uibus.mcp import protocol
+from uibus.mcp.protocol import Message, ProtocolError
+from uibus.mcp.server import Call, McpServer, Reply
+from uibus.transports.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    header,
+    http_status,
+    read_body,
+    respond,
+    until_disconnect,
+)
+from uibus.transports.grpcweb import metadata_of, peer_of
+
+PATH = "/mcp"
+KEEPALIVE_S = 15.0
+_CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
+_AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
+
+
+def _json(obj: Any) -> bytes:
+    # One line: neuro-san's client reads the answer as JSON lines.
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class McpHttp:
+    def __init__(self, server: McpServer, max_body: int = 4 * 1024 * 1024, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.server = server
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            if "websocket.http.response" in scope.get("extensions", {}):
+                await respond(send, 404, f"{PATH} is not a WebSocket endpoint (POST JSON-RPC to it)\n",
+                              prefix="websocket.")
+            else:
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        if scope["path"] != PATH:
+            await respond(send, 404, f"not found: {scope['path']} (the MCP endpoint is {PATH})\n")
+            return
+        method = scope["method"]
+        if method == "POST":
+            await self._post(scope, receive, send)
+        elif method == "DELETE":
+            await self._delete(scope, receive, send)
+        else:
+            await respond(send, 405, _json(protocol.error(None, "UNIMPLEMENTED", f"{method} {PATH} is not served: "
+                                                          "POST a JSON-RPC message, or DELETE to end a session",
+                                                          protocol.INVALID_REQUEST)),
+                          "application/json", [(b"allow", b"POST, DELETE")])
+
+    # ---- POST: one JSON-RPC message ------------------------------------------------------------
+
+    def _read(self, scope: Scope, body: bytes) -> Message | Rejected:
+        content_type = header(scope, b"content-type").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            # Also what keeps a web page from posting here without a CORS preflight.
+            return Rejected(ProtocolError(f"POST {PATH} takes Content-Type: application/json (a JSON-RPC message), "
+                                          f"not {content_type or 'none'}"))
+        try:
+            value = load_json(body, "the body")
+        except UibusError as exc:
+            return Rejected(protocol.ParseError(str(exc)))
+        try:
+            message = protocol.parse_message(value)
+        except ProtocolError as exc:
+            return Rejected(exc)
+        version = header(scope, b"mcp-protocol-version").strip()
+        # Checked for the methods served here only: an unknown method is "method not found" in any
+        # version, which is what a client probing for a newer protocol era (server/discover) needs.
+        if (version and version not in protocol.VERSIONS and message.method != "initialize"
+                and self.server.serves(message)):
+            return Rejected(ProtocolError(f"MCP-Protocol-Version {version[:40]!r} is not supported; uibus speaks "
+                                          f"{', '.join(protocol.VERSIONS)}"))
+        return message
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_body(receive, self.max_body)
+        except ClientGone:
+            return
+        except BodyTooLarge as exc:
+            request: Message | Rejected = Rejected(exc)
+        else:
+            request = self._read(scope, body)
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        message = request if isinstance(request, Message) else None
+        ident = message.id if message is not None else None
+        starting = message is not None and message.method == "initialize"
+        if session_id is not None and self.server.ended(session_id) and not starting:
+            await respond(send, 404, _json(protocol.error(ident, "NOT_FOUND", f"MCP session {session_id[:64]} has "
+                                                          "ended: initialize a new one", protocol.INVALID_REQUEST)),
+                          "application/json")
+            return
+        call = Call(message or Message(None), session_id)
+        handler = self.server.handler(message)
+        streamable = (message is not None and message.method == "tools/call" and message.is_request
+                      and "text/event-stream" in header(scope, b"accept"))
+        exchange = _Exchange(send, ident, streamable, self.keepalive_s)
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
+        ctx.on_initial_metadata = exchange.open_stream
+
+        completed = False
+
+        async def run() -> None:
+            nonlocal completed
+            with self.server.tracking(session_id, ident):
+                reply: Reply | None = None
+                async with contextlib.aclosing(responses(handler, request if message is None else call, ctx)) as out:
+                    async for item in out:
+                        if isinstance(item, Reply):
+                            reply = item
+                        else:
+                            await exchange.event(item)
+                await exchange.finish(ctx, reply, call, request.error if isinstance(request, Rejected) else None)
+            completed = True
+
+        try:
+            abandoned = await until_disconnect(run(), receive)
+            if not abandoned and not exchange.done:  # cancelled by the client's notifications/cancelled
+                await exchange.cancelled()
+        finally:
+            await exchange.close()
+        ctx.finish(cancelled=not completed)
+
+    # ---- DELETE: end a session -----------------------------------------------------------------
+
+    async def _delete(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        if session_id is None:
+            await respond(send, 400, _json(protocol.error(None, "INVALID_ARGUMENT", f"DELETE {PATH} ends the session "
+                                                          "its Mcp-Session-Id header names; none was sent",
+                                                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
+        handler = self.server.handlers[protocol.path_of("delete")]
+        async with contextlib.aclosing(responses(handler, Call(Message("delete"), session_id), ctx)) as out:
+            async for _ in out:
+                pass
+        ctx.finish()
+        code, details = ctx.status()
+        if code == grpc.StatusCode.OK:
+            await respond(send, 204, b"")
+        else:
+            await _refuse(send, None, code, details, None)
+
+
+class _Exchange:
+    """The answer to one POST: a JSON body, or an event stream opened when the call is admitted."""
+
+    def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float) -> None:
+        self.send = send
+        self.ident = ident
+        self.streamable = streamable
+        self.keepalive_s = keepalive_s
+        self.streaming = False
+        self.done = False
+        self._lock = asyncio.Lock()
+        self._keepalive: asyncio.Task[None] | None = None
+
+    async def open_stream(self) -> None:
+        """The call was admitted and is about to wait: start the event stream (when the client takes one)."""
+        if not self.streamable or self.streaming:
+            return
+        self.streaming = True
+        async with self._lock:
+            await self.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+        self._keepalive = asyncio.create_task(self._ping(), name="uibus-mcp-keepalive")
+
+    async def _ping(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            async with self._lock:
+                if self.done:
+                    return
+                try:
+                    await self.send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                except Exception:  # the client went away: the call's own task learns it and ends
+                    return
+
+    async def event(self, message: dict[str, Any]) -> None:
+        """A notification for the client: sent on the stream; without one there is no way to send it."""
+        if self.streaming:
+            async with self._lock:
+                await self.send({"type": "http.response.body", "body": b"event: message\ndata: " + _json(message)
+                                 + b"\n\n", "more_body": True})
+
+    async def finish(self, ctx: CallContext, reply: Reply | None, call: Call, rejection: UibusError | None) -> None:
+        """The response: the result, 202 for a notification, or the error (`rejection`: why the
+        transport could not read the input, which the pipeline answered unless it refused the token)."""
+        code, details = ctx.status()
+        if code == grpc.StatusCode.OK and reply is None and call.message.is_request:
+            code, details = grpc.StatusCode.INTERNAL, "the method gave no result"
+        if code == grpc.StatusCode.OK:
+            if reply is None:  # a notification or a client's response: accepted, nothing to say
+                await self._whole(202, b"", ())
+                return
+            body = protocol.response(self.ident, reply.result)
+            extra: Headers = [(b"mcp-session-id", call.new_session.encode())] if call.new_session else []
+        else:
+            if not self.streaming:
+                await _refuse(self.send, self.ident, code, details, rejection)
+                self.done = True
+                return
+            body = protocol.error(self.ident, code.name, details)
+            extra = []
+        if self.streaming:
+            async with self._lock:
+                self.done = True
+                await self.send({"type": "http.response.body", "body": b"event: message\ndata: " + _json(body)
+                                 + b"\n\n", "more_body": False})
+        else:
+            await self._whole(200, _json(body), extra)
+
+    async def cancelled(self) -> None:
+        """The client cancelled the request: it waits for no answer (the spec says to send none), but
+        the HTTP exchange must still end, so a stream just ends and a plain POST gets the error."""
+        if self.streaming:
+            async with self._lock:
+                self.done = True
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            await self._whole(200, _json(protocol.error(self.ident, "CANCELLED", "cancelled by the client")), ())
+
+    async def _whole(self, status: int, data: bytes, extra: Headers) -> None:
+        self.done = True
+        await respond(self.send, status, data, "application/json", list(extra))
+
+    async def close(self) -> None:
+        self.done = True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keepalive
+
+
+async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, rejection: UibusError | None) -> None:
+    """A failure before any answer went out: the JSON-RPC error, at the HTTP status MCP clients act on."""
+    ours = rejection is not None and code.name == rejection.code  # the pipeline answered the transport's Rejected
+    status = _AUTH_STATUS.get(code) or (http_status(code) if ours else 200)
+    rpc_code = protocol.rpc_code_of_error(rejection) if ours and rejection is not None else None
+    body = protocol.error(ident, code.name, details, rpc_code)
+    headers: Headers = [_CHALLENGE] if status == 401 else []
+    await respond(send, status, _json(body), "application/json", headers)

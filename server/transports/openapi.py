@@ -1,0 +1,170 @@
+"""The OpenAPI 3.1 description of neuro-san's HTTP API as uibus serves it, for `GET /api/v1/docs`.
+
+neuro-san (0.7) serves its own description at that path, so a client, Swagger UI, a code
+generator or an API gateway pointed at uibus finds one where it looks. The message schemas are
+generated from the protobuf descriptors (uibus.proto_schema), so they follow the .proto files;
+the paths, headers and error answers are written here after uibus.transports.neurosan_http,
+whose behaviour tests/test_openapi.py checks against this document over real HTTP.
+
+The document is static: it names no agents (listing them may need a token, while the document is
+open like /healthz and reveals only schemas), so it is built once and its bytes are cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import grpc
+
+from uibus import version
+from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
+from uibus.proto_schema import SchemaBook
+from uibus.session import SESSION_KEY
+from uibus.transports.asgi import http_status
+
+DOCS_PATH = "/api/v1/docs"
+# What neurosan_http and uibus.session accept (tests/test_openapi.py checks they agree).
+AGENT_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
+SESSION_PATTERN = r"^[A-Za-z0-9._:@/+=-]{1,128}$"
+_SCHEMAS = "#/components/schemas/"
+_ERROR = {"$ref": _SCHEMAS + "Error"}
+# The error answers an API call can get, by HTTP status; each lists the gRPC statuses it stands for.
+_ERRORS = {
+    400: ("BadRequest", "The request is invalid: the body is not the request message in proto3 JSON, "
+                        "an enum value is undefined, the agent or session name is malformed."),
+    401: ("Unauthenticated", "uibus runs with tokens and the call has no valid `authorization: Bearer` token."),
+    403: ("PermissionDenied", "The token may not use this session."),
+    404: ("NotFound", "No such agent (neuro-san answers an unknown agent with UNIMPLEMENTED too)."),
+    429: ("ResourceExhausted", "A limit was hit: the body is over the message size limit, the user "
+                               "message is over the chat context's budget, or the session store is full."),
+    503: ("Unavailable", "uibus cannot serve the call right now: the store is failing, or it is shutting down."),
+}
+
+
+def _grpc_codes(status: int) -> str:
+    return ", ".join(c.name for c in grpc.StatusCode if c != grpc.StatusCode.OK and http_status(c) == status)
+
+
+def _error_schema() -> dict[str, Any]:
+    return {
+        "title": "Error",
+        "description": "A failed call, or the last line of a chat stream that failed after it started.",
+        "type": "object",
+        "properties": {
+            "error": {"type": "string", "description": "What went wrong."},
+            "code": {"type": "string", "enum": [c.name for c in grpc.StatusCode if c != grpc.StatusCode.OK],
+                     "description": "The gRPC status of the failure; absent when the request reached no "
+                                    "handler (an unknown path, a wrong method, a malformed agent name)."},
+        },
+        "required": ["error"],
+        "additionalProperties": False,
+    }
+
+
+def _json(schema: dict[str, Any], media_type: str = "application/json") -> dict[str, Any]:
+    return {media_type: {"schema": schema}}
+
+
+def _operation(op_id: str, tag: str, summary: str, description: str, ok: dict[str, Any],
+               parameters: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": ok}
+    responses.update({str(status): {"$ref": f"#/components/responses/{name}"}
+                      for status, (name, _) in sorted(_ERRORS.items())})
+    responses["default"] = {"$ref": "#/components/responses/OtherError"}
+    return {"tags": [tag], "operationId": op_id, "summary": summary, "description": description,
+            "parameters": parameters, **more, "responses": responses}
+
+
+def document(version: str) -> dict[str, Any]:
+    """The OpenAPI 3.1.0 document; `version` is uibus's (the API is neuro-san's)."""
+    book = SchemaBook(_SCHEMAS)
+    agent = {"name": "agent_name", "in": "path", "required": True, "description": "The agent, as `list` names it.",
+             "schema": {"type": "string", "pattern": AGENT_NAME_PATTERN}}
+    session = {"$ref": "#/components/parameters/Session"}
+    forwarded = [{"name": name, "in": "header", "required": False, "schema": {"type": "string"},
+                  "description": f"neuro-san's `{name}` metadata, passed on to an upstream neuro-san agent."}
+                 for name in ("user_id", "request_id")]
+
+    def unary(schema: dict[str, Any], what: str) -> dict[str, Any]:
+        return {"description": what, "content": _json(schema)}
+
+    paths = {
+        "/api/v1/list": {"get": _operation(
+            "ConciergeService_List", "ConciergeService", "List",
+            "The agents this server offers.",
+            unary(book.ref(concierge_pb2.ConciergeResponse.DESCRIPTOR), "The agents."), [session])},
+        "/api/v1/{agent_name}/function": {"get": _operation(
+            "AgentService_Function", "AgentService", "Function",
+            "What the agent does, and the parameters and sly_data it takes.",
+            unary(book.ref(agent_pb2.FunctionResponse.DESCRIPTOR), "The agent's function."), [agent, session])},
+        "/api/v1/{agent_name}/connectivity": {"get": _operation(
+            "AgentService_Connectivity", "AgentService", "Connectivity",
+            "The agent network's internal connectivity, as far as the agent wants to tell.",
+            unary(book.ref(agent_pb2.ConnectivityResponse.DESCRIPTOR), "The agent's connectivity."),
+            [agent, session])},
+        "/api/v1/{agent_name}/streaming_chat": {"post": _operation(
+            "AgentService_StreamingChat", "AgentService", "StreamingChat",
+            "One chat turn. The answer is the last AGENT_FRAMEWORK message; its `chat_context` continues "
+            "the conversation when sent back in the next request. Without a `chat_context`, uibus "
+            "continues the session's stored conversation with the agent.",
+            {"description": "One ChatResponse in proto3 JSON per line, each sent as the agent produces it: "
+                            "MINIMAL (the default) streams only the final answer, MAXIMAL every message. A "
+                            "failure after the first line is reported by a last line that is an `Error` "
+                            "object instead.",
+             "content": _json(book.ref(agent_pb2.ChatResponse.DESCRIPTOR), "application/json-lines")},
+            [agent, session, *forwarded],
+            # Proto3 has no required fields, but a turn without a user message does nothing.
+            requestBody={"required": True, "description": "The ChatRequest in proto3 JSON (proto field names).",
+                         "content": _json({**book.ref(agent_pb2.ChatRequest.DESCRIPTOR),
+                                           "required": ["user_message"]})})},
+        DOCS_PATH: {"get": {
+            "tags": ["Docs"], "operationId": "OpenApiDocument", "summary": "This document",
+            "description": "The OpenAPI description of this API; open without a token.", "security": [],
+            "responses": {"200": unary({"type": "object"}, "The OpenAPI 3.1 document.")}}},
+    }
+    if "Error" in book.defs:
+        raise AssertionError("a message named Error would clash with the error schema")
+    responses = {name: {"description": f"{text} gRPC status: {_grpc_codes(status)}.", "content": _json(_ERROR)}
+                 for status, (name, text) in _ERRORS.items()}
+    # Not a response of any operation (it answers a method the path does not have), but its body is an Error too.
+    responses["MethodNotAllowed"] = {"description": "405: the path takes another HTTP method.",
+                                     "content": _json(_ERROR)}
+    responses["OtherError"] = {"description": "Any other failure, e.g. 500 (INTERNAL, UNKNOWN), 504 "
+                                              "(DEADLINE_EXCEEDED), 409 (ABORTED).", "content": _json(_ERROR)}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "uibus — neuro-san HTTP API",
+            "version": version,
+            "description": "neuro-san's HTTP API, served by uibus with the same handlers as its gRPC "
+                           "AgentService/ConciergeService. Messages are proto3 JSON with the .proto field "
+                           f"names. `{SESSION_KEY}` picks the uibus session (default `default`); with tokens "
+                           "configured, send `authorization: Bearer <token>`. Every error "
+                           "answer, a 405 for a wrong method included, is an `Error` object.",
+            "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
+        },
+        "tags": [{"name": "ConciergeService"}, {"name": "AgentService"}, {"name": "Docs"}],
+        "paths": paths,
+        "components": {
+            "schemas": {**book.defs, "Error": _error_schema()},
+            "responses": responses,
+            "parameters": {"Session": {
+                "name": SESSION_KEY, "in": "header", "required": False,
+                "description": "The uibus session the call belongs to (`default` when absent).",
+                "schema": {"type": "string", "pattern": SESSION_PATTERN}}},
+            "securitySchemes": {"bearer": {
+                "type": "http", "scheme": "bearer",
+                "description": "Needed only when uibus runs with --auth-token or --tokens-file; a tenant's "
+                               "token may use only its own sessions."}},
+        },
+        # Either no token (uibus runs without tokens) or a bearer token.
+        "security": [{}, {"bearer": []}],
+    }
+
+
+@functools.cache
+def document_json() -> bytes:
+    """The document as served: built once, since it never changes while the process runs."""
+    return json.dumps(document(version())).encode()
