@@ -40,3 +40,19 @@ def machine_busy_seconds() -> float:
 def loadavg() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the live processes whose parent is `pid` (a scan of /proc/*/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # ppid (field 4 of stat)
+            found.append(int(entry))
+    return sorted(found)

@@ -4,7 +4,8 @@ All servers run at once in their own processes (loopback only); client roles run
 worker processes. Every scenario runs against raw, then uibus, then grpc-js (Node, when found),
 then (next round) the same again, so drift in the machine's load hits all alike; the table shows
 per-figure medians over rounds and the uibus/raw and uibus/grpcjs ratios. Servers are restarted
-each round so memory figures start fresh.
+each round so memory figures start fresh. With --servers, uibus on Redis (redis, redis2, workers2;
+each on its own redis-server) runs too, with its ratio to local uibus (bench/README.md).
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ from typing import Any
 import grpc
 
 from bench import procstat
-from bench.workers import MD, pct, worker_main
+from bench.workers import MD, WORKER_HEADER, pct, worker_main
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
-SERVERS = ("raw", "uibus", "grpcjs")
+SERVERS = ("raw", "uibus", "grpcjs")  # the default set
+# uibus with Redis (store and bus): one replica, two replicas (publisher on one, subscribers on the
+# other), `uibus serve --workers 2`. Only with --servers; each gets its own redis-server.
+REDIS_KINDS = ("redis", "redis2", "workers2")
+KINDS = (*SERVERS, *REDIS_KINDS)
 GRPCJS = Path(__file__).resolve().parent / "grpcjs"  # @grpc/grpc-js twin of raw_server.py (Cline's own stack)
 SCENARIOS = ("memory", "unary", "chat", "fanout")
 N_WORKERS = 3
@@ -67,8 +72,9 @@ class Plan:
         return [(sc, p) for sc in self.scenarios for p in params[sc]]
 
     def all_servers(self) -> list[str]:
-        # grpcjs has no @LABEL twin: --with swaps the Python/grpcio side, which Node does not use.
-        alt = [f"{s}@{label}" for label in self.alt_roots for s in self.servers if s != "grpcjs"]
+        # grpcjs has no @LABEL twin: --with swaps the Python/grpcio side, which Node does not use;
+        # nor have the Redis kinds (an older checkout may have neither --redis-url nor --workers).
+        alt = [f"{s}@{label}" for label in self.alt_roots for s in self.servers if s in ("raw", "uibus")]
         return [*self.servers, *alt]
 
     @classmethod
@@ -78,36 +84,66 @@ class Plan:
 
 @dataclass
 class Server:
+    """One server kind as the clients see it: `port` for every role, `publish_port` for the fan-out
+    publisher (replica A of redis2, else the same port). `proc` is the process clients talk to
+    (replica B of redis2, the parent of workers2); `helpers` are stopped after it (replica A, then
+    the kind's redis-server)."""
+
     name: str
     proc: subprocess.Popen[bytes]
     port: int
     log: Path
-    stub: host_pb2_grpc.HostServiceStub
-    channel: grpc.Channel
+    stubs: list[host_pb2_grpc.HostServiceStub]  # GetBusStats of every process with subscriptions: summed
+    channels: list[grpc.Channel]
+    publish_port: int = 0
+    helpers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    cpu_pids: dict[str, int] = field(default_factory=dict)  # label -> pid; its CPU counts as the server's
+    mem_pids: list[int] = field(default_factory=list)  # whose RSS is the server's memory
+    workers: int = 1  # worker processes of `uibus serve --workers N`
     rss_start_kb: int = 0
+
+    def __post_init__(self) -> None:
+        self.publish_port = self.publish_port or self.port
+        self.cpu_pids = self.cpu_pids or {"server": self.proc.pid}
+        self.mem_pids = self.mem_pids or [self.proc.pid]
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     @property
+    def pids(self) -> list[int]:
+        return list(dict.fromkeys([self.proc.pid, *self.cpu_pids.values(), *(h.pid for h in self.helpers)]))
+
+    @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def stats(self) -> host_pb2.BusStats:
-        return self.stub.GetBusStats(common_pb2.Empty(), metadata=MD, timeout=10)
+    @property
+    def publish_target(self) -> str:
+        return f"127.0.0.1:{self.publish_port}"
+
+    def all_stats(self) -> list[host_pb2.BusStats]:
+        return [stub.GetBusStats(common_pb2.Empty(), metadata=MD, timeout=10) for stub in self.stubs]
 
     def losses(self) -> int:
-        """Events a full mailbox threw away or merged (what a subscriber never saw)."""
-        return sum(k.dropped + k.coalesced for k in self.stats().kinds)
+        """Events a full mailbox threw away or merged (what a subscriber never saw), over every worker."""
+        return sum(k.dropped + k.coalesced for st in self.all_stats() for k in st.kinds)
+
+    def subscriptions(self) -> list[int]:
+        """Open subscriptions per process (per worker for workers2)."""
+        return [st.subscriptions for st in self.all_stats()]
 
     def wait_subs(self, want: int, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
         while True:
-            n = self.stats().subscriptions
+            n = sum(self.subscriptions())
             if n == want or time.monotonic() > deadline:
                 return n
             time.sleep(0.02)
+
+    def rss_kb(self) -> int:
+        return sum(procstat.rss_kb(pid) for pid in self.mem_pids)
 
 
 def free_port() -> int:
@@ -127,9 +163,84 @@ def uibus_command(python: str, root: Path) -> list[str]:
     return [python, "-m", "uibus", "serve"] if one_package else [python, "-m", "server"]
 
 
-def start_server(name: str, tmp: Path, plan: Plan) -> Server:
+def _launch(name: str, cmd: list[str], root: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    log = tmp / f"{name}.log"
+    return subprocess.Popen(cmd, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT), log
+
+
+def _wait_grpc(name: str, proc: subprocess.Popen[bytes], port: int, cmd: list[str], log: Path) -> None:
+    """Until the server at `port` answers GetBusStats (SystemExit when it exits or takes over 30 s)."""
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        stub = host_pb2_grpc.HostServiceStub(ch)
+        while True:
+            try:
+                stub.GetBusStats(common_pb2.Empty(), metadata=MD, timeout=5)
+                return
+            except grpc.RpcError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"{name} server did not start ({' '.join(cmd)}):\n"
+                                     f"{log.read_text()[-3000:]}") from None
+                time.sleep(0.1)
+
+
+def _worker_stubs(port: int, workers: int,
+                  timeout: float = 30) -> tuple[list[grpc.Channel], list[host_pb2_grpc.HostServiceStub]]:
+    """One channel per worker of `uibus serve --workers N` (see bench.workers.stats_stubs; the
+    same, synchronous): each has its own connection, and answers name their worker."""
+    chans: list[grpc.Channel] = []
+    stubs: dict[str, host_pb2_grpc.HostServiceStub] = {}
+    deadline = time.monotonic() + timeout
+    while len(stubs) < max(1, workers):
+        if time.monotonic() > deadline:
+            for ch in chans:
+                ch.close()
+            raise SystemExit(f"found {len(stubs)} of {workers} workers on port {port} within {timeout:g} s")
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+        stub = host_pb2_grpc.HostServiceStub(ch)
+        try:
+            _, call = stub.GetBusStats.with_call(common_pb2.Empty(), metadata=MD, timeout=5)
+        except grpc.RpcError:
+            ch.close()
+            time.sleep(0.1)
+            continue
+        index = dict(call.initial_metadata() or ()).get(WORKER_HEADER, "")
+        if index in stubs:
+            ch.close()
+            continue
+        chans.append(ch)
+        stubs[index] = stub
+    return chans, list(stubs.values())
+
+
+def start_redis(name: str, tmp: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A fresh, empty redis-server on loopback for one server kind (nothing saved); its port."""
     port = free_port()
+    folder = tmp / f"{name}-redis"
+    folder.mkdir()
+    cmd = [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
+           "--save", "", "--appendonly", "no", "--dir", str(folder)]
+    proc, log = _launch(f"{name}-redis", cmd, folder, tmp)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return proc, port
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_proc(proc)
+            raise SystemExit(f"redis-server for {name} did not start ({' '.join(cmd)}):\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     kind, _, label = name.partition("@")
+    if kind in REDIS_KINDS:
+        return start_redis_kind(name, tmp, plan)
+    port = free_port()
     root = Path(plan.alt_roots[label]).resolve() if label else ROOT
     python = str(root / ".venv" / "bin" / "python") if label else sys.executable
     if kind == "raw":
@@ -139,23 +250,68 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
         cmd = [shutil.which("node") or "node", str(GRPCJS / "server.js"), "--port", str(port),
                "--chat-chunks", str(plan.chat_chunks)]
     else:  # the documented way to run uibus
-        cmd = [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
-               "--store", str(tmp / f"{name}.db"), "--log-level", "WARNING", *plan.uibus_args]
-    log = tmp / f"{name}.log"
-    proc = subprocess.Popen(cmd, cwd=root, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        cmd = uibus_serve(python, root, port, tmp / f"{name}.db", plan)
+    proc, log = _launch(name, cmd, root, tmp)
+    _wait_grpc(name, proc, port, cmd, log)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    srv = Server(name, proc, port, log, host_pb2_grpc.HostServiceStub(channel), channel)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            srv.stats()
-            break
-        except grpc.RpcError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{name} server did not start ({' '.join(cmd)}):\n{log.read_text()[-3000:]}") from None
-            time.sleep(0.1)
+    srv = Server(name, proc, port, log, [host_pb2_grpc.HostServiceStub(channel)], [channel])
     time.sleep(0.3)
-    srv.rss_start_kb = procstat.rss_kb(srv.pid)
+    srv.rss_start_kb = srv.rss_kb()
+    return srv
+
+
+def uibus_serve(python: str, root: Path, port: int, store: Path, plan: Plan, *extra: str) -> list[str]:
+    return [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
+            "--store", str(store), "--log-level", "WARNING", *extra, *plan.uibus_args]
+
+
+def start_redis_kind(name: str, tmp: Path, plan: Plan) -> Server:
+    """redis: one uibus replica on its own redis-server; redis2: replicas A (the fan-out publisher's)
+    and B (everything else) on one redis-server; workers2: `uibus serve --workers 2` on one."""
+    redis, redis_port = start_redis(name, tmp)
+    url = f"redis://127.0.0.1:{redis_port}/0"
+    started: list[subprocess.Popen[bytes]] = [redis]
+    try:
+        def replica(label: str, *extra: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+            port = free_port()
+            cmd = uibus_serve(sys.executable, ROOT, port, tmp / f"{label}.db", plan, "--redis-url", url, *extra)
+            proc, log = _launch(label, cmd, ROOT, tmp)
+            started.insert(0, proc)
+            _wait_grpc(label, proc, port, cmd, log)
+            return proc, port, log
+
+        helpers = [redis]
+        publish_port = 0
+        workers = 2 if name == "workers2" else 1
+        if name == "redis2":
+            proc_a, publish_port, _ = replica(f"{name}-a")
+            helpers.insert(0, proc_a)
+            proc, port, log = replica(f"{name}-b")
+            cpu_pids = {"replica_a": proc_a.pid, "replica_b": proc.pid}
+        elif workers > 1:
+            proc, port, log = replica(name, "--workers", str(workers))
+            cpu_pids = {"parent": proc.pid}
+        else:
+            proc, port, log = replica(name)
+            cpu_pids = {"uibus": proc.pid}
+        if workers > 1:
+            channels, stubs = _worker_stubs(port, workers)  # also: every worker serves
+            kids = procstat.children(proc.pid)
+            cpu_pids.update({f"worker_pid{pid}": pid for pid in kids})
+            mem_pids = [proc.pid, *kids]
+        else:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            channels, stubs = [channel], [host_pb2_grpc.HostServiceStub(channel)]
+            mem_pids = [proc.pid]
+        cpu_pids["redis"] = redis.pid
+    except BaseException:
+        for p in started:
+            stop_proc(p)
+        raise
+    srv = Server(name, proc, port, log, stubs, channels, publish_port=publish_port, helpers=helpers,
+                 cpu_pids=cpu_pids, mem_pids=mem_pids, workers=workers)
+    time.sleep(0.3)
+    srv.rss_start_kb = srv.rss_kb()
     return srv
 
 
@@ -191,14 +347,21 @@ def setup_grpcjs() -> bool:
     return True
 
 
-def stop_server(srv: Server) -> None:
-    srv.channel.close()
-    srv.proc.send_signal(signal.SIGTERM)
+def stop_proc(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
     try:
-        srv.proc.wait(15)
+        proc.wait(15)
     except subprocess.TimeoutExpired:
-        srv.proc.kill()
-        srv.proc.wait()
+        proc.kill()
+        proc.wait()
+
+
+def stop_server(srv: Server) -> None:
+    for ch in srv.channels:
+        ch.close()
+    for proc in [srv.proc, *srv.helpers]:  # uibus processes first, their redis-server last
+        stop_proc(proc)
 
 
 class Pool:
@@ -251,9 +414,20 @@ class Pool:
 @dataclass
 class Snap:
     t: float
-    server_cpu: float
+    server_cpu: dict[str, float]  # label (Server.cpu_pids) -> CPU seconds so far
     busy: float
     ours: float
+
+
+def put_cpu(out: dict[str, Any], figure: str, cpu: dict[str, float], ops: int) -> None:
+    """`figure` = server CPU µs per operation over every process of the server; for a server with
+    a redis-server also `<figure>_redis` (its share, included in `figure`), and for several
+    processes each one's CPU seconds in the JSON only (`_<figure>_by_process`)."""
+    out[figure] = sum(cpu.values()) / max(ops, 1) * 1e6
+    if "redis" in cpu:
+        out[f"{figure}_redis"] = cpu["redis"] / max(ops, 1) * 1e6
+    if len(cpu) > 1:
+        out[f"_{figure}_by_process"] = cpu
 
 
 @dataclass
@@ -265,27 +439,27 @@ class Bench:
     ref: dict[int, float] = field(default_factory=dict)  # S -> max deliveries/s of this round's first server
 
     def our_pids(self) -> list[int]:
-        return [os.getpid(), *self.pool.pids, *(s.pid for s in self.servers.values())]
+        return [os.getpid(), *self.pool.pids, *(p for s in self.servers.values() for p in s.pids)]
 
     def snap(self, srv: Server) -> Snap:
-        return Snap(time.monotonic(), procstat.cpu_seconds(srv.pid), procstat.machine_busy_seconds(),
-                    sum(procstat.cpu_seconds(p) for p in self.our_pids()))
+        return Snap(time.monotonic(), {k: procstat.cpu_seconds(p) for k, p in srv.cpu_pids.items()},
+                    procstat.machine_busy_seconds(), sum(procstat.cpu_seconds(p) for p in self.our_pids()))
 
-    def delta(self, srv: Server, a: Snap, b: Snap) -> tuple[float, float]:
-        """(server CPU seconds, outside load in cores) between two snaps."""
+    def delta(self, srv: Server, a: Snap, b: Snap) -> tuple[dict[str, float], float]:
+        """(server CPU seconds per process label, outside load in cores) between two snaps."""
         wall = max(b.t - a.t, 1e-6)
         outside = max(0.0, ((b.busy - a.busy) - (b.ours - a.ours)) / wall)
         self.outside.setdefault(srv.name, []).append(outside)
-        return b.server_cpu - a.server_cpu, outside
+        return {k: b.server_cpu[k] - a.server_cpu[k] for k in a.server_cpu}, outside
 
-    def measured(self, srv: Server, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], float]:
+    def measured(self, srv: Server, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float]]:
         a = self.snap(srv)
         result = fn()
         cpu, _ = self.delta(srv, a, self.snap(srv))
         return result, cpu
 
     def windowed(self, srv: Server, role: str, parts: list[int],
-                 extra: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+                 extra: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, float]]:
         """Runs a closed-loop role on workers 0..len(parts)-1 over one shared window; server CPU in it."""
         plan = self.plan
         start_at = time.monotonic() + plan.lead
@@ -317,25 +491,25 @@ def run_memory(b: Bench, srv: Server, _: int = 0) -> dict[str, Any]:
     pool.recv(0)
     srv.wait_subs(0)
     time.sleep(0.3)
-    rss0 = procstat.rss_kb(srv.pid)
+    rss0 = srv.rss_kb()
     pool.reset()
     pool.send(0, "subscribe", {"target": srv.target, "streams": plan.mem_subs, "slot": 0})
     got = srv.wait_subs(plan.mem_subs)
     time.sleep(0.5)
-    rss1 = procstat.rss_kb(srv.pid)
+    rss1 = srv.rss_kb()
     pool.stop.set()
     pool.recv(0)
     srv.wait_subs(0)
     out[f"memory.kb_per_sub@{plan.mem_subs}"] = (rss1 - rss0) / max(got, 1)
     out[f"memory.rss_{plan.mem_subs}_subs_mb"] = rss1 / 1024
     batch = plan.cycle_batch
-    pool.call(0, "cycles", {"target": srv.target, "cycles": 2 * batch, "batch": batch})  # warm-up
+    cyc = {"target": srv.target, "batch": batch, "workers": srv.workers}
+    pool.call(0, "cycles", {**cyc, "cycles": 2 * batch})  # warm-up
     time.sleep(0.3)
-    rss_a = procstat.rss_kb(srv.pid)
-    res, cpu = b.measured(srv, lambda: pool.call(0, "cycles", {"target": srv.target, "cycles": plan.cycles,
-                                                                "batch": batch, "pid": srv.pid}))
+    rss_a = srv.rss_kb()
+    res, cpu = b.measured(srv, lambda: pool.call(0, "cycles", {**cyc, "cycles": plan.cycles, "pids": srv.mem_pids}))
     time.sleep(0.3)
-    rss_b = procstat.rss_kb(srv.pid)
+    rss_b = srv.rss_kb()
     # Lasting growth: the plateau of RSS (sampled with each batch open) in the last third of the
     # cycles minus that in the first third, per cycle in between. A leak lifts the plateau; the
     # allocator's occasional trims only dip below it (see _memory.rss_kb_by_cycle in the JSON).
@@ -348,7 +522,7 @@ def run_memory(b: Bench, srv: Server, _: int = 0) -> dict[str, Any]:
     out["memory.end_minus_start_b_per_cycle"] = (rss_b - rss_a) * 1024 / res["cycles"]
     out["_memory.rss_kb_by_cycle"] = pts  # kept in the JSON, not in the table
     out["memory.cycles_per_s"] = res["cycles"] / res["elapsed"]
-    out["memory.cpu_us_per_cycle"] = cpu / res["cycles"] * 1e6
+    put_cpu(out, "memory.cpu_us_per_cycle", cpu, res["cycles"])
     if res["stuck"]:
         out["memory.stuck_batches"] = res["stuck"]
     return out
@@ -362,7 +536,7 @@ def run_unary(b: Bench, srv: Server, c: int) -> dict[str, Any]:
     out[f"{key}.rps"] = len(lat) / b.plan.duration
     out[f"{key}.p50_ms"] = ms(pct(lat, 50))
     out[f"{key}.p99_ms"] = ms(pct(lat, 99))
-    out[f"{key}.cpu_us"] = cpu / max(len(lat), 1) * 1e6
+    put_cpu(out, f"{key}.cpu_us", cpu, len(lat))
     errors = sum(r["n_errors"] for r in results)
     if errors:
         out[f"{key}.errors"] = f"{errors}: {results[0]['errors'][:1]}"
@@ -384,7 +558,7 @@ def run_chat(b: Bench, srv: Server, c: int) -> dict[str, Any]:
     out[f"{key}.call_p50_ms"] = ms(pct([x[1] for x in calls], 50))
     out[f"{key}.call_p99_ms"] = ms(pct([x[1] for x in calls], 99))
     out[f"{key}.chunks_per_call"] = statistics.median(x[2] for x in calls) if calls else None
-    out[f"{key}.cpu_us"] = cpu / max(chunks, 1) * 1e6
+    put_cpu(out, f"{key}.cpu_us", cpu, chunks)
     if errors:
         out[f"{key}.errors"] = errors
     return out
@@ -402,13 +576,16 @@ def run_fanout(b: Bench, srv: Server, s: int) -> dict[str, Any]:
         pool.send(i, "subscribe", {"target": srv.target, "streams": k, "slot": i})
     if srv.wait_subs(s) != s:
         raise RuntimeError(f"{srv.name}: {s} subscriptions did not all arrive")
-    common = {"target": srv.target, "subs": s, "duration": plan.duration}
+    if srv.workers > 1:  # where the kernel put the subscribers' connections
+        out[f"_{key}.subs_by_worker"] = srv.subscriptions()
+    # The publisher's server: replica A for redis2 (so every delivery crosses Redis), else the same.
+    common = {"target": srv.publish_target, "subs": s, "duration": plan.duration}
     window = max(2, min(32, 2000 // s))
     res, cpu = b.measured(srv, lambda: pool.call(PUBLISHER, "publish", {
         **common, "mode": "max", "window": window, "tag": "max", "seq0": seq}))
     seq = res["seq"]
     out[f"{key}.max_dps"] = res["rate"]
-    out[f"{key}.cpu_us"] = cpu / max(res["delivered"], 1) * 1e6
+    put_cpu(out, f"{key}.cpu_us", cpu, res["delivered"])
     base = ref.get(s) or res["rate"]
     ref.setdefault(s, res["rate"])
     for frac in (25, 50):
@@ -485,6 +662,9 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
         raw, ub = row.get("raw"), row.get("uibus")
         row["ratio"] = _ratio(ub, raw)
         row["ratio_js"] = _ratio(ub, row.get("grpcjs"))
+        for kind in REDIS_KINDS:
+            if kind in names:
+                row[f"{kind}/uibus"] = _ratio(row.get(kind), ub)
         for label in labels:
             row[f"ratio@{label}"] = _ratio(row.get(f"uibus@{label}"), row.get(f"raw@{label}"))
             row[f"uibus@{label}/uibus"] = _ratio(row.get(f"uibus@{label}"), ub)
@@ -511,6 +691,8 @@ def table(summary: dict[str, dict[str, Any]], names: list[str], outside: dict[st
     cols.append(("ratio", "uibus/raw", True))
     if "grpcjs" in names:
         cols.append(("ratio_js", "uibus/grpcjs", True))
+    if "uibus" in names:
+        cols += [(f"{kind}/uibus", f"{kind}/uibus", True) for kind in REDIS_KINDS if kind in names]
     for label in labels:
         cols += [(n, n, False) for n in names if n.endswith("@" + label)]
         cols += [(f"ratio@{label}", f"ratio@{label}", True), (f"uibus@{label}/uibus", f"{label}/main", True)]
@@ -539,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int)
     p.add_argument("--duration", type=float, help="seconds per measured phase")
     p.add_argument("--only", help=f"comma-separated scenarios of {','.join(SCENARIOS)}")
-    p.add_argument("--servers", help="comma-separated: raw,uibus,grpcjs (default all; grpcjs when node is found)")
+    p.add_argument("--servers", help="comma-separated of raw,uibus,grpcjs (the default: all three; grpcjs when "
+                   "node is found) and redis,redis2,workers2 (uibus on Redis; when redis-server is found)")
     p.add_argument("--fanout", help="comma-separated subscriber counts, e.g. 10,1000")
     p.add_argument("--unary", help="comma-separated unary concurrencies, e.g. 1,100")
     p.add_argument("--chat", help="comma-separated chat concurrencies, e.g. 1,10")
@@ -562,7 +745,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.only:
         plan.scenarios = tuple(s for s in SCENARIOS if s in ns.only.split(","))
     if ns.servers:
-        plan.servers = tuple(s for s in SERVERS if s in ns.servers.split(","))
+        wanted = ns.servers.split(",")
+        if unknown := [s for s in wanted if s not in KINDS]:
+            p.error(f"--servers: unknown {','.join(unknown)} (known: {','.join(KINDS)})")
+        plan.servers = tuple(s for s in KINDS if s in wanted)
+    if any(s in REDIS_KINDS for s in plan.servers) and not shutil.which("redis-server"):
+        print(f"redis skipped: redis-server not found on PATH "
+              f"({','.join(s for s in plan.servers if s in REDIS_KINDS)} not run)", flush=True)
+        plan.servers = tuple(s for s in plan.servers if s not in REDIS_KINDS)
     if "grpcjs" in plan.servers and not setup_grpcjs():
         plan.servers = tuple(s for s in plan.servers if s != "grpcjs")
     if not plan.servers:
@@ -644,5 +834,5 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_profiler(pid: int, path: str) -> subprocess.Popen[bytes]:
     exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    return subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "250", "--format", "speedscope",
+    return subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "250", "--native", "--format", "speedscope",
                              "--output", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -24,6 +24,7 @@ from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import host_pb2_grpc
 
 SESSION = "bench"
+WORKER_HEADER = "x-uibus-worker"  # response metadata of `uibus serve --workers N`: which worker answered
 MD = (("x-uibus-session", SESSION),)
 CHAT_PATH = "/dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService/StreamingChat"
 STREAMS_PER_CHANNEL = 100
@@ -44,10 +45,37 @@ def pct(values: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-async def _wait_subs(host: host_pb2_grpc.HostServiceStub, pred: Callable[[int], bool], timeout: float) -> int:
+async def stats_stubs(target: str, workers: int,
+                      timeout: float = 30) -> tuple[list[grpc.aio.Channel], list[host_pb2_grpc.HostServiceStub]]:
+    """One HostService stub per worker of `uibus serve --workers N` (N = `workers`): GetBusStats is
+    per process, so counts are summed over these. Each channel has its own connection, which the
+    kernel gives to some worker (SO_REUSEPORT); its answers name that worker (`x-uibus-worker`), so
+    channels are opened until every worker has one. A single-process server: one stub."""
+    chans: list[grpc.aio.Channel] = []
+    stubs: dict[str, host_pb2_grpc.HostServiceStub] = {}
+    deadline = time.monotonic() + timeout
+    while len(stubs) < max(1, workers):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"found {len(stubs)} of {workers} workers at {target}")
+        ch = channel(target)
+        stub = host_pb2_grpc.HostServiceStub(ch)
+        call = stub.GetBusStats(common_pb2.Empty(), metadata=MD)
+        await call
+        index = (await call.initial_metadata()).get(WORKER_HEADER, "")
+        if index in stubs:
+            await ch.close()
+            continue
+        chans.append(ch)
+        stubs[index] = stub
+    return chans, list(stubs.values())
+
+
+async def _wait_subs(hosts: list[host_pb2_grpc.HostServiceStub], pred: Callable[[int], bool], timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while True:
-        n = (await host.GetBusStats(common_pb2.Empty(), metadata=MD)).subscriptions
+        n = 0
+        for host in hosts:
+            n += (await host.GetBusStats(common_pb2.Empty(), metadata=MD)).subscriptions
         if pred(n) or time.monotonic() > deadline:
             return n
         await asyncio.sleep(0.002)
@@ -247,11 +275,17 @@ async def chat(p: Params, counts: Any, stop: Any) -> Params:
 
 
 async def cycles(p: Params, counts: Any, stop: Any) -> Params:
-    """`cycles` subscribe/cancel cycles in batches of `batch` open streams at a time."""
+    """`cycles` subscribe/cancel cycles in batches of `batch` open streams at a time.
+
+    `workers` > 1: the server's worker count (subscriptions are counted over all of them);
+    `pids`: the processes whose RSS is summed per batch."""
     batch, total = p["batch"], p["cycles"]
     chans = [channel(p["target"]) for _ in range(math.ceil(batch / STREAMS_PER_CHANNEL))]
-    host = host_pb2_grpc.HostServiceStub(chans[0])
-    base = await _wait_subs(host, lambda n: True, 0)
+    if p.get("workers", 1) > 1:
+        stat_chans, hosts = await stats_stubs(p["target"], p["workers"])
+    else:
+        stat_chans, hosts = [], [host_pb2_grpc.HostServiceStub(chans[0])]
+    base = await _wait_subs(hosts, lambda n: True, 0)
     done = 0
     t0 = time.monotonic()
     stuck = 0
@@ -260,17 +294,17 @@ async def cycles(p: Params, counts: Any, stop: Any) -> Params:
         k = min(batch, total - done)
         calls = [ui_pb2_grpc.UiServiceStub(chans[i // STREAMS_PER_CHANNEL]).subscribeToPartialMessage(
             common_pb2.EmptyRequest(), metadata=MD) for i in range(k)]
-        if await _wait_subs(host, lambda n, k=k: n >= base + k, 10) < base + k:
+        if await _wait_subs(hosts, lambda n, k=k: n >= base + k, 10) < base + k:
             stuck += 1
-        if p.get("pid"):  # sampled with the batch open: the allocator's swings are smallest there
-            rss.append((done, rss_kb(p["pid"])))
+        if p.get("pids"):  # sampled with the batch open: the allocator's swings are smallest there
+            rss.append((done, sum(rss_kb(pid) for pid in p["pids"])))
         for c in calls:
             c.cancel()
-        if await _wait_subs(host, lambda n: n <= base, 10) > base:
+        if await _wait_subs(hosts, lambda n: n <= base, 10) > base:
             stuck += 1
         done += k
     elapsed = time.monotonic() - t0
-    for ch in chans:
+    for ch in chans + stat_chans:
         await ch.close()
     return {"cycles": done, "elapsed": elapsed, "stuck": stuck, "rss": rss}
 

@@ -370,3 +370,33 @@ async def test_favicon(web: App, browser: Any) -> None:
     assert href == f"http://127.0.0.1:{web.http_port}/favicon.svg"
     assert (await page.request.get(href)).status == 200
     await page.close()
+
+
+async def test_an_mcp_agent_asks_the_person_at_the_page(web: App, browser: Any, tmp_path: Path) -> None:
+    """Any agent that speaks MCP reaches the person at the browser page: its `ask_user` is a dialog
+    on the page, the click is the tool's result, and an agent tool's chat turn shows on the page."""
+    import asyncio
+
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    page = await browser.new_page(viewport={"width": 1100, "height": 700})
+    await page.goto(f"http://127.0.0.1:{web.http_port}/?session=mcp-page")
+    await wait_for(lambda: web.bus.count(session="mcp-page") == STREAMS_PER_PAGE, timeout=5, what="page subscribed")
+    async with httpx2.AsyncClient(headers={"x-uibus-session": "mcp-page"}) as http, \
+            Client(streamable_http_client(f"http://127.0.0.1:{web.http_port}/mcp", http_client=http)) as mcp:
+        asked = asyncio.ensure_future(mcp.call_tool("ask_user", {"title": "Ship it?", "options": ["ship", "wait"]}))
+        await page.wait_for_selector('.dialog[data-kind="select"] h3:text("Ship it?")', timeout=WITHIN)
+        await page.click('.dialog[data-kind="select"] button:text("wait")')
+        result = await asyncio.wait_for(asked, 5)
+        assert result.content[0].text == "wait" and result.structured_content["outcome"] == "answered"
+        await page.wait_for_selector('.dialog[data-kind="select"]', state="detached", timeout=WITHIN)
+
+        reply = await mcp.call_tool("hello_world", {"user_message": {"text": "hello from an MCP agent"}})
+        await page.wait_for_function(
+            "t => [...document.querySelectorAll('#messages .msg .text')].some(e => e.textContent === t)",
+            arg=reply.content[0].text, timeout=5000)
+        await page.screenshot(path=str(_shots(tmp_path) / "mcp-dialog.png"))
+    await page.close()
+    await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
