@@ -191,12 +191,18 @@ class Pipeline:
         field = shape(handler)
         behavior = getattr(handler, field)
         access = access_of(method) if self.tokens.enabled else OPEN
-        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming, access)
+        # A streaming behaviour is an async generator function, or a plain function that returns the
+        # stream it serves (no pass-through generator of its own: one hop less per message).
+        streams = inspect.isasyncgenfunction(behavior) or (
+            handler.response_streaming and not inspect.iscoroutinefunction(behavior))
+        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming, access, streams)
         return rebuild(handler, wrapped, tolerant(handler.request_deserializer))
 
-    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, access: str) -> Behavior:
+    def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, access: str,
+                       streams: bool) -> Behavior:
         """One wrapper of the behaviour's own kind (grpc.aio picks its calling convention by it):
-        an async generator for yielded streams, a coroutine for unary calls and `write()` streams."""
+        an async generator for streams (`streams`: the behaviour yields, or returns the stream it
+        serves), a coroutine for unary calls and `write()` streams."""
         metrics = self.metrics
         observe = metrics.observe if metrics is not None else None
         authorize = self.authorize
@@ -221,7 +227,7 @@ class Pipeline:
                 transport = context.transport if isinstance(context, CallContext) else "grpc"
                 observe(label, code, time.perf_counter() - started, transport)
 
-        if inspect.isasyncgenfunction(behavior):
+        if streams:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"

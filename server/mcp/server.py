@@ -119,11 +119,12 @@ class Reply:
 class Call:
     """One JSON-RPC message as a handler sees it (the pipeline's request object)."""
 
-    __slots__ = ("message", "new_session", "session_id")
+    __slots__ = ("message", "new_session", "session_id", "streaming")
 
-    def __init__(self, message: Message, session_id: str | None) -> None:
+    def __init__(self, message: Message, session_id: str | None, streaming: bool = False) -> None:
         self.message = message
         self.session_id = session_id  # the client's Mcp-Session-Id, if it sent one
+        self.streaming = streaming  # the transport can send notifications before the result
         self.new_session: str | None = None  # set by initialize: the id the transport hands out
 
 
@@ -250,7 +251,8 @@ class McpServer:
             if name in USER_TOOLS:
                 run = self._user_tool(name, session, args)
             else:
-                run = self._chat(name, session, args, call.message.progress_token, _forwarded(context))
+                progress = call.message.progress_token if call.streaming else None  # else nowhere to send it
+                run = self._chat(name, session, args, progress, _forwarded(context))
             async with aclosing(run) as items:
                 async for item in items:
                     yield item

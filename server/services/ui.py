@@ -20,10 +20,10 @@ from uibus.webview import webview_html
 
 
 def _subscribe(stream: UiStream) -> Callable[..., AsyncIterator[Any]]:
-    async def handler(self: UiService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        session = session_of(context)
-        async for item in self.feed.events(session, stream, stream.target_of(request)):
-            yield item
+    def handler(self: UiService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        # The feed's own stream, not a generator around it: every event would pay one more hop
+        # (the pipeline serves a function that returns a stream as it serves a generator).
+        return self.feed.events(session_of(context), stream, stream.target_of(request))
 
     handler.__name__ = handler.__qualname__ = stream.rpc
     return handler

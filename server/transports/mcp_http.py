@@ -129,10 +129,10 @@ class McpHttp:
                                                           "ended: initialize a new one", protocol.INVALID_REQUEST)),
                           "application/json")
             return
-        call = Call(message or Message(None), session_id)
         handler = self.server.handler(message)
         streamable = (message is not None and message.method == "tools/call" and message.is_request
                       and "text/event-stream" in header(scope, b"accept"))
+        call = Call(message or Message(None), session_id, streamable)
         exchange = _Exchange(send, ident, streamable, self.keepalive_s)
         ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
         ctx.on_initial_metadata = exchange.open_stream
