@@ -7,6 +7,7 @@ stay the single list of knobs, and tests can build a config without touching the
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import re
@@ -250,3 +251,16 @@ class Config:
                 raise InvalidConfig(source_of(ns, "--store"), f"directory {folder} "
                                     f"{'is not a directory' if folder.exists() else 'does not exist'}")
         return config
+
+
+def address(host: str, port: int) -> str:
+    """`host:port` as a start-up line names it (`[::1]:26040` for IPv6)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def why_not(exc: OSError) -> str:
+    """An OSError in words, without `[Errno 98]`: what the operator can check (one wording for
+    `uibus serve` and for the parent of `--workers`)."""
+    reasons = {errno.EADDRINUSE: "address in use", errno.EADDRNOTAVAIL: "address not available on this machine",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)"}
+    return reasons.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
 import signal
 import socket
 import sys
 
 from uibus import logs
-from uibus.config import Config, describe
+from uibus.config import Config, address, describe, why_not
 from uibus.errors import ConfigError
 from uibus.worker_table import Worker
 
@@ -44,17 +43,6 @@ def _fail(text: str, code: int) -> int:
     return code
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _why_not(exc: OSError) -> str:
-    """An OSError in words, without `[Errno 98]`: what the operator can check."""
-    reasons = {errno.EADDRINUSE: "address in use", errno.EADDRNOTAVAIL: "address not available on this machine",
-               errno.EACCES: "permission denied (ports below 1024 need privileges)"}
-    return reasons.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
-
-
 def _cannot_listen(host: str, port: int) -> str | None:
     """Why no listener can be bound on `host:port`, or None when one can (or the port is 0, any);
     ConfigError when `host` does not resolve.
@@ -70,14 +58,14 @@ def _cannot_listen(host: str, port: int) -> str | None:
     if not port:
         return None
     reason = "no address to bind"
-    for family, kind, proto, _, address in addresses:
+    for family, kind, proto, _, where in addresses:
         try:
             with socket.socket(family, kind, proto) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(address)
+                probe.bind(where)
             return None
         except OSError as exc:
-            reason = _why_not(exc)
+            reason = why_not(exc)
     return reason
 
 
@@ -89,7 +77,7 @@ def run(ns: argparse.Namespace) -> int:
         for flag, port in (("--port", config.port), ("--http-port", config.http_port)):
             reason = _cannot_listen(config.host, port)
             if reason:
-                return _fail(f"{flag}: cannot listen on {_address(config.host, port)}: {reason}", 1)
+                return _fail(f"{flag}: cannot listen on {address(config.host, port)}: {reason}", 1)
     except ConfigError as exc:
         return _fail(describe(exc, ns), 2)
     logs.setup(config.log_level)
@@ -112,10 +100,10 @@ def _serve(config: Config, ns: argparse.Namespace, worker: Worker | None = None)
         return "", 130
     except RuntimeError as exc:
         if "Failed to bind" in str(exc):  # grpc.aio's words; the port was taken after the check above
-            return f"--port: cannot listen on {_address(config.host, config.port)}: address in use or not available", 1
+            return f"--port: cannot listen on {address(config.host, config.port)}: address in use or not available", 1
         return f"cannot start: {exc}", 1
     except OSError as exc:  # the HTTP port, or a file the OS refused
-        return (str(exc) if exc.errno is None else f"cannot start: {_why_not(exc)}"
+        return (str(exc) if exc.errno is None else f"cannot start: {why_not(exc)}"
                 + (f": {exc.filename}" if exc.filename else "")), 1
     except ValueError as exc:
         return f"cannot start: {exc}", 1

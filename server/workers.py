@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-from uibus.config import Config
+from uibus.config import Config, address, why_not
 from uibus.worker_table import DOWN, STARTING, Worker, WorkerTable
 
 log = logging.getLogger("uibus.workers")
@@ -53,10 +53,6 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 POLL_S = 0.05  # how often the parent reaps workers and reads the table
 STOP_MARGIN_S = 10.0  # beyond a worker's own drain and grace: the store's flush, the loop's end
 BACKLOG = 2048  # uvicorn's default
-
-
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
@@ -87,8 +83,7 @@ def _stop_with(parent: int) -> None:
 
 
 def _cannot(flag: str, host: str, port: int, exc: OSError) -> tuple[str, int]:
-    why = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-    return f"{flag}: cannot listen on {_address(host, port)}: {why}", 1
+    return f"{flag}: cannot listen on {address(host, port)}: {why_not(exc)}", 1
 
 
 def supervise(config: Config, run_worker: Callable[[Config, Worker], int]) -> tuple[str, int]:
@@ -200,7 +195,7 @@ class _Parent:
                     self.table.state(i) != STARTING for i in range(self.config.workers)):
                 announced = True
                 log.info("serving", extra={"fields": {
-                    "grpc": _address(self.config.host, self.config.port), "http": self.config.http_port,
+                    "grpc": address(self.config.host, self.config.port), "http": self.config.http_port,
                     "workers": self.config.workers, "pids": self.all_pids}})
             if self.deadline is not None and time.monotonic() > self.deadline and self.pids:
                 log.error("workers did not stop in time; killed", extra={"fields": {"pids": list(self.pids.values())}})

@@ -257,14 +257,11 @@ class McpServer:
                 async for item in items:
                     yield item
 
-        async def resources(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            yield Reply({"resources": []})
-
-        async def templates(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            yield Reply({"resourceTemplates": []})
-
-        async def prompts(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            yield Reply({"prompts": []})
+        def empty(key: str) -> Handler:
+            """A listing uibus has nothing in (MCP clients ask for them anyway)."""
+            async def listing(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                yield Reply({key: []})
+            return listing
 
         async def notified(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             message = call.message
@@ -290,9 +287,9 @@ class McpServer:
 
         return {protocol.path_of("initialize"): initialize, protocol.path_of("ping"): ping,
                 protocol.path_of("tools/list"): tools_list, protocol.path_of("tools/call"): tools_call,
-                protocol.path_of("resources/list"): resources,
-                protocol.path_of("resources/templates/list"): templates,
-                protocol.path_of("prompts/list"): prompts, protocol.path_of("delete"): delete,
+                protocol.path_of("resources/list"): empty("resources"),
+                protocol.path_of("resources/templates/list"): empty("resourceTemplates"),
+                protocol.path_of("prompts/list"): empty("prompts"), protocol.path_of("delete"): delete,
                 protocol.NOTIFICATION: notified, protocol.UNKNOWN: unknown, protocol.INVALID: invalid}
 
     # ---- tools -------------------------------------------------------------------------------
