@@ -201,9 +201,15 @@ def lock_pins(path: Path) -> dict[NormalizedName, Version]:
     return pins
 
 
+# The oldest Python requires-python admits: a marker such as redis's `python_full_version < "3.11.3"`
+# (async-timeout) must be in the lock too, or Debian 12's python3 (3.11.2) installs an incomplete set.
+OLDEST_PYTHON = {"python_version": "3.11", "python_full_version": "3.11.0"}
+
+
 def closure(roots: list[Requirement]) -> set[NormalizedName]:
-    """Every distribution `roots` pull in on this Python (markers evaluated, extras only where a root
-    names them), read from the metadata installed in this venv."""
+    """Every distribution `roots` pull in on this Python or on the oldest supported one (markers
+    evaluated for both, extras only where a root names them), read from the metadata installed in
+    this venv."""
     seen: set[NormalizedName] = set()
     todo = [(r, frozenset(r.extras)) for r in roots]
     while todo:
@@ -214,7 +220,8 @@ def closure(roots: list[Requirement]) -> set[NormalizedName]:
         seen.add(name)
         for line in metadata.requires(name) or []:
             sub = Requirement(line)
-            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in (extras or {""})):
+            if sub.marker is None or any(sub.marker.evaluate({**env, "extra": e})
+                                         for env in ({}, OLDEST_PYTHON) for e in (extras or {""})):
                 todo.append((sub, frozenset(sub.extras)))
     return seen
 
