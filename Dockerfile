@@ -1,4 +1,5 @@
 # uibus container image: `docker build -t uibus:0.1.0 .` then `docker run -p 26040:26040 -p 8080:8080 uibus:0.1.0`.
+# BuildKit (the default builder of current Docker; `DOCKER_BUILDKIT=1` for the 20.10 CLI).
 # Two stages so the image carries no compiler or grpcio-tools: protos are compiled into the wheel.
 # The base is pinned to a patch release so a rebuild gets the same Python; move it on purpose, for
 # both stages at once, e.g. `docker build --build-arg BASE=python:3.11.17-slim-bookworm@sha256:<digest> .`.
@@ -6,13 +7,22 @@ ARG BASE=python:3.11.17-slim-bookworm
 
 FROM ${BASE} AS build
 WORKDIR /src
+# Every dependency at requirements.lock's exact version, as wheels, in a layer of its own (a code
+# change does not download them again). Only this stage reaches the network: a proxy's CA bundle,
+# if the build needs one, comes as a BuildKit secret (`docker build --secret id=ca,src=ca.pem`),
+# mounted for these two RUNs only and never stored in any layer of either stage.
+COPY requirements.lock ./
+RUN --mount=type=secret,id=ca,required=false \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
+    pip wheel --no-cache-dir --no-deps --wheel-dir /wheels -r requirements.lock
 # What the build reads: setup.py generates uibus.pb from protos/ (server/pb is in .dockerignore).
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos protos
 COPY server server
 COPY clients clients
-# uibus's wheel only: its dependencies come from requirements.lock in the final stage.
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+RUN --mount=type=secret,id=ca,required=false \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
+    pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
 # The package version (pyproject.toml); tests/test_deploy.py keeps this default in step with it.
@@ -21,13 +31,10 @@ LABEL org.opencontainers.image.title="uibus" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/uibus --create-home uibus
-# Exact versions CI tested with (the ranges in pyproject.toml would take whatever is newest today),
-# in their own layer so a code change does not reinstall them.
-COPY requirements.lock /tmp/requirements.lock
-RUN pip install --no-cache-dir -r /tmp/requirements.lock && rm /tmp/requirements.lock
-COPY --from=build /wheels /wheels
-# --no-deps: nothing beyond the lock; `pip check` fails the build if the lock no longer satisfies uibus.
-RUN pip install --no-cache-dir --no-deps /wheels/*.whl && rm -rf /wheels && pip check
+# From the build stage's wheels only (--no-index): the exact versions CI tested with, no network,
+# no CA; `pip check` fails the build if the lock no longer satisfies uibus.
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index /wheels/*.whl && pip check
 USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.

@@ -1,0 +1,163 @@
+"""A Docker engine and the stand-in base images for tests/test_container.py, on a machine that
+has Debian's packages but reaches no image registry.
+
+* The engine: the one DOCKER_HOST (or the default socket) names when it answers; else a `dockerd`
+  started here (vfs storage, which needs no kernel support beyond a plain directory), owned by the
+  test session and stopped after it. Its data root is kept in the cache directory, so images built
+  once are there for the next run on the same machine.
+* The stand-in bases: `debootstrap --variant=minbase` roots from Debian's mirror (the one apt
+  already uses), imported as images: bookworm with python3 (stands in for python:3.11-slim), and
+  trixie with redis-server and nginx 1.26 (bookworm's 1.22 lacks `http2 on;`) for the compose
+  stack's redis and nginx. Each is made once per machine (cached rootfs tarball and image).
+* The CLI: Debian's `/usr/bin/docker` when present: it builds with BuildKit's own client
+  (`DOCKER_BUILDKIT=1`), which the Dockerfile's `RUN --mount` needs; a newer CLI needs buildx.
+
+`python3 tests/dockerenv.py --prepare` (stdlib only) does all of that ahead of the tests: `.ci/setup
+--system` runs it beside its own installs, so the minutes of debootstrap and image builds overlap
+the downloads instead of adding to the test run. Its dockerd stays up for the tests (found at
+SOCKET); the tests then find everything built and only check that it is current.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SOCKET = Path("/tmp/uibus-dockerd/docker.sock")  # where a dockerd started here listens
+
+CACHE = Path(os.environ.get("UIBUS_DOCKER_CACHE")
+             or ("/var/cache/uibus-tests" if os.geteuid() == 0 else Path.home() / ".cache" / "uibus-tests"))
+MIRROR = "http://deb.debian.org/debian"
+CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")  # the machine's, for pip inside a build (a proxy's CA)
+ROOTS = {  # image name -> (suite, packages)
+    "uibus-standin/bookworm": ("bookworm", "python3,python3-venv,ca-certificates"),
+    "uibus-standin/trixie": ("trixie", "redis-server,nginx"),
+}
+STANDINS = {  # image -> (Dockerfile under tests/docker, the rootfs image it starts from)
+    "uibus-standin/python:3.11": ("python.Dockerfile", "uibus-standin/bookworm"),
+    "uibus-standin/redis": ("redis.Dockerfile", "uibus-standin/trixie"),
+    "uibus-standin/nginx": ("nginx.Dockerfile", "uibus-standin/trixie"),
+}
+IMAGE = "uibus:0.1.0"
+
+
+class Docker:
+    """The engine the tests talk to, and the commands they run against it."""
+
+    def __init__(self) -> None:
+        self.cli = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
+        self.env = {**os.environ, "DOCKER_BUILDKIT": "1"}
+        self._daemon: subprocess.Popen[bytes] | None = None
+
+    def run(self, *args: str, timeout: float = 120, check: bool = True,
+            **kw: object) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([self.cli, *args], capture_output=True, text=True, env=self.env, timeout=timeout,
+                              **kw)  # type: ignore[call-overload]
+        if check and done.returncode:
+            raise AssertionError(f"docker {' '.join(args)[:200]}: exit {done.returncode}\n{done.stderr[-3000:]}")
+        return done  # type: ignore[no-any-return]
+
+    def answers(self) -> bool:
+        return self.run("info", "--format", "{{.ServerVersion}}", check=False, timeout=20).returncode == 0
+
+    def start(self) -> None:
+        """Uses a running engine (DOCKER_HOST's, the default one, or one `--prepare` left at SOCKET),
+        or starts one, owned by this object (`stop()`)."""
+        if self.answers():
+            return
+        if "DOCKER_HOST" not in os.environ and SOCKET.exists():
+            self.env["DOCKER_HOST"] = f"unix://{SOCKET}"
+            if self.answers():
+                return
+            del self.env["DOCKER_HOST"]
+        _need(shutil.which("dockerd") is not None, "dockerd (Debian's docker.io)")
+        _need(os.geteuid() == 0, "root (to start dockerd)")
+        sock = SOCKET
+        sock.parent.mkdir(parents=True, exist_ok=True)
+        (CACHE / "docker").mkdir(parents=True, exist_ok=True)
+        log = (sock.parent / "dockerd.log").open("wb")
+        self._daemon = subprocess.Popen(
+            ["dockerd", "--storage-driver=vfs", f"--data-root={CACHE / 'docker'}",
+             f"--exec-root={sock.parent / 'exec'}", f"--pidfile={sock.parent / 'dockerd.pid'}",
+             f"--host=unix://{sock}"], stdout=log, stderr=subprocess.STDOUT)
+        self.env["DOCKER_HOST"] = f"unix://{sock}"
+        deadline = time.monotonic() + 60
+        while not self.answers():
+            if self._daemon.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("dockerd did not start: " + (sock.parent / "dockerd.log").read_text()[-3000:])
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self._daemon is not None and self._daemon.poll() is None:
+            self._daemon.terminate()
+            try:
+                self._daemon.wait(30)
+            except subprocess.TimeoutExpired:
+                self._daemon.kill()
+
+    def has_image(self, name: str) -> bool:
+        return self.run("image", "inspect", name, check=False).returncode == 0
+
+    def rootfs(self, name: str) -> None:
+        """The debootstrap root `name` stands for, as an image (made once per machine)."""
+        if self.has_image(name):
+            return
+        suite, packages = ROOTS[name]
+        tarball = CACHE / f"rootfs-{suite}.tar"
+        if not tarball.exists():
+            _need(shutil.which("debootstrap") is not None, "debootstrap")
+            target = CACHE / f"rootfs-{suite}"
+            shutil.rmtree(target, ignore_errors=True)
+            subprocess.run(["debootstrap", "--variant=minbase", f"--include={packages}", suite, str(target), MIRROR],
+                           check=True, capture_output=True, timeout=900)
+            subprocess.run(["tar", "-C", str(target), "-cf", f"{tarball}.part", "."], check=True, timeout=300)
+            os.replace(f"{tarball}.part", tarball)
+            shutil.rmtree(target, ignore_errors=True)
+        with tarball.open("rb") as data:
+            self.run("import", "-", name, stdin=data, timeout=300)
+
+    def standins(self) -> None:
+        for name, (dockerfile, root) in STANDINS.items():
+            self.rootfs(root)
+            self.run("build", "-q", "--build-arg", f"ROOTFS={root}", "-t", name, "-f",
+                     str(REPO / "tests" / "docker" / dockerfile), str(REPO / "tests" / "docker"), timeout=600)
+
+    def build_uibus(self) -> None:
+        """The project's image from its Dockerfile, on the stand-in base; the machine's CA bundle
+        (if any) as the build secret pip uses in the build stage."""
+        secret = ["--secret", f"id=ca,src={CA_BUNDLE}"] if CA_BUNDLE.exists() else []
+        self.run("build", "-q", *secret, "--build-arg", "BASE=uibus-standin/python:3.11", "-t", IMAGE, str(REPO),
+                 timeout=900)
+
+
+def _need(ok: bool, what: str) -> None:
+    """Missing on this machine: a skip in tests (a failure under UIBUS_REQUIRE_ALL), an exit here."""
+    if ok:
+        return
+    if __name__ == "__main__":
+        raise SystemExit(f"dockerenv: {what} is missing")
+    from tests.conftest import require
+
+    require(what, False)
+
+
+def prepare() -> None:
+    """Engine up, stand-ins and the uibus image built: what the tests need, ahead of them."""
+    docker = Docker()
+    docker.start()
+    docker.standins()
+    docker.build_uibus()
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["--prepare"]:
+        raise SystemExit("usage: python3 tests/dockerenv.py --prepare")
+    started = time.monotonic()
+    prepare()
+    print(f"dockerenv: engine, stand-ins and {IMAGE} ready in {time.monotonic() - started:.0f} s")

@@ -1,0 +1,198 @@
+"""The image and the compose stack, built from this checkout and run on a real Docker engine.
+
+The engine and the stand-in bases come from tests/dockerenv.py (Debian's packages only: no image
+registry is needed). The image is built from the Dockerfile as users build it, on a Debian stand-in
+for python:3.11-slim, and run read-only, as uid 10001, on non-default ports; the compose stack runs
+docker-compose.yml as it is, with stand-in redis and nginx images named by its variables, and is
+checked through its nginx front (native gRPC, gRPC-Web, the CodeBolt WebSocket), across its two
+replicas, and for session affinity. Needs root for dockerd (skips, or fails under UIBUS_REQUIRE_ALL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from websockets.asyncio.client import connect as ws_connect
+
+from tests.conftest import REPO, free_port, next_message, require_binary
+from tests.dockerenv import IMAGE, Docker
+from tests.webclient import call
+from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2, ui_pb2
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def report(pytestconfig: pytest.Config) -> Callable[[str], None]:
+    """Writes a line into the test run's own output (CI's log shows it; stdout is captured)."""
+    terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+
+    def write(line: str) -> None:
+        if terminal is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                terminal.write_line(f"\n[container] {line}")
+    return write
+
+
+@pytest.fixture(scope="module")
+def docker(report: Callable[[str], None]) -> Iterator[Docker]:
+    engine = Docker()
+    engine.start()
+    try:
+        started = time.monotonic()
+        engine.standins()
+        engine.build_uibus()  # after `.ci/setup --system` prepared it: only checks it is current
+        report(f"image {IMAGE} built from this checkout on the stand-in base ({time.monotonic() - started:.0f} s)")
+        yield engine
+    finally:
+        engine.stop()
+
+
+async def _serving(target: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                if (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{target} did not become SERVING")
+            await asyncio.sleep(0.2)
+
+
+async def _round_trip(subscribe_at: str, publish_at: str, session: str, text: str) -> None:
+    """A partial message published at one address reaches a subscriber at the other."""
+    async with Connection(subscribe_at, session=session) as sub, Connection(publish_at, session=session) as pub:
+        stream = sub.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
+        await asyncio.wait_for(stream.initial_metadata(), 10)  # headers = subscribed
+        await pub.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=1700000000001, type=ui_pb2.SAY,
+                                                                 say=ui_pb2.TEXT, text=text))
+        assert (await next_message(stream, timeout=10)).text == text
+        stream.cancel()
+
+
+async def test_image_runs_read_only_as_non_root_and_stops_cleanly(docker: Docker,
+                                                                   report: Callable[[str], None]) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    name = f"uibus-test-{grpc_port}"
+    docker.run("run", "-d", "--name", name, "--read-only", "--tmpfs", "/tmp", "--network", "host",
+               "-e", f"UIBUS_PORT={grpc_port}", "-e", f"UIBUS_HTTP_PORT={http_port}",
+               # the image's own HEALTHCHECK command, on a faster schedule than its 10 s
+               "--health-interval", "1s", "--health-start-period", "1s", IMAGE)
+    try:
+        target = f"127.0.0.1:{grpc_port}"
+        await _serving(target)
+        async with httpx.AsyncClient(timeout=10) as http:
+            assert (await http.get(f"http://127.0.0.1:{http_port}/readyz")).text == "ok\n"
+        await _round_trip(target, target, "c1", "through the image")
+        deadline = time.monotonic() + 30
+        while docker.run("inspect", "--format", "{{.State.Health.Status}}", name).stdout.strip() != "healthy":
+            assert time.monotonic() < deadline, docker.run("inspect", name).stdout[-2000:]
+            await asyncio.sleep(0.5)
+        assert docker.run("exec", name, "id", "-u").stdout.strip() == "10001"
+        assert docker.run("exec", name, "sh", "-c", "touch /x 2>&1 || echo read-only").stdout.strip().endswith(
+            "read-only")
+        # The build's CA bundle (a BuildKit secret) and pip's use of it stayed in the build stage.
+        leftovers = docker.run("exec", name, "sh", "-c", "ls /run/secrets 2>/dev/null; env | grep -c PIP_CERT",
+                               check=False).stdout.split()
+        assert leftovers == ["0"], leftovers
+        started = time.monotonic()
+        docker.run("stop", "-t", "20", name, timeout=60)
+        stopped = time.monotonic() - started
+        assert docker.run("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip() == "0"
+        assert stopped < 20, stopped
+        size = int(docker.run("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
+        report(f"image {IMAGE}: {size / 1e6:.0f} MB (on the stand-in base); docker stop -> exit 0 in {stopped:.2f} s")
+    finally:
+        docker.run("rm", "-f", name, check=False)
+
+
+def _compose(docker: Docker, *args: str, env: dict[str, str], timeout: float = 300) -> str:
+    require_binary("docker-compose")
+    done = subprocess.run(["docker-compose", "-p", "uibustest", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**docker.env, **env}, timeout=timeout)
+    assert done.returncode == 0, f"docker-compose {' '.join(args)}: {done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _metric(page: str, method: str) -> float:
+    total = 0.0
+    for line in page.splitlines():
+        if line.startswith("uibus_rpc_duration_seconds_count{") and f'method="{method}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_compose_stack_through_its_front_and_across_replicas(docker: Docker,
+                                                                   report: Callable[[str], None]) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    env = {"UIBUS_REDIS_IMAGE": "uibus-standin/redis", "UIBUS_NGINX_IMAGE": "uibus-standin/nginx",
+           "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port)}
+    started = time.monotonic()
+    try:
+        # --no-build: the image the fixture built (compose builds without BuildKit secrets here).
+        _compose(docker, "up", "-d", "--no-build", env=env)
+        front = f"127.0.0.1:{grpc_port}"
+        await _serving(front)
+        report(f"compose stack (redis, 2 replicas, nginx) up and serving in {time.monotonic() - started:.0f} s")
+        ips = {}
+        for replica in ("uibus-1", "uibus-2"):
+            cid = _compose(docker, "ps", "-q", replica, env=env).strip()
+            ips[replica] = docker.run("inspect", "--format",
+                                      "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", cid).stdout.strip()
+        one, two = (f"{ips[r]}:26040" for r in ("uibus-1", "uibus-2"))
+        # A subscription on one replica receives a publish made through the other (Redis between them).
+        await _round_trip(one, two, "across", "from replica 2 to replica 1")
+        await _round_trip(two, one, "across-back", "from replica 1 to replica 2")
+        # Through the front: native gRPC (h2c) …
+        await _round_trip(front, front, "front", "through nginx")
+        # … gRPC-Web …
+        async with httpx.AsyncClient(timeout=10) as http:
+            reply = await call(http, f"http://127.0.0.1:{http_port}/uibus.v1.HostService/GetSessionState", b"",
+                               headers={"x-uibus-session": "front"})
+            assert reply.status == 0, reply.message
+            assert (await http.get(f"http://127.0.0.1:{http_port}/readyz")).text == "ok\n"
+        # … and the CodeBolt WebSocket.
+        async with ws_connect(f"ws://127.0.0.1:{http_port}/agent-to-app?session=front") as ws:
+            await ws.send(json.dumps({"type": "memoryEvent", "action": "memorySet", "requestId": "m1",
+                                      "message": {"key": "k", "value": 1}}))
+            assert json.loads(await asyncio.wait_for(ws.recv(), 10))["success"] is True
+        # Session affinity: every call of one session lands on the same replica.
+        method = "/uibus.v1.HostService/GetSessionState"
+
+        async def counts() -> list[float]:
+            async with httpx.AsyncClient(timeout=10) as http:
+                return [_metric((await http.get(f"http://{ips[r]}:8080/metrics")).text, method)
+                        for r in ("uibus-1", "uibus-2")]
+
+        before = await counts()
+        async with Connection(front, session="sticky") as conn:
+            for _ in range(20):
+                await conn.host.GetSessionState(common_pb2.Empty())
+        gained = [after - was for after, was in zip(await counts(), before, strict=True)]
+        assert sorted(gained) == [0, 20], gained
+        report("compose: a publish through one replica reached a subscriber on the other, both ways; native "
+               "gRPC, gRPC-Web and the WebSocket through nginx; 20 calls of one session all on one replica "
+               f"({gained})")
+    finally:
+        logs = subprocess.run(["docker-compose", "-p", "uibustest", "logs", "--no-color", "--tail", "20"], cwd=REPO,
+                              capture_output=True, text=True, env={**docker.env, **env}, timeout=60).stdout
+        down = subprocess.run(["docker-compose", "-p", "uibustest", "down", "-v", "-t", "20"], cwd=REPO,
+                              capture_output=True, text=True, env={**docker.env, **env}, timeout=120)
+        if down.returncode:
+            report("compose down failed: " + down.stderr[-500:] + "\n" + logs[-2000:])
+
