@@ -56,10 +56,15 @@ class Counted:
     def __init__(self, root: Path, tmp: Path, label: str) -> None:
         self.port = free_port()
         self.out = tmp / f"callgrind.{label}"
+        self.raw = label == "raw"
         python = str(root / ".venv" / "bin" / "python")
-        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out}",
-               *uibus_command(python, root), "--host", "127.0.0.1", "--port", str(self.port), "--http-port", "0",
-               "--store", str(tmp / f"{label}.db"), "--log-level", "WARNING"]
+        if self.raw:  # the bench's minimal grpc.aio server, serving the same three operations
+            server = [python, "-m", "bench.raw_server", "--port", str(self.port), "--chat-chunks",
+                      str(CHAT_CHUNKS)]
+        else:
+            server = [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(self.port),
+                      "--http-port", "0", "--store", str(tmp / f"{label}.db"), "--log-level", "WARNING"]
+        cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out}", *server]
         self.log = (tmp / f"{label}.log").open("wb")
         self.proc = subprocess.Popen(cmd, cwd=root, stdout=self.log, stderr=subprocess.STDOUT)
         self.target = f"127.0.0.1:{self.port}"
@@ -67,12 +72,16 @@ class Counted:
     async def ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         async with grpc.aio.insecure_channel(self.target) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            host = host_pb2_grpc.HostServiceStub(ch)
             while True:
                 if self.proc.poll() is not None:
                     raise SystemExit(f"server exited {self.proc.returncode}")
                 try:
-                    if (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == 1:
+                    if self.raw:  # raw serves no health service: its first answer means ready
+                        await host.GetBusStats(common_pb2.Empty(), timeout=5)
+                        return
+                    if (await health.Check(health_pb2.HealthCheckRequest(), timeout=5)).status == 1:
                         return
                 except grpc.aio.AioRpcError:
                     pass
@@ -186,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=400, help="operations counted per scenario (default 400)")
     p.add_argument("--with", dest="alt", action="append", default=[], metavar="LABEL=DIR",
                    help="also count the checkout DIR (with its own DIR/.venv); repeatable")
+    p.add_argument("--no-raw", action="store_true", help="leave out the raw grpc.aio baseline")
     ns = p.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind is not installed here (Debian package valgrind)", file=sys.stderr)
@@ -194,14 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     for spec in ns.alt:
         label, _, folder = spec.partition("=")
         roots[f"uibus@{label}"] = Path(folder).resolve()
+    if not ns.no_raw:
+        roots["raw"] = ROOT
     results = asyncio.run(run(roots, ns.n))
-    labels = list(results)
+    labels = [label for label in results if label != "raw"]
+    ratios = [(f"{label.split('@')[1]}/main", label, labels[0]) for label in labels[1:]]
+    if "raw" in results:
+        ratios += [(f"{label.split('@')[1] if '@' in label else label}/raw", label, "raw") for label in labels]
+        labels.append("raw")
     print(f"{'instructions per operation':40}" + "".join(f"{label:>16}" for label in labels)
-          + "".join(f"{label.split('@')[1] + '/main':>12}" for label in labels[1:]))
+          + "".join(f"{title:>12}" for title, _, _ in ratios))
     for name in results[labels[0]]:
-        base = results[labels[0]][name]
         row = f"{name:40}" + "".join(f"{results[label][name]:>16,.0f}" for label in labels)
-        row += "".join(f"{results[label][name] / base:>12.3f}" for label in labels[1:])
+        row += "".join(f"{results[a][name] / results[b][name]:>12.3f}" for _, a, b in ratios)
         print(row)
     return 0
 

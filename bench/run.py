@@ -64,6 +64,11 @@ class Plan:
     servers: tuple[str, ...] = SERVERS
     uibus_args: tuple[str, ...] = ()
     raw_args: tuple[str, ...] = ()
+    subscribers: str = "python"  # the fan-out's subscriber clients: grpc.aio, or "node" (@grpc/grpc-js)
+    # The fan-out's closed loop keeps max(2, min(32, this // S)) events in flight: at S=1000 only 2,
+    # so the max rate is bounded by a delivery's round trip as much as by the server's CPU.
+    window_deliveries: int = 2000
+    per_channel: int = 100  # fan-out subscriber streams per channel (each channel its own connection)
     # label -> project checkout with its own .venv (e.g. another grpcio): adds raw@label, uibus@label
     alt_roots: dict[str, str] = field(default_factory=dict)
 
@@ -439,7 +444,10 @@ class Bench:
     ref: dict[int, float] = field(default_factory=dict)  # S -> max deliveries/s of this round's first server
 
     def our_pids(self) -> list[int]:
-        return [os.getpid(), *self.pool.pids, *(p for s in self.servers.values() for p in s.pids)]
+        """The bench's own processes: itself, its client workers and what they started (the Node
+        subscribers of `--subscribers node`), and the servers."""
+        workers = [*self.pool.pids, *(c for w in self.pool.pids for c in procstat.children(w))]
+        return [os.getpid(), *workers, *(p for s in self.servers.values() for p in s.pids)]
 
     def snap(self, srv: Server) -> Snap:
         return Snap(time.monotonic(), {k: procstat.cpu_seconds(p) for k, p in srv.cpu_pids.items()},
@@ -573,14 +581,15 @@ def run_fanout(b: Bench, srv: Server, s: int) -> dict[str, Any]:
     pool.reset()
     parts = split(s)
     for i, k in enumerate(parts):
-        pool.send(i, "subscribe", {"target": srv.target, "streams": k, "slot": i})
+        pool.send(i, "subscribe_node" if plan.subscribers == "node" else "subscribe",
+                  {"target": srv.target, "streams": k, "slot": i, "per_channel": plan.per_channel})
     if srv.wait_subs(s) != s:
         raise RuntimeError(f"{srv.name}: {s} subscriptions did not all arrive")
     if srv.workers > 1:  # where the kernel put the subscribers' connections
         out[f"_{key}.subs_by_worker"] = srv.subscriptions()
     # The publisher's server: replica A for redis2 (so every delivery crosses Redis), else the same.
     common = {"target": srv.publish_target, "subs": s, "duration": plan.duration}
-    window = max(2, min(32, 2000 // s))
+    window = max(2, min(32, plan.window_deliveries // s))
     res, cpu = b.measured(srv, lambda: pool.call(PUBLISHER, "publish", {
         **common, "mode": "max", "window": window, "tag": "max", "seq0": seq}))
     seq = res["seq"]
@@ -599,6 +608,12 @@ def run_fanout(b: Bench, srv: Server, s: int) -> dict[str, Any]:
             out[f"{key}.r{frac}_publisher_behind"] = res["behind"]
     pool.stop.set()
     subs = [pool.recv(i) for i in range(len(parts))]
+    # What receiving cost the clients (Python workers, plus their Node processes with --subscribers node).
+    received = sum(pool.counts[i] for i in range(len(parts)))
+    client_cpu = sum(r.get("cpu_s", 0.0) + r.get("node_cpu_s", 0.0) for r in subs)
+    out[f"_{key}.subscriber_cpu_us"] = client_cpu / max(received, 1) * 1e6
+    out[f"_{key}.subscriber_cpu_s"] = {"workers": sum(r.get("cpu_s", 0.0) for r in subs),
+                                       "node": sum(r.get("node_cpu_s", 0.0) for r in subs), "received": received}
     for frac in (25, 50):
         lat = [x for r in subs for x in r["lat_ns"].get(f"r{frac}", [])]
         out[f"{key}.r{frac}_p50_ms"] = None if not lat else pct(lat, 50) / 1e6  # type: ignore[operator]
@@ -734,6 +749,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uibus-arg", action="append", default=[], help="extra flag for the uibus server (repeatable)")
     p.add_argument("--raw-arg", action="append", default=[], help="extra flag for the raw server (repeatable), "
                    "e.g. --raw-arg=--swallow-cancel")
+    p.add_argument("--subscribers", choices=("python", "node"), default="python",
+                   help="the fan-out's subscriber clients: grpc.aio (default) or @grpc/grpc-js on Node, which "
+                        "leaves more of the machine to the server (see bench/README.md)")
+    p.add_argument("--window-deliveries", type=int, default=2000, metavar="N",
+                   help="fan-out max: keep max(2, min(32, N/S)) events in flight (default 2000; more lets a "
+                        "server that has cores to spare, e.g. --workers 2, use them)")
+    p.add_argument("--streams-per-connection", type=int, default=100, metavar="N",
+                   help="fan-out subscriber streams per channel, each channel its own connection (default 100; "
+                        "a Cline webview holds about 11 on one)")
     p.add_argument("--profile", metavar="FILE", help="record the uibus server with py-spy into FILE (speedscope)")
     p.add_argument("--out", help="JSON result file (default bench/results/<time>.json)")
     ns = p.parse_args(argv)
@@ -753,8 +777,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis skipped: redis-server not found on PATH "
               f"({','.join(s for s in plan.servers if s in REDIS_KINDS)} not run)", flush=True)
         plan.servers = tuple(s for s in plan.servers if s not in REDIS_KINDS)
-    if "grpcjs" in plan.servers and not setup_grpcjs():
+    if ("grpcjs" in plan.servers or ns.subscribers == "node") and not setup_grpcjs():
+        if ns.subscribers == "node":
+            p.error("--subscribers node needs node and bench/grpcjs's npm packages")
         plan.servers = tuple(s for s in plan.servers if s != "grpcjs")
+    plan.subscribers = ns.subscribers
+    plan.window_deliveries = ns.window_deliveries
+    plan.per_channel = ns.streams_per_connection
     if not plan.servers:
         p.error("no server left to run")
     if ns.fanout:
@@ -825,7 +854,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1, default=str))
     print()
     print(f"grpcio {grpc.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
-          f"{plan.rounds} round(s) of {plan.duration:g} s phases, {elapsed:.0f} s total; "
+          f"{plan.rounds} round(s) of {plan.duration:g} s phases, {elapsed:.0f} s total, "
+          f"fan-out: {plan.subscribers} subscribers, {plan.per_channel} streams per connection, window "
+          f"{plan.window_deliveries} deliveries; "
           f"load average before/after {load_before:.2f}/{meta['loadavg_after']:.2f}")
     print(text)
     print(f"\nresults: {out}")

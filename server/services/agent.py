@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -58,20 +57,19 @@ class AgentServicer:
         return self.chat.connectivity(agent)
 
     def streaming_chat(self, agent_of: Callable[[grpc.aio.ServicerContext], str]) -> Callable[..., Any]:
-        """The StreamingChat handler for the agent `agent_of(context)` names. It is an async
-        generator function itself (gRPC decides how to run a handler by inspecting it)."""
+        """The StreamingChat handler for the agent `agent_of(context)` names. It returns the turn's
+        own stream, which the pipeline serves (and closes) as it would a generator's: no
+        pass-through generator of its own, one hop less for each of a reply's chunks."""
         chat = self.chat
 
-        async def streaming_chat(request: agent_pb2.ChatRequest,
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ChatResponse]:
+        def streaming_chat(request: agent_pb2.ChatRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ChatResponse]:
             session = session_of(context)
             agent = agent_of(context)
             chat.check(agent, request)  # bad input fails before the stream starts
             turn = chat.turn(session, agent, request, _metadata(context))
             context.add_done_callback(lambda _ctx: self._close_if_parked(turn))
-            async with aclosing(turn):
-                async for response in turn:
-                    yield response
+            return turn
 
         return streaming_chat
 
