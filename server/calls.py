@@ -111,11 +111,21 @@ class CallContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
         return self._metadata
 
     async def send_initial_metadata(self, initial_metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """As grpc.aio's: the headers go out now (the transport's `on_initial_metadata`; a transport
+        that already opened its response on its own keeps what it sent). Once, as in grpc.aio."""
         if self.initial_metadata_sent:
             raise grpc.aio.UsageError("initial metadata was already sent")
+        self.initial_metadata_sent = True
         self.initial_metadata = tuple(initial_metadata)
         if self.on_initial_metadata is not None:
             await self.on_initial_metadata()
+
+    def attach_initial_metadata(self, initial_metadata: Sequence[tuple[str, str | bytes]]) -> None:
+        """Headers that go out whenever the transport starts its response, without starting it: the
+        pipeline's own headers (`x-uibus-worker`) ride with the first message, and sending them would
+        tell the transport the call is open and waiting (MCP answers with an event stream then)."""
+        if not self.initial_metadata_sent:
+            self.initial_metadata = tuple(initial_metadata)
 
     def set_trailing_metadata(self, trailing_metadata: Sequence[tuple[str, str | bytes]]) -> None:
         self.trailing = tuple(trailing_metadata)

@@ -212,6 +212,15 @@ class Pipeline:
         status = _STATUS
         extra = self.headers
 
+        async def attach(context: Any) -> None:
+            """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
+            them then; an in-process transport keeps them for when it starts its response (sending
+            would tell it the call is open and waiting)."""
+            if isinstance(context, CallContext):
+                context.attach_initial_metadata(extra)
+            else:
+                await context.send_initial_metadata(extra)
+
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
             if needs_auth:
@@ -243,7 +252,7 @@ class Pipeline:
                             if not headers:
                                 headers = True
                                 if extra:  # else grpc sends the headers with the first message
-                                    await context.send_initial_metadata(extra)
+                                    await attach(context)
                             yield message
                     code = code_name(context)
                 except BaseException as exc:
@@ -261,7 +270,7 @@ class Pipeline:
             try:
                 request = admit(request, context)
                 if extra:  # before the handler runs: a `write()` stream sends its headers with its first write
-                    await context.send_initial_metadata(extra)
+                    await attach(context)
                 result = behavior(request, context)
                 if inspect.isawaitable(result):
                     result = await result

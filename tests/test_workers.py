@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,12 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import Config, ServerProcess, free_port, replace, wait_for
+from tests.conftest import Config, ServerProcess, free_port, replace, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.webclient import call, call_stream
 from uibus.app import App
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import host_pb2_grpc
 from uibus.worker_table import DOWN, READY, STARTING, Worker, WorkerTable
 
@@ -100,10 +103,7 @@ def gone(pid: int) -> bool:
 
 
 async def exited(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        assert time.monotonic() < deadline, f"the parent did not exit within {timeout} s"
-        await asyncio.sleep(0.02)
+    await wait_for(lambda: proc.poll() is not None, timeout, "the parent to exit")
     return proc.returncode
 
 
@@ -208,3 +208,40 @@ async def test_health_waits_for_every_worker(config: Config) -> None:
     finally:
         await app.aclose(grace=0.5)
     assert table.state(0) == DOWN  # it marked itself down when it stopped
+
+
+async def test_a_workers_headers_change_no_transports_answer(config: Config) -> None:
+    """As worker 0 of 2, every response carries `x-uibus-worker`, and nothing else changes: a
+    gRPC-Web stream whose first message comes after the transport opened its response on its own
+    still ends OK, a gRPC-Web subscription names the worker in its headers, and an MCP call that
+    never waits is answered with JSON as by a single process (no event stream)."""
+    table = WorkerTable(2)
+    table.set_state(1, READY)
+    app = await start_app(replace(config, store=":memory:", http_port=free_port()), worker=Worker(0, table))
+    base = f"http://127.0.0.1:{app.http_port}"
+    try:
+        async with httpx.AsyncClient(timeout=10) as http:
+            # MINIMAL: only the final reply, after 3 pieces 80 ms apart, well after gRPC-Web's own headers.
+            request = agent_pb2.ChatRequest(user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN,
+                                                                              text="hi"))
+            request.sly_data.update({"chunks": 3, "delay_ms": 80})
+            reply = await call(http, f"{base}/hello_world.AgentService/StreamingChat", request.SerializeToString())
+            assert reply.status == 0, reply.message
+            [only] = [agent_pb2.ChatResponse.FromString(m) for m in reply.messages]
+            assert only.response.type == chat_pb2.ChatMessage.AGENT_FRAMEWORK
+
+            # A subscription's headers (sent once subscribed) name the worker.
+            stream = call_stream(http, f"{base}/cline.UiService/subscribeToPartialMessage",
+                                 common_pb2.EmptyRequest().SerializeToString(), headers={"x-uibus-session": "w"})
+            async with aclosing(stream):
+                kind, headers = await anext(stream)
+                assert kind == "headers" and headers.headers["x-uibus-worker"] == "0"  # type: ignore[attr-defined]
+
+            mcp = await http.post(f"{base}/mcp", json={
+                "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                "params": {"name": "notify_user", "arguments": {"message": "hi"}}},
+                headers={"accept": "application/json, text/event-stream", "x-uibus-session": "w"})
+            assert mcp.status_code == 200 and mcp.headers["content-type"] == "application/json", mcp.text
+            assert mcp.json()["result"]["isError"] is False
+    finally:
+        await app.aclose(grace=0.5)

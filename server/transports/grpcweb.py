@@ -153,8 +153,12 @@ class _Response:
         self.content_type = b"application/grpc-web-text+proto" if text else b"application/grpc-web+proto"
 
     async def start(self, extra: Headers = ()) -> None:  # type: ignore[assignment]
+        """Sends the response headers, once: when the handler sends its metadata, when the first
+        message goes out, or early for a stream that is slow to start (then metadata sent later
+        cannot go out any more, and is dropped rather than failing the call)."""
+        if self.started:
+            return
         self.started = True
-        self.ctx.initial_metadata_sent = True
         await self.send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", self.content_type), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
             *_meta_headers(self.ctx.initial_metadata), *extra]})
@@ -164,7 +168,8 @@ class _Response:
         return base64.b64encode(frame) if self.text else frame
 
     async def message(self, payload: bytes) -> None:
-        if not self.started:
+        if not self.ctx.initial_metadata_sent:  # from the first message on, as in grpc.aio
+            self.ctx.initial_metadata_sent = True
             await self.start()
         await self.send({"type": "http.response.body", "body": self._frame(0, payload), "more_body": True})
 
