@@ -98,6 +98,7 @@ class Docker:
                 self._daemon.wait(30)
             except subprocess.TimeoutExpired:
                 self._daemon.kill()
+                self._daemon.wait()
 
     def has_image(self, name: str) -> bool:
         return self.run("image", "inspect", name, check=False).returncode == 0

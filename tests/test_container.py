@@ -47,8 +47,8 @@ def report(pytestconfig: pytest.Config) -> Callable[[str], None]:
 @pytest.fixture(scope="module")
 def docker(report: Callable[[str], None]) -> Iterator[Docker]:
     engine = Docker()
-    engine.start()
     try:
+        engine.start()  # inside: a dockerd that started but never answered is stopped too
         started = time.monotonic()
         engine.standins()
         engine.build_uibus()  # after `.ci/setup --system` prepared it: only checks it is current
@@ -123,10 +123,14 @@ async def test_image_runs_read_only_as_non_root_and_stops_cleanly(docker: Docker
         docker.run("rm", "-f", name, check=False)
 
 
+def _compose_run(docker: Docker, *args: str, env: dict[str, str],
+                 timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([require_binary("docker-compose"), "-p", "uibustest", *args], cwd=REPO,
+                          capture_output=True, text=True, env={**docker.env, **env}, timeout=timeout)
+
+
 def _compose(docker: Docker, *args: str, env: dict[str, str], timeout: float = 300) -> str:
-    require_binary("docker-compose")
-    done = subprocess.run(["docker-compose", "-p", "uibustest", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**docker.env, **env}, timeout=timeout)
+    done = _compose_run(docker, *args, env=env, timeout=timeout)
     assert done.returncode == 0, f"docker-compose {' '.join(args)}: {done.stderr[-3000:]}"
     return done.stdout
 
@@ -144,6 +148,7 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
     grpc_port, http_port = free_port(), free_port()
     env = {"UIBUS_REDIS_IMAGE": "uibus-standin/redis", "UIBUS_NGINX_IMAGE": "uibus-standin/nginx",
            "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port)}
+    require_binary("docker-compose")  # before the try: its skip must not meet the cleanup's compose calls
     started = time.monotonic()
     try:
         # --no-build: the image the fixture built (compose builds without BuildKit secrets here).
@@ -191,10 +196,8 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
                "gRPC, gRPC-Web and the WebSocket through nginx; 20 calls of one session all on one replica "
                f"({gained})")
     finally:
-        logs = subprocess.run(["docker-compose", "-p", "uibustest", "logs", "--no-color", "--tail", "20"], cwd=REPO,
-                              capture_output=True, text=True, env={**docker.env, **env}, timeout=60).stdout
-        down = subprocess.run(["docker-compose", "-p", "uibustest", "down", "-v", "-t", "20"], cwd=REPO,
-                              capture_output=True, text=True, env={**docker.env, **env}, timeout=120)
+        logs = _compose_run(docker, "logs", "--no-color", "--tail", "20", env=env, timeout=60).stdout
+        down = _compose_run(docker, "down", "-v", "-t", "20", env=env, timeout=120)
         if down.returncode:
             report("compose down failed: " + down.stderr[-500:] + "\n" + logs[-2000:])
 

@@ -412,7 +412,7 @@ async def test_a_waiting_call_streams_keep_alives_until_the_answer(web: App, web
         await ext(conn).Respond(pb.RespondRequest(id=event.request.id, confirmed=False))
         rest = [line async for line in lines]
     data = [json.loads(line.removeprefix("data: ")) for line in rest if line.startswith("data: ")]
-    assert rest[rest.index(next(x for x in rest if x.startswith("event:")))] == "event: message"
+    assert next(x for x in rest if x.startswith("event:")) == "event: message"
     assert data == [{"jsonrpc": "2.0", "id": 9, "result": {
         "content": [{"type": "text", "text": "The user declined."}], "isError": False,
         "structuredContent": {"outcome": "answered", "dialog_id": event.request.id, "confirmed": False}}}]

@@ -24,7 +24,12 @@ async def test_the_real_neuro_san_07_mcp_and_http_clients_work_against_uibus(spa
     proc = await asyncio.create_subprocess_exec(str(NEUROSAN07_PY), str(SCRIPT), "127.0.0.1", port, "hello_world",
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                                                 cwd=REPO)
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    except TimeoutError:  # the client hangs: end it rather than leave it running after the test
+        proc.kill()
+        await proc.wait()
+        raise
     assert proc.returncode == 0, err.decode()[-3000:]
     seen = json.loads(out.decode().strip().splitlines()[-1])
 
