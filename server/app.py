@@ -331,9 +331,11 @@ class App:
     def _publish_readiness(self) -> str | None:
         """`not_ready()`, after writing this worker's own readiness to the table the workers share (so
         the others' health follows ours within a poll); the same as `not_ready()` outside workers."""
-        if self.worker is not None:
-            self.worker.mark(self._not_ready_here() is None)
-        return self.not_ready()
+        if self.worker is None:
+            return self._not_ready_here()
+        here = self._not_ready_here()
+        self.worker.mark(here is None)
+        return here or self.worker.others_not_ready()
 
     async def _stop_health_watch(self) -> None:
         task, self._health_watch = self._health_watch, None

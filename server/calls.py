@@ -54,6 +54,12 @@ class Aborted(grpc.aio.AbortError):
     """Raised by `abort`; the transport reads the recorded status (as grpc.aio does)."""
 
 
+def text_metadata(context: Any) -> dict[str, str]:
+    """A call's text metadata as a dict (what a chat turn may forward to its agent; binary values
+    are left out)."""
+    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+
+
 class CallContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
     """A `grpc.aio.ServicerContext` for calls that arrive any other way than native gRPC."""
 

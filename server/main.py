@@ -14,6 +14,7 @@ from uibus import logs
 from uibus.config import Config, address, describe, why_not
 from uibus.errors import ConfigError
 from uibus.worker_table import Worker
+from uibus.workers import SIGNALS, supervise
 
 
 async def serve(config: Config, worker: Worker | None = None) -> None:
@@ -26,7 +27,7 @@ async def serve(config: Config, worker: Worker | None = None) -> None:
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, app.reload_tokens)  # --tokens-file edited: reload it
         if worker is not None:  # blocked since the fork (uibus.workers): one sent meanwhile is handled now
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         await stop.wait()
 
 
@@ -82,8 +83,6 @@ def run(ns: argparse.Namespace) -> int:
         return _fail(describe(exc, ns), 2)
     logs.setup(config.log_level)
     if config.workers > 1:
-        from uibus.workers import supervise
-
         text, code = supervise(config, lambda resolved, worker: _run_worker(resolved, ns, worker))
     else:
         text, code = _serve(config, ns)

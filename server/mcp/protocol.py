@@ -19,11 +19,6 @@ from uibus.errors import InvalidArgument, UibusError, Unimplemented
 # same in all four revisions.
 VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 LATEST = VERSIONS[-1]
-# What a request without the MCP-Protocol-Version header is taken to speak (the spec's rule).
-ASSUMED = "2025-03-26"
-
-SESSION_HEADER = "mcp-session-id"
-VERSION_HEADER = "mcp-protocol-version"
 
 # JSON-RPC 2.0 error codes (the standard ones), plus one server-defined code for everything that
 # is a uibus status rather than a protocol mistake; its `data.status` names that status.

@@ -36,6 +36,7 @@ import grpc.aio
 from google.protobuf import json_format
 
 from uibus.bus import LIVE
+from uibus.calls import text_metadata
 from uibus.domain.core import Core
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
@@ -129,10 +130,6 @@ class Call:
 
 
 Handler = Callable[[Call, grpc.aio.ServicerContext], AsyncIterator[Any]]
-
-
-def _forwarded(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
 def _args(message: Message) -> tuple[str, dict[str, Any]]:
@@ -252,7 +249,7 @@ class McpServer:
                 run = self._user_tool(name, session, args)
             else:
                 progress = call.message.progress_token if call.streaming else None  # else nowhere to send it
-                run = self._chat(name, session, args, progress, _forwarded(context))
+                run = self._chat(name, session, args, progress, text_metadata(context))
             async with aclosing(run) as items:
                 async for item in items:
                     yield item

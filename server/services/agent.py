@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
 
+from uibus.calls import text_metadata
 from uibus.domain.chat import Chat, UnknownAgent
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
 from uibus.session import session_of
@@ -35,10 +36,6 @@ UNKNOWN_AGENT = "<unknown>"  # how every agent not served here is named in metri
 
 def per_agent_service(agent: str) -> str:
     return agent + _SUFFIX
-
-
-def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
-    return {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
 
 
 class AgentServicer:
@@ -67,7 +64,7 @@ class AgentServicer:
             session = session_of(context)
             agent = agent_of(context)
             chat.check(agent, request)  # bad input fails before the stream starts
-            turn = chat.turn(session, agent, request, _metadata(context))
+            turn = chat.turn(session, agent, request, text_metadata(context))
             context.add_done_callback(lambda _ctx: self._close_if_parked(turn))
             return turn
 

@@ -18,6 +18,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+# What a 401 carries on every route (RFC 6750): the client is to send `Authorization: Bearer`.
+CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
 
 
 class BodyTooLarge(ResourceExhausted):

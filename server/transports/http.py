@@ -37,7 +37,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from uibus.config import Config
+from uibus.config import Config, address
 from uibus.errors import ConfigError
 from uibus.logs import Throttle
 from uibus.transports.asgi import ASGIApp
@@ -196,7 +196,7 @@ class _EmbeddedServer(uvicorn.Server):
                 create_protocol, **where, ssl=config.ssl, backlog=config.backlog, **tls)  # type: ignore[arg-type]
         except OSError as exc:  # the whole message is the one line `uibus serve` prints (exit 1)
             why = os.strerror(exc.errno).lower() if exc.errno else str(exc)  # asyncio's strerror repeats the address
-            raise OSError(f"--http-port: cannot listen on {config.host}:{config.port}: {why}") from None
+            raise OSError(f"--http-port: cannot listen on {address(config.host, config.port)}: {why}") from None
         self.servers = [server]
         self.started = True
 

@@ -26,13 +26,14 @@ from typing import Any
 
 import grpc
 
-from uibus.calls import CallContext, Rejected, responses
+from uibus.calls import CallContext, Rejected, responses, unary
 from uibus.errors import UibusError
 from uibus.json_input import load_json
 from uibus.mcp import protocol
 from uibus.mcp.protocol import Message, ProtocolError
 from uibus.mcp.server import Call, McpServer, Reply
 from uibus.transports.asgi import (
+    CHALLENGE,
     BodyTooLarge,
     ClientGone,
     Headers,
@@ -49,13 +50,16 @@ from uibus.transports.grpcweb import metadata_of, peer_of
 
 PATH = "/mcp"
 KEEPALIVE_S = 15.0
-_CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
 _AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
 
 
 def _json(obj: Any) -> bytes:
     # One line: neuro-san's client reads the answer as JSON lines.
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def _sse(obj: Any) -> bytes:
+    return b"event: message\ndata: " + _json(obj) + b"\n\n"
 
 
 class McpHttp:
@@ -157,8 +161,10 @@ class McpHttp:
             if not abandoned and not exchange.done:  # cancelled by the client's notifications/cancelled
                 await exchange.cancelled()
         finally:
-            await exchange.close()
-        ctx.finish(cancelled=not completed)
+            try:
+                await exchange.close()
+            finally:  # the call's done callbacks run however the exchange ended (shutdown included)
+                ctx.finish(cancelled=not completed)
 
     # ---- DELETE: end a session -----------------------------------------------------------------
 
@@ -170,11 +176,7 @@ class McpHttp:
                                                           protocol.INVALID_REQUEST)), "application/json")
             return
         ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
-        handler = self.server.handlers[protocol.path_of("delete")]
-        async with contextlib.aclosing(responses(handler, Call(Message("delete"), session_id), ctx)) as out:
-            async for _ in out:
-                pass
-        ctx.finish()
+        await unary(self.server.handlers[protocol.path_of("delete")], Call(Message("delete"), session_id), ctx)
         code, details = ctx.status()
         if code == grpc.StatusCode.OK:
             await respond(send, 204, b"")
@@ -221,8 +223,7 @@ class _Exchange:
         """A notification for the client: sent on the stream; without one there is no way to send it."""
         if self.streaming:
             async with self._lock:
-                await self.send({"type": "http.response.body", "body": b"event: message\ndata: " + _json(message)
-                                 + b"\n\n", "more_body": True})
+                await self.send({"type": "http.response.body", "body": _sse(message), "more_body": True})
 
     async def finish(self, ctx: CallContext, reply: Reply | None, call: Call, rejection: UibusError | None) -> None:
         """The response: the result, 202 for a notification, or the error (`rejection`: why the
@@ -246,8 +247,7 @@ class _Exchange:
         if self.streaming:
             async with self._lock:
                 self.done = True
-                await self.send({"type": "http.response.body", "body": b"event: message\ndata: " + _json(body)
-                                 + b"\n\n", "more_body": False})
+                await self.send({"type": "http.response.body", "body": _sse(body), "more_body": False})
         else:
             await self._whole(200, _json(body), extra)
 
@@ -279,5 +279,5 @@ async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, r
     status = _AUTH_STATUS.get(code) or (http_status(code) if ours else 200)
     rpc_code = protocol.rpc_code_of_error(rejection) if ours and rejection is not None else None
     body = protocol.error(ident, code.name, details, rpc_code)
-    headers: Headers = [_CHALLENGE] if status == 401 else []
+    headers: Headers = [CHALLENGE] if status == 401 else []
     await respond(send, status, _json(body), "application/json", headers)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 
 from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
-from uibus.transports.asgi import ASGIApp, Receive, Scope, Send, header, respond
+from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, header, respond
 from uibus.transports.cors import Cors
 from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
@@ -76,7 +76,7 @@ class Routes:
                 await respond(send, 200, self.metrics.render(), CONTENT_TYPE)
             elif self.tokens.grant(token) is None:
                 await respond(send, 401, "/metrics needs `Authorization: Bearer <token>` (--metrics-token or an "
-                                         "all-sessions token)\n", headers=[_CHALLENGE])
+                                         "all-sessions token)\n", headers=[CHALLENGE])
             else:  # a tenant's token: /metrics shows every tenant's traffic
                 await respond(send, 403, "/metrics needs --metrics-token or a token that may use all sessions\n")
         else:
@@ -89,8 +89,7 @@ FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
                '<rect width="32" height="32" rx="7" fill="#3b82f6"/>'
                '<path d="M8 9h16a2 2 0 0 1 2 2v8a2 2 0 0 1-2 2h-9l-5 4v-4H8a2 2 0 0 1-2-2v-8a2 2 0 0 1 2-2z" '
                'fill="#fff"/></svg>\n')
-_CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
-_LOGIN_HEADERS = [_CHALLENGE, (b"cache-control", b"no-store")]
+_LOGIN_HEADERS = [CHALLENGE, (b"cache-control", b"no-store")]
 
 
 async def _no_websocket(scope: Scope, send: Send, path: str) -> None:
