@@ -44,6 +44,12 @@ def loadavg() -> float:
 
 def children(pid: int) -> list[int]:
     """Pids of the live processes whose parent is `pid` (a scan of /proc/*/stat)."""
+    return children_of([pid])
+
+
+def children_of(pids: list[int]) -> list[int]:
+    """Pids of the live processes whose parent is one of `pids` (one scan of /proc/*/stat)."""
+    parents = set(pids)
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -53,6 +59,6 @@ def children(pid: int) -> list[int]:
                 fields = f.read().rpartition(")")[2].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:  # ppid (field 4 of stat)
+        if int(fields[1]) in parents:  # ppid (field 4 of stat)
             found.append(int(entry))
     return sorted(found)

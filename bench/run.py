@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from bench import procstat
-from bench.workers import MD, WORKER_HEADER, pct, worker_main
+from bench.workers import MD, STREAMS_PER_CHANNEL, WORKER_HEADER, pct, worker_main
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 
@@ -68,7 +68,7 @@ class Plan:
     # The fan-out's closed loop keeps max(2, min(32, this // S)) events in flight: at S=1000 only 2,
     # so the max rate is bounded by a delivery's round trip as much as by the server's CPU.
     window_deliveries: int = 2000
-    per_channel: int = 100  # fan-out subscriber streams per channel (each channel its own connection)
+    per_channel: int = STREAMS_PER_CHANNEL  # fan-out subscriber streams per channel (each its own connection)
     # label -> project checkout with its own .venv (e.g. another grpcio): adds raw@label, uibus@label
     alt_roots: dict[str, str] = field(default_factory=dict)
 
@@ -257,7 +257,11 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     else:  # the documented way to run uibus
         cmd = uibus_serve(python, root, port, tmp / f"{name}.db", plan)
     proc, log = _launch(name, cmd, root, tmp)
-    _wait_grpc(name, proc, port, cmd, log)
+    try:
+        _wait_grpc(name, proc, port, cmd, log)
+    except BaseException:
+        stop_proc(proc)
+        raise
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     srv = Server(name, proc, port, log, [host_pb2_grpc.HostServiceStub(channel)], [channel])
     time.sleep(0.3)
@@ -446,7 +450,9 @@ class Bench:
     def our_pids(self) -> list[int]:
         """The bench's own processes: itself, its client workers and what they started (the Node
         subscribers of `--subscribers node`), and the servers."""
-        workers = [*self.pool.pids, *(c for w in self.pool.pids for c in procstat.children(w))]
+        workers = list(self.pool.pids)
+        if self.plan.subscribers == "node":
+            workers += procstat.children_of(self.pool.pids)
         return [os.getpid(), *workers, *(p for s in self.servers.values() for p in s.pids)]
 
     def snap(self, srv: Server) -> Snap:
@@ -749,13 +755,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uibus-arg", action="append", default=[], help="extra flag for the uibus server (repeatable)")
     p.add_argument("--raw-arg", action="append", default=[], help="extra flag for the raw server (repeatable), "
                    "e.g. --raw-arg=--swallow-cancel")
-    p.add_argument("--subscribers", choices=("python", "node"), default="python",
+    p.add_argument("--subscribers", choices=("python", "node"), default=Plan.subscribers,
                    help="the fan-out's subscriber clients: grpc.aio (default) or @grpc/grpc-js on Node, which "
                         "leaves more of the machine to the server (see bench/README.md)")
-    p.add_argument("--window-deliveries", type=int, default=2000, metavar="N",
+    p.add_argument("--window-deliveries", type=int, default=Plan.window_deliveries, metavar="N",
                    help="fan-out max: keep max(2, min(32, N/S)) events in flight (default 2000; more lets a "
                         "server that has cores to spare, e.g. --workers 2, use them)")
-    p.add_argument("--streams-per-connection", type=int, default=100, metavar="N",
+    p.add_argument("--streams-per-connection", type=int, default=Plan.per_channel, metavar="N",
                    help="fan-out subscriber streams per channel, each channel its own connection (default 100; "
                         "a Cline webview holds about 11 on one)")
     p.add_argument("--profile", metavar="FILE", help="record the uibus server with py-spy into FILE (speedscope)")
@@ -814,11 +820,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(plan.rounds):
             with tempfile.TemporaryDirectory(prefix="uibus-bench-") as tmp:
-                b.servers = {name: start_server(name, Path(tmp), plan) for name in plan.all_servers()}
-                if ns.profile and "uibus" in b.servers and profiler is None:
-                    profiler = start_profiler(b.servers["uibus"].pid, ns.profile)
+                b.servers = {}
                 b.ref = {}
-                try:
+                try:  # servers started before one that fails to start are stopped too
+                    for name in plan.all_servers():
+                        b.servers[name] = start_server(name, Path(tmp), plan)
+                    if ns.profile and "uibus" in b.servers and profiler is None:
+                        profiler = start_profiler(b.servers["uibus"].pid, ns.profile)
                     # Servers alternate per scenario step (each S, each concurrency), so the two
                     # measurements compared in a row are seconds apart.
                     for scenario, param in plan.steps():
