@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import ipaddress
 import math
 import os
 import re
@@ -67,7 +68,32 @@ def _parse(kind: type, raw: str) -> Any:
         if not math.isfinite(value):  # nan passes every `<` check and inf breaks timers later
             raise ValueError(f"{raw!r} is not a finite number")
         return value
+    if kind is bool:
+        word = raw.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise ValueError(f"{raw!r} is not a switch value: 1, true, yes, on (or none) or 0, false, no, off")
     return raw
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a bind address or a Host header's name, without port or brackets) can only be
+    reached from this machine: `localhost`, a `*.localhost` name (RFC 6761; browsers resolve them to
+    loopback themselves) or an address in 127.0.0.0/8 or ::1. Any other name may resolve elsewhere,
+    and "" / 0.0.0.0 / :: mean every interface."""
+    name = host.strip().strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def redacted(text: str) -> str:
@@ -95,7 +121,9 @@ def describe(exc: ConfigError, ns: argparse.Namespace | None = None) -> str:
 
 @dataclass(frozen=True)
 class Config:
-    host: str = field(default="0.0.0.0", metadata={"help": "address the gRPC server binds"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address both ports bind: loopback by default, so only this machine can connect; any other "
+                "address needs --auth-token or --tokens-file (or --trust-network)"})
     port: int = field(default=26040, metadata={"help": "gRPC port (Cline's standalone core uses 26040)"})
     http_port: int = field(default=8080, metadata={"help": "HTTP port (gRPC-Web, neuro-san HTTP API, "
                                                            "webview, /metrics); 0 turns it off"})
@@ -154,8 +182,14 @@ class Config:
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
         "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
-    cors_origins: str = field(default="*", metadata={"help": "comma-separated origins allowed for "
-                                                             "gRPC-Web and the HTTP API"})
+    cors_origins: str = field(default="", metadata={
+        "help": "comma-separated browser origins allowed on the HTTP port besides the page's own, loopback pages "
+                "on this port and IDE webviews (`https://*.example.com` patterns work; `*` allows any page)"})
+    allowed_hosts: str = field(default="", metadata={
+        "help": "comma-separated Host names the HTTP port answers besides loopback names and the bound address "
+                "(the names an ingress or proxy forwards; `*.example.com` works; `*` turns the check off)"})
+    trust_network: bool = field(default=False, metadata={
+        "help": "serve a non-loopback --host without tokens: only where every host that can reach it is trusted"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
@@ -198,6 +232,11 @@ class Config:
         check(1 <= self.workers <= 64, "workers", "must be within 1..64")
         check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",
               "more than 1 needs --redis-url (the workers share sessions and events through Redis)")
+        # A bind other machines can reach must not serve without tokens by accident (README, Security model).
+        check(self.trust_network or bool(self.auth_token or self.tokens_file) or is_loopback(self.host), "host",
+              f"{self.host or '(every interface)'} is not a loopback address and neither --auth-token nor "
+              "--tokens-file is set, so anyone who can reach this machine could drive every API: set a token, "
+              "or add --trust-network if every host on this network is trusted")
         check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
               f"{self.log_level[:20]!r} is not one of DEBUG, INFO, WARNING, ERROR")
         if problems:
@@ -214,10 +253,14 @@ class Config:
                 shown = "set" if env else "not set"
             elif env is not None:
                 shown = f"{redacted(env)!r} from the env"
+            elif isinstance(_field_default(f), bool):
+                shown = "on" if _field_default(f) else "off"
             else:
                 shown = repr(_field_default(f))
             text = f"{f.metadata.get('help', '')} (env {env_name}, default: {shown})"
-            parser.add_argument(_flag(f.name), dest=f.name, default=_UNSET, help=text.replace("%", "%%"))
+            # A switch takes no value on the command line (`--trust-network`); `=no` still turns it off.
+            switch = {"nargs": "?", "const": "true", "metavar": "yes|no"} if isinstance(_field_default(f), bool) else {}
+            parser.add_argument(_flag(f.name), dest=f.name, default=_UNSET, help=text.replace("%", "%%"), **switch)
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> Config:

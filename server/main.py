@@ -13,6 +13,7 @@ import sys
 from uibus import logs
 from uibus.config import Config, address, describe, why_not
 from uibus.errors import ConfigError
+from uibus.transports.browser import BrowserPolicy
 from uibus.worker_table import Worker
 from uibus.workers import SIGNALS, supervise
 
@@ -75,6 +76,7 @@ def run(ns: argparse.Namespace) -> int:
     env var, a file it names); 1 with one line when the machine refuses (a port in use)."""
     try:
         config = Config.from_args(ns)
+        BrowserPolicy.from_config(config)  # a bad --allowed-hosts / --cors-origins entry: one line, before any bind
         for flag, port in (("--port", config.port), ("--http-port", config.http_port)):
             reason = _cannot_listen(config.host, port)
             if reason:

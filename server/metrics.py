@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -105,6 +105,11 @@ class Metrics:
         self.rpc = Histogram("uibus_rpc_duration_seconds", "RPC duration (whole stream for streaming calls); "
                              "its _count is the RPC count", ["method", "code", "transport"], buckets=_BUCKETS,
                              registry=self.registry)
+        self._refused = Counter("uibus_http_refused_total", "browser requests the HTTP port refused: reason "
+                                "host (a Host it does not answer to) or origin (a page not allowed)", ["reason"],
+                                registry=self.registry)
+        for reason in ("host", "origin"):  # exported at 0 from the start, so a rate() has a series
+            self._refused.labels(reason)
         self._children: dict[tuple[str, str, str], Any] = {}
         self._methods: set[str] = set()
         self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {},
@@ -128,6 +133,9 @@ class Metrics:
         if method.endswith(_CHAT_SUFFIX):
             agent = method[1:-len(_CHAT_SUFFIX)]
             self.chat_turns[agent] = self.chat_turns.get(agent, 0) + 1
+
+    def refused(self, reason: str) -> None:
+        self._refused.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,13 @@ def session_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) ->
     return DEFAULT_SESSION
 
 
+def names_session(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    """Whether the call named its session. A caller that did not (a neuro-san client, curl, an MCP
+    inspector) still runs in `default` — its UI events show on that session's webviews — but must not
+    inherit the conversation some other unnamed caller had there (see Chat.turn)."""
+    return any(key == SESSION_KEY for key, _value in metadata or ())
+
+
 def session_of(context: grpc.aio.ServicerContext) -> str:
     """The calling session; BadSession (INVALID_ARGUMENT) when the name is invalid."""
     return session_from_metadata(context.invocation_metadata())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -74,9 +75,15 @@ async def _serving(target: str, timeout: float = 60) -> None:
             await asyncio.sleep(0.2)
 
 
+# What an operator sets (README): the image binds every interface, so it serves only with a token.
+TOKEN = "container-test-" + secrets.token_hex(8)
+BEARER = {"authorization": f"Bearer {TOKEN}"}
+
+
 async def _round_trip(subscribe_at: str, publish_at: str, session: str, text: str) -> None:
     """A partial message published at one address reaches a subscriber at the other."""
-    async with Connection(subscribe_at, session=session) as sub, Connection(publish_at, session=session) as pub:
+    async with Connection(subscribe_at, session=session, token=TOKEN) as sub, \
+            Connection(publish_at, session=session, token=TOKEN) as pub:
         stream = sub.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
         await asyncio.wait_for(stream.initial_metadata(), 10)  # headers = subscribed
         await pub.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=1700000000001, type=ui_pb2.SAY,
@@ -89,8 +96,13 @@ async def test_image_runs_read_only_as_non_root_and_stops_cleanly(docker: Docker
                                                                    report: Callable[[str], None]) -> None:
     grpc_port, http_port = free_port(), free_port()
     name = f"uibus-test-{grpc_port}"
+    # Without a token the image does not serve at all: one line naming the flags, exit 2.
+    refused = docker.run("run", "--rm", "--network", "none", IMAGE, check=False, timeout=60)
+    assert refused.returncode == 2, (refused.returncode, refused.stderr[-2000:])
+    assert "not a loopback address" in refused.stderr and "--auth-token" in refused.stderr, refused.stderr
+    report("image without a token: exit 2, " + refused.stderr.strip().splitlines()[-1][:90] + " …")
     docker.run("run", "-d", "--name", name, "--read-only", "--tmpfs", "/tmp", "--network", "host",
-               "-e", f"UIBUS_PORT={grpc_port}", "-e", f"UIBUS_HTTP_PORT={http_port}",
+               "-e", f"UIBUS_PORT={grpc_port}", "-e", f"UIBUS_HTTP_PORT={http_port}", "-e", f"UIBUS_AUTH_TOKEN={TOKEN}",
                # the image's own HEALTHCHECK command, on a faster schedule than its 10 s
                "--health-interval", "1s", "--health-start-period", "1s", IMAGE)
     try:
@@ -147,7 +159,8 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
                                                                    report: Callable[[str], None]) -> None:
     grpc_port, http_port = free_port(), free_port()
     env = {"UIBUS_REDIS_IMAGE": "uibus-standin/redis", "UIBUS_NGINX_IMAGE": "uibus-standin/nginx",
-           "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port)}
+           "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port),
+           "UIBUS_AUTH_TOKEN": TOKEN}
     require_binary("docker-compose")  # before the try: its skip must not meet the cleanup's compose calls
     started = time.monotonic()
     try:
@@ -170,11 +183,22 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
         # … gRPC-Web …
         async with httpx.AsyncClient(timeout=10) as http:
             reply = await call(http, f"http://127.0.0.1:{http_port}/uibus.v1.HostService/GetSessionState", b"",
-                               headers={"x-uibus-session": "front"})
+                               headers={"x-uibus-session": "front", **BEARER})
             assert reply.status == 0, reply.message
+            # The front passes the browser's Host on (port included): a page's own origin is admitted,
+            # another site's page is refused, as on a replica itself.
+            page = f"http://localhost:{http_port}"
+            own = await call(http, f"{page}/uibus.v1.HostService/GetSessionState", b"",
+                             headers={"x-uibus-session": "front", "origin": page, **BEARER})
+            assert own.status == 0 and own.headers["access-control-allow-origin"] == page, own.message
+            cross = await http.post(f"{page}/uibus.v1.HostService/GetSessionState", content=b"",
+                                    headers={"content-type": "application/grpc-web+proto",
+                                             "origin": "https://evil.example", **BEARER})
+            assert cross.status_code == 403 and "--cors-origins" in cross.text
             assert (await http.get(f"http://127.0.0.1:{http_port}/readyz")).text == "ok\n"
         # … and the CodeBolt WebSocket.
-        async with ws_connect(f"ws://127.0.0.1:{http_port}/agent-to-app?session=front") as ws:
+        async with ws_connect(f"ws://127.0.0.1:{http_port}/agent-to-app?session=front",
+                              additional_headers=BEARER) as ws:
             await ws.send(json.dumps({"type": "memoryEvent", "action": "memorySet", "requestId": "m1",
                                       "message": {"key": "k", "value": 1}}))
             assert json.loads(await asyncio.wait_for(ws.recv(), 10))["success"] is True
@@ -183,11 +207,11 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
 
         async def counts() -> list[float]:
             async with httpx.AsyncClient(timeout=10) as http:
-                return [_metric((await http.get(f"http://{ips[r]}:8080/metrics")).text, method)
+                return [_metric((await http.get(f"http://{ips[r]}:8080/metrics", headers=BEARER)).text, method)
                         for r in ("uibus-1", "uibus-2")]
 
         before = await counts()
-        async with Connection(front, session="sticky") as conn:
+        async with Connection(front, session="sticky", token=TOKEN) as conn:
             for _ in range(20):
                 await conn.host.GetSessionState(common_pb2.Empty())
         gained = [after - was for after, was in zip(await counts(), before, strict=True)]

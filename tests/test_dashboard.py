@@ -39,7 +39,7 @@ _REQUIRED = {"uibus_subscriptions", "uibus_events_published", "uibus_events_deli
              "uibus_events_coalesced", "uibus_events_overflowed", "uibus_rpc_duration_seconds", "uibus_chat_turns",
              "uibus_extension_ui_pending_dialogs", "uibus_codebolt_connections", "uibus_replication_connected",
              "uibus_replication_sent", "uibus_replication_received", "uibus_replication_dropped", "uibus_store_up",
-             "uibus_ready", "uibus_sessions_stored", "uibus_sessions_evicted"}
+             "uibus_ready", "uibus_sessions_stored", "uibus_sessions_evicted", "uibus_http_refused"}
 
 Families = dict[str, tuple[str, set[str]]]  # family name -> (type, sample names)
 

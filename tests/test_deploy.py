@@ -80,7 +80,16 @@ def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch
     (ref,) = container["envFrom"]
     cm = _one("ConfigMap", ref["configMapRef"]["name"])
     _check_env_names(cm["data"])
-    cfg = _config_from_env(cm["data"], monkeypatch)
+    # A pod binds every interface, so it must have a token (uibus refuses to start without one): from
+    # the Secret that the manifest's header (and the README) tell the operator to create.
+    secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
+    ref_ = secrets["UIBUS_AUTH_TOKEN"]
+    assert ref_.get("optional") is not True  # a missing Secret stops the pod, naming it
+    create = f'kubectl create secret generic {ref_["name"]} --from-literal={ref_["key"]}="$(openssl rand -hex 32)"'
+    assert create in (K8S / "uibus.yaml").read_text() and create in (REPO / "README.md").read_text()
+    with pytest.raises(ValueError, match="not a loopback address"):
+        _config_from_env(cm["data"], monkeypatch)  # the ConfigMap alone: refused, as the pod would be
+    cfg = _config_from_env({**cm["data"], "UIBUS_AUTH_TOKEN": "from-the-secret"}, monkeypatch)
     assert cfg.host == "0.0.0.0" and cfg.port == 26040 and cfg.http_port == 8080
     assert pod["terminationGracePeriodSeconds"] > cfg.drain_seconds + cfg.grace_seconds
 
@@ -106,7 +115,9 @@ def test_compose_two_replicas_on_redis_behind_front(monkeypatch: pytest.MonkeyPa
     for name, svc in replicas.items():
         env = svc["environment"]
         _check_env_names(env)
-        cfg = _config_from_env(env, monkeypatch)
+        # The replicas bind every interface: the token is the operator's, required by compose itself.
+        assert env["UIBUS_AUTH_TOKEN"].startswith("${UIBUS_AUTH_TOKEN:?"), name
+        cfg = _config_from_env({**env, "UIBUS_AUTH_TOKEN": "set-by-the-operator"}, monkeypatch)
         assert cfg.host == "0.0.0.0", name
         assert cfg.redis_url.startswith("redis://redis:"), name
         assert "redis" in svc["depends_on"]

@@ -33,7 +33,7 @@ from uibus.pb.cline import common_pb2
 HEADER_S = 1.0
 IDLE_S = 1.0
 MARGIN_S = 1.5  # a loaded 2-core CI machine; the timers themselves fire within milliseconds
-HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: uibus\r\n\r\n"
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n"
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ async def test_silent_and_partial_connections_are_closed_while_calls_go_on(web: 
     """200 connections that send nothing and 200 that stop mid-request are all closed about one
     header timeout after they connected; /healthz and a gRPC-Web call answer all the while."""
     port = web.http_port
-    partials = [b"GET /hea", b"GET /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nhost: uibus\r\nx-a: 1"]
+    partials = [b"GET /hea", b"GET /healthz HTTP/1.1\r\n", b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nx-a: 1"]
     opened: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter, bool]] = []
     for i in range(400):
         # Timed from before the connect: the server accepts it after this, so a connection closed
@@ -133,7 +133,7 @@ async def test_a_slow_drip_of_header_bytes_is_closed_at_the_timeout(web: App) ->
     """Slowloris: a byte every 0.2 s keeps the connection busy but never finishes the headers."""
     reader, writer = await open_raw(web.http_port)
     start = time.monotonic()
-    request = b"GET /healthz HTTP/1.1\r\nhost: uibus\r\nx-slow: " + b"a" * 100
+    request = b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nx-slow: " + b"a" * 100
     closed = asyncio.ensure_future(until_closed(reader, HEADER_S + MARGIN_S + 2))
     for byte in request:
         if closed.done():
@@ -246,7 +246,7 @@ async def test_a_websocket_that_answers_no_ping_is_closed(web: App) -> None:
     ping interval plus the ping timeout (0.5 + 0.5 s here)."""
     reader, writer = await open_raw(web.http_port)
     key = base64.b64encode(os.urandom(16))
-    writer.write(b"GET /agent-to-app?session=s1 HTTP/1.1\r\nhost: uibus\r\nupgrade: websocket\r\n"
+    writer.write(b"GET /agent-to-app?session=s1 HTTP/1.1\r\nhost: localhost\r\nupgrade: websocket\r\n"
                  b"connection: Upgrade\r\nsec-websocket-version: 13\r\nsec-websocket-key: " + key + b"\r\n\r\n")
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 3)
     assert head.startswith(b"HTTP/1.1 101"), head

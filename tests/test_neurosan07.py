@@ -2,7 +2,8 @@
 the real client library from .venv-neurosan07 (made by .ci/setup from tests/neurosan07/
 requirements.lock), unmodified, against a uibus server process: its `McpServiceAgentSession`
 (function, and two streaming_chat turns through `/mcp`), its sync and async HTTP sessions, and its
-concierge session."""
+concierge session; and two of its sessions that name no uibus session, which must not share a
+conversation."""
 
 from __future__ import annotations
 
@@ -47,3 +48,8 @@ async def test_the_real_neuro_san_07_mcp_and_http_clients_work_against_uibus(spa
         assert [m["text"] for m in messages][0::2] == ["my name is Ada", "what is my name?"]
     assert "This is the start of our conversation." in seen["async"][-1]["response"]["text"]
     assert [a["agent_name"] for a in seen["list"]["agents"]] == ["hello_world"]
+    # Clients that name no uibus session never see each other's conversation (README, Security model).
+    for way in ("http", "mcp"):
+        first, second = (turn[-1]["response"] for turn in seen[f"unnamed_{way}"])
+        assert "This is the start of our conversation." in first["text"], way
+        assert "This is the start of our conversation." in second["text"] and "4321" not in json.dumps(second), way

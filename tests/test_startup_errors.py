@@ -74,6 +74,23 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'x' is not a number"),
     ("env-keepalive-nan", [], {"UIBUS_KEEPALIVE_SECONDS": "nan"}, 2,
      "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'nan' is not a finite number"),
+    # A bind other machines can reach never serves without tokens by accident (README, Security model).
+    ("every-interface-without-token", ["--host", "0.0.0.0"], {}, 2,
+     "uibus serve: --host: 0.0.0.0 is not a loopback address and neither --auth-token nor --tokens-file is set, "
+     "so anyone who can reach this machine could drive every API: set a token, or add --trust-network if every "
+     "host on this network is trusted"),
+    ("env-lan-address-without-token", [], {"UIBUS_HOST": "::"}, 2,
+     "uibus serve: UIBUS_HOST: :: is not a loopback address and neither --auth-token nor --tokens-file is set, …"),
+    ("trust-network-not-a-switch-value", ["--trust-network=maybe"], {}, 2,
+     "uibus serve: --trust-network: 'maybe' is not a switch value: 1, true, yes, on (or none) or 0, false, no, off"),
+    ("trust-network-off", ["--host", "0.0.0.0", "--trust-network=no"], {}, 2,
+     "uibus serve: --host: 0.0.0.0 is not a loopback address …"),
+    ("allowed-hosts-entry", ["--allowed-hosts", "ide.example, a/b"], {}, 2,
+     "uibus serve: --allowed-hosts: 'a/b' is not a host name or address (with an optional :port; `*.example.com` "
+     "for subdomains)"),
+    ("env-cors-origins-entry", [], {"UIBUS_CORS_ORIGINS": "ide.example"}, 2,
+     "uibus serve: UIBUS_CORS_ORIGINS: 'ide.example' is not an origin: scheme://host[:port] "
+     "(`https://*.example.com` for subdomains, `*` for every page)"),
     ("grpc-port-taken", ["--port", "{taken}"], {}, 1,
      "uibus serve: --port: cannot listen on 127.0.0.1:{taken}: address in use"),
     ("http-port-taken", ["--http-port", "{taken}"], {}, 1,

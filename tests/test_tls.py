@@ -122,7 +122,7 @@ async def codebolt_round_trip(port: int, ctx: ssl.SSLContext) -> dict[str, objec
 async def plaintext_answer(port: int) -> bytes:
     """What a plaintext HTTP request to the port gets back before the server closes (bounded)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /healthz HTTP/1.1\r\nhost: uibus\r\n\r\n")
+    writer.write(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
     data = b""
     deadline = time.monotonic() + 5
     try:

@@ -6,7 +6,11 @@ It keeps neuro-san's StreamingChat contract (SPEC.md §2) and adds uibus's sessi
   MAXIMAL streams every message with its origin, and each ChatResponse echoes the request.
 * No `user_message.text` → one empty ChatResponse, nothing else happens.
 * A request without `chat_context` continues the session's stored conversation with the agent;
-  one with a `chat_context` (even an empty one, which starts over) wins.
+  one with a `chat_context` (even an empty one, which starts over) wins. A caller that named no
+  session keeps no conversation on the server (`keep=False`): without a `chat_context` it starts a
+  fresh one, as upstream neuro-san does, and what it returns is only the caller's to send back —
+  otherwise every unnamed client (neuro-san's, curl, an MCP inspector) would continue, and read,
+  each other's conversation in `default`.
 * A backend failure ends the stream normally, the error text in the final message, and the
   conversation state is left as it was.
 * The reply is mirrored to the session's partial-message stream as a growing ClineMessage, so
@@ -222,10 +226,13 @@ class Chat:
         check_request(request)
 
     async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
-                   metadata: Mapping[str, str] | None = None) -> AsyncIterator[agent_pb2.ChatResponse]:
+                   metadata: Mapping[str, str] | None = None, *,
+                   keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
         """The ChatResponses of one turn. Bad input fails (with `check`'s errors) before anything
         happens; after that an agent failure is an answer, and only a store failure or a
-        cancellation ends the stream otherwise."""
+        cancellation ends the stream otherwise. `keep=False` (a caller that named no session): the
+        stored conversation is neither continued nor written; the turn goes on from the request's
+        own `chat_context`, or from nothing."""
         self.check(agent, request)
         backend = self.agents.backends[agent]
         text = request.user_message.text
@@ -243,8 +250,10 @@ class Chat:
         own_context = request.HasField("chat_context")
         if own_context:
             ctx = request.chat_context
-        else:
+        elif keep:
             ctx = await history.load_context(session, agent)
+        else:
+            ctx = chat_pb2.ChatContext()
         echo = request
         if maximal and request.ByteSize() > ECHO_BYTES:
             echo = short_echo(request)
@@ -301,8 +310,10 @@ class Chat:
             answer = "".join(parts)
             new_ctx, returned_sly = next_context(ctx, agent, text, answer), None
         feed.say(session, answer, ui_pb2.TEXT, ts=ts)
-        if not error:
+        if not error and keep:
             new_ctx = await self._keep(session, agent, ctx, new_ctx, own_context, text, answer)
+        elif not error:
+            self.context_dropped += fit_context(new_ctx, agent, self.context_bytes)
         await history.append(session, "assistant", answer, agent=agent, source=SOURCE, error=bool(error))
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if returned_sly:

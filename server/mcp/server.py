@@ -3,10 +3,11 @@
 Every served agent is a tool named and described as ConciergeService.List reports it, taking
 neuro-san's ChatRequest as its arguments (so neuro-san's own `McpServiceAgentSession` works
 unmodified): a call is one chat turn in the caller's uibus session, on the domain's `Chat`, so the
-stored context continues, the session's webviews see the reply live, and cancelling the call
-stops the backend. Three more tools put the person at the session's UIs in reach of any agent
-that speaks MCP: `ask_user` opens an extension-UI dialog and returns its answer, its dismissal or
-its timeout; `notify_user` and `set_status` are fire-and-forget.
+stored context continues (for a client that names its session with `x-uibus-session`; an unnamed
+one carries its own `chat_context`, as with every transport), the session's webviews see the reply
+live, and cancelling the call stops the backend. Three more tools put the person at the session's
+UIs in reach of any agent that speaks MCP: `ask_user` opens an extension-UI dialog and returns its
+answer, its dismissal or its timeout; `notify_user` and `set_status` are fire-and-forget.
 
 Each JSON-RPC method is a method handler like the CodeBolt gateway's frames: built here, wrapped
 once by the app's handler pipeline (token, session, limits, metrics, errors), and run by the
@@ -43,7 +44,7 @@ from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.proto_schema import standalone
-from uibus.session import session_of
+from uibus.session import names_session, session_of
 
 _MAXIMAL = agent_pb2.MAXIMAL
 _AI = chat_pb2.ChatMessage.AI
@@ -54,7 +55,8 @@ ENDED_SESSIONS = 4096  # DELETEd session ids remembered (then answered 404), old
 
 INSTRUCTIONS = (
     "uibus serves coding-agent UIs. Each agent tool is one chat turn with that agent in this uibus session "
-    "(the conversation continues across calls; pass chat_context to start over or branch). ask_user asks the "
+    "(with an x-uibus-session header the conversation continues across calls, and chat_context starts over or "
+    "branches; without one, pass back the chat_context of the last result to continue). ask_user asks the "
     "person at the session's UI and waits for the answer; notify_user and set_status show something without "
     "waiting.")
 
@@ -249,7 +251,8 @@ class McpServer:
                 run = self._user_tool(name, session, args)
             else:
                 progress = call.message.progress_token if call.streaming else None  # else nowhere to send it
-                run = self._chat(name, session, args, progress, text_metadata(context))
+                run = self._chat(name, session, args, progress, text_metadata(context),
+                                 names_session(context.invocation_metadata()))
             async with aclosing(run) as items:
                 async for item in items:
                     yield item
@@ -299,7 +302,7 @@ class McpServer:
         return [*agents, *USER_TOOLS.values()]
 
     async def _chat(self, agent: str, session: str, args: dict[str, Any], progress: str | int | None,
-                    metadata: dict[str, str]) -> AsyncIterator[Any]:
+                    metadata: dict[str, str], keep: bool) -> AsyncIterator[Any]:
         chat = self.core.chat
         if agent not in chat.names():
             raise InvalidParams(f"unknown tool {agent!r}; tools here: {', '.join(t['name'] for t in self.tools())}")
@@ -317,7 +320,7 @@ class McpServer:
         yield LIVE
         final = None
         pieces = 0
-        async with aclosing(chat.turn(session, agent, request, metadata)) as replies:
+        async with aclosing(chat.turn(session, agent, request, metadata, keep=keep)) as replies:
             async for reply in replies:
                 message = reply.response
                 if message.type == _AI and progress is not None and message.text:

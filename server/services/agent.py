@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from uibus.calls import text_metadata
 from uibus.domain.chat import Chat, UnknownAgent
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
-from uibus.session import session_of
+from uibus.session import names_session, session_of
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 CANONICAL = _SERVICE.full_name
@@ -64,7 +64,8 @@ class AgentServicer:
             session = session_of(context)
             agent = agent_of(context)
             chat.check(agent, request)  # bad input fails before the stream starts
-            turn = chat.turn(session, agent, request, text_metadata(context))
+            turn = chat.turn(session, agent, request, text_metadata(context),
+                             keep=names_session(context.invocation_metadata()))
             context.add_done_callback(lambda _ctx: self._close_if_parked(turn))
             return turn
 

@@ -41,6 +41,7 @@ from uibus.config import Config, address
 from uibus.errors import ConfigError
 from uibus.logs import Throttle
 from uibus.transports.asgi import ASGIApp
+from uibus.transports.browser import BrowserPolicy
 from uibus.transports.routes import Routes, build
 
 log = logging.getLogger("uibus.web")
@@ -164,6 +165,20 @@ def _protocol(limits: Limits) -> type[H11Protocol]:
     return Protocol
 
 
+class _RefusedUpgradeNoise(logging.Filter):
+    """Drops uvicorn's "ASGI callable returned without completing handshake." error, which it logs
+    (at ERROR) for every WebSocket upgrade answered with an HTTP response instead of an accept: its
+    sans-io protocol never marks that response as the handshake's end. uibus refuses upgrades that
+    way on purpose (a wrong path, token, Host or Origin), so the line only ever says "refused", and a
+    browser page retrying a refused socket in a loop must not fill the log with errors."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+logging.getLogger("uvicorn.error").addFilter(_RefusedUpgradeNoise())
+
+
 class _EmbeddedServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, tls_timeout: float) -> None:
         super().__init__(config)
@@ -209,7 +224,10 @@ class HttpServer:
         self._sock = sock
         # Other parts that live on the HTTP port add themselves to `routes.mounts`.
         self.routes = routes
-        app: ASGIApp = build(routes, config.cors_origins)
+        self.policy = BrowserPolicy.from_config(config)
+        frames = f"frame-ancestors {self.policy.frame_ancestors()}".encode()
+        routes.page_headers = [(b"content-security-policy", frames), (b"x-content-type-options", b"nosniff")]
+        app: ASGIApp = build(routes, self.policy)
         if config.http_tls_cert:
             tls = server_tls(config.http_tls_cert, config.http_tls_key, config.tls_client_ca, "--http-tls-cert",
                              "--http-tls-key")

@@ -1,4 +1,5 @@
-"""The HTTP port's one ASGI app: routing between the parts, wrapped in CORS.
+"""The HTTP port's one ASGI app: routing between the parts, behind the browser policy (Host, Origin,
+CORS: uibus.transports.browser), which every route and mount passes.
 
 Routing is a handful of prefix/exact checks rather than a framework router: gRPC-Web is chosen
 by content type (any `/pkg.Service/Method` path), everything else by path.
@@ -11,7 +12,7 @@ from collections.abc import Callable, Mapping
 from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
 from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, header, respond
-from uibus.transports.cors import Cors
+from uibus.transports.browser import BrowserGuard, BrowserPolicy
 from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
 from uibus.webview import login_html
@@ -34,6 +35,9 @@ class Routes:
         # With tokens configured, the page and /metrics need one too (health stays open for probes);
         # gRPC-Web, the HTTP API and the WebSocket are checked by the handler pipeline.
         self.tokens = tokens or Tokens()
+        # What the page's responses carry besides their content type: the HTTP server sets the CSP
+        # `frame-ancestors` of its browser policy here (who may frame the page that answers dialogs).
+        self.page_headers: list[tuple[bytes, bytes]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
@@ -54,10 +58,11 @@ class Routes:
             if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
                 # The browser cannot send a header when it navigates: this page asks for the token
                 # (URL fragment, or a prompt), then loads the real page with it (uibus.webview).
-                await respond(send, 401, login_html(), "text/html; charset=utf-8", _LOGIN_HEADERS)
+                await respond(send, 401, login_html(), "text/html; charset=utf-8",
+                              [*_LOGIN_HEADERS, *self.page_headers])
             else:
                 await respond(send, 200, self.page(), "text/html; charset=utf-8",
-                              [(b"cache-control", b"no-cache")])
+                              [(b"cache-control", b"no-cache"), *self.page_headers])
         elif path in ("/favicon.ico", "/favicon.svg"):
             # Public like health: a browser fetches it without the page's token. SVG under both
             # names (every current browser takes SVG at /favicon.ico too), so no binary asset.
@@ -101,5 +106,6 @@ async def _no_websocket(scope: Scope, send: Send, path: str) -> None:
         await send({"type": "websocket.close", "code": 1008})
 
 
-def build(routes: Routes, cors_origins: str) -> ASGIApp:
-    return Cors(routes, cors_origins)
+def build(routes: Routes, policy: BrowserPolicy) -> ASGIApp:
+    """The routes behind the policy: the one place every request to the HTTP port enters."""
+    return BrowserGuard(routes, policy, routes.metrics.refused)

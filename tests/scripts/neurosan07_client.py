@@ -51,6 +51,11 @@ def main() -> None:
     out["http_function"] = http.function({})
     out["http_first"], out["http_second"] = two_turns(http)
     out["async"] = asyncio.run(async_turn(host, port, agent))
+    # As `ns chat` and nsflow call a server: no uibus session, a new chat sends no chat_context. Two
+    # such clients, one after the other, must each start their own conversation.
+    for way in ("http", "mcp"):
+        out[f"unnamed_{way}"] = [chat(factory.create_session(way, agent, hostname=host, port=port), text)
+                                 for text in ("my pin is 4321", "what is my pin?")]
     out["list"] = ConciergeSessionFactory().create_session("http", hostname=host, port=port).list({})
     print(json.dumps(out))
 
