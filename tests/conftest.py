@@ -54,6 +54,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Any]:
+    """Debian's headless Chromium, driven by Python playwright (the tests' pages run in it)."""
+    require_binary(CHROMIUM)
+    try:
+        from playwright.async_api import async_playwright
+    except ImportError:
+        require("python playwright", False)
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "uibus.db"), grace_seconds=2.0)

@@ -32,7 +32,6 @@ import httpx
 import pytest
 
 from tests.conftest import REPO, free_port, running, wait_for
-from tests.test_web_browser import ARGS, CHROMIUM, STREAMS_PER_PAGE, browser  # noqa: F401 (a fixture)
 from tests.webclient import call, frame
 from uibus.app import App
 from uibus.config import Config
@@ -369,7 +368,7 @@ def _turns(app: App) -> int:
     return sum(app.metrics.chat_turns.values())
 
 
-async def test_a_page_on_another_local_port_cannot_drive_uibus(web: App, browser: Any,  # noqa: F811
+async def test_a_page_on_another_local_port_cannot_drive_uibus(web: App, browser: Any,
                                                                attacker: dict[str, Any], tmp_path: Path) -> None:
     md = (("x-uibus-session", "victim"),)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{web.port}") as channel:

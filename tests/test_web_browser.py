@@ -9,39 +9,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.conftest import require, require_binary, wait_for
+from tests.conftest import wait_for
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 
-CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
 # Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
 STREAMS_PER_PAGE = 12
 WITHIN = 1000  # ms: each published update must be on screen within a second
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Any]:
-    require_binary(CHROMIUM)
-    try:
-        from playwright.async_api import async_playwright
-    except ImportError:
-        require("python playwright", False)
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            yield b
-        finally:
-            await b.close()
 
 
 def _shots(tmp_path: Path) -> Path:

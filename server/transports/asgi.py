@@ -93,6 +93,19 @@ async def respond_json(send: Send, status: int, obj: Any, prefix: str = "") -> N
     await respond(send, status, json.dumps(obj), "application/json", prefix=prefix)
 
 
+async def refuse(scope: Scope, send: Send, status: int, body: bytes | str,
+                 content_type: str = "text/plain; charset=utf-8") -> None:
+    """Answers an HTTP request, or refuses a WebSocket upgrade, with `status` and `body`: as an HTTP
+    response to the upgrade where the server can send one (uvicorn can), else with a close before
+    accept, which clients see as HTTP 403."""
+    if scope["type"] != "websocket":
+        await respond(send, status, body, content_type)
+    elif "websocket.http.response" in scope.get("extensions", {}):
+        await respond(send, status, body, content_type, prefix="websocket.")
+    else:
+        await send({"type": "websocket.close", "code": 1008})  # policy violation
+
+
 async def until_disconnect(work: Awaitable[None], receive: Receive) -> bool:
     """Runs `work` until it ends or the client goes away (then cancels it); True if abandoned.
 

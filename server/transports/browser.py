@@ -29,6 +29,7 @@ a refused request gets one JSON error naming the flag to change, and nothing els
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from urllib.parse import urlsplit
 from uibus.config import Config, is_loopback
 from uibus.errors import ConfigError
 from uibus.logs import Throttle
-from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header, respond_json
+from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header, refuse, respond
 
 log = logging.getLogger("uibus.web")
 
@@ -251,8 +252,7 @@ class BrowserGuard:
                      (b"access-control-max-age", MAX_AGE.encode())]
             if header(scope, b"access-control-request-private-network"):  # Chrome's Private Network Access
                 extra.append((b"access-control-allow-private-network", b"true"))
-            await send({"type": "http.response.start", "status": 204, "headers": [*echo, *extra]})
-            await send({"type": "http.response.body", "body": b""})
+            await respond(send, 204, b"", headers=[*echo, *extra])
             return
         added = [*echo, (b"access-control-expose-headers", EXPOSE_HEADERS.encode())]
 
@@ -271,8 +271,4 @@ class BrowserGuard:
             if skipped:
                 fields["not_logged_before"] = skipped
             log.warning("browser request refused", extra={"fields": fields})
-        if scope["type"] == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
-            await send({"type": "websocket.close", "code": 1008})  # seen as 403 by the client
-            return
-        await respond_json(send, status, {"error": why, "code": "PERMISSION_DENIED"},
-                           prefix="websocket." if scope["type"] == "websocket" else "")
+        await refuse(scope, send, status, json.dumps({"error": why, "code": "PERMISSION_DENIED"}), "application/json")

@@ -10,6 +10,7 @@ shutting down) is an HTTP error with a JSON body `{"error", "code"}`, as on the 
 
 from __future__ import annotations
 
+import json
 from urllib.parse import parse_qs
 
 import grpc
@@ -17,7 +18,7 @@ import grpc
 from uibus.codebolt import protocol
 from uibus.codebolt.gateway import Gateway
 from uibus.session import SESSION_KEY
-from uibus.transports.asgi import Receive, Scope, Send, http_status, respond, respond_json
+from uibus.transports.asgi import Receive, Scope, Send, error_body, http_status, refuse, respond
 from uibus.transports.grpcweb import metadata_of, peer_of
 
 PATH = "/agent-to-app"
@@ -43,11 +44,7 @@ def _metadata(scope: Scope) -> tuple[tuple[str, str | bytes], ...]:
 
 async def _deny(scope: Scope, send: Send, code: grpc.StatusCode, details: str) -> None:
     """Refuses the upgrade with an HTTP status and a JSON body where the server can send one."""
-    if "websocket.http.response" in scope.get("extensions", {}):
-        await respond_json(send, http_status(code), {"error": details or code.name, "code": code.name},
-                           prefix="websocket.")
-    else:
-        await send({"type": "websocket.close", "code": _POLICY_VIOLATION})  # before accept: HTTP 403
+    await refuse(scope, send, http_status(code), json.dumps(error_body(code, details)), "application/json")
 
 
 class AgentToApp:

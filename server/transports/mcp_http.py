@@ -43,6 +43,7 @@ from uibus.transports.asgi import (
     header,
     http_status,
     read_body,
+    refuse,
     respond,
     until_disconnect,
 )
@@ -70,11 +71,7 @@ class McpHttp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            if "websocket.http.response" in scope.get("extensions", {}):
-                await respond(send, 404, f"{PATH} is not a WebSocket endpoint (POST JSON-RPC to it)\n",
-                              prefix="websocket.")
-            else:
-                await send({"type": "websocket.close", "code": 1008})
+            await refuse(scope, send, 404, f"{PATH} is not a WebSocket endpoint (POST JSON-RPC to it)\n")
             return
         if scope["path"] != PATH:
             await respond(send, 404, f"not found: {scope['path']} (the MCP endpoint is {PATH})\n")

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
-from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, header, respond
+from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, header, refuse, respond
 from uibus.transports.browser import BrowserGuard, BrowserPolicy
 from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
@@ -46,7 +46,7 @@ class Routes:
                 await mounted(scope, receive, send)
                 return
         if scope["type"] != "http":
-            await _no_websocket(scope, send, path)
+            await refuse(scope, send, 404, f"no WebSocket endpoint at {path}\n")
             return
         if is_grpc_web(header(scope, b"content-type")):
             await self.grpc_web(scope, receive, send)
@@ -95,15 +95,6 @@ FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'
                '<path d="M8 9h16a2 2 0 0 1 2 2v8a2 2 0 0 1-2 2h-9l-5 4v-4H8a2 2 0 0 1-2-2v-8a2 2 0 0 1 2-2z" '
                'fill="#fff"/></svg>\n')
 _LOGIN_HEADERS = [CHALLENGE, (b"cache-control", b"no-store")]
-
-
-async def _no_websocket(scope: Scope, send: Send, path: str) -> None:
-    """Refuses a WebSocket upgrade on a path that has none: 404 where the server can send an HTTP
-    response to an upgrade (uvicorn can), else a close before accept (which clients see as 403)."""
-    if "websocket.http.response" in scope.get("extensions", {}):
-        await respond(send, 404, f"no WebSocket endpoint at {path}\n", prefix="websocket.")
-    else:
-        await send({"type": "websocket.close", "code": 1008})
 
 
 def build(routes: Routes, policy: BrowserPolicy) -> ASGIApp:
