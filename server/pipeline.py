@@ -46,6 +46,7 @@ from uibus.calls import CallContext, Rejected, decode
 from uibus.errors import PermissionDenied, UibusError, Unauthenticated
 from uibus.logs import Throttle
 from uibus.metrics import Metrics
+from uibus.proto_check import json_checker
 from uibus.session import session_from_metadata
 
 log = logging.getLogger("uibus.calls")
@@ -94,13 +95,24 @@ def rebuild(handler: grpc.RpcMethodHandler, behavior: Behavior,
 
 def tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
     """A deserializer that never raises: undecodable bytes become a `Rejected` request (grpc.aio
-    would otherwise answer UNKNOWN and log a traceback for every such call)."""
+    would otherwise answer UNKNOWN and log a traceback for every such call). A message that
+    decodes but holds what JSON cannot carry (a Struct number that is NaN or infinite: valid
+    protobuf, poison for the store and every JSON client) is `Rejected` here too, so no handler
+    meets it (uibus.proto_check; only for message types that can hold a Struct)."""
     if deserializer is None:
         return None
+    check = json_checker(getattr(deserializer, "__self__", None))
 
     def deserialize(data: bytes) -> Any:
         return decode(deserializer, data, "request message")
-    return deserialize
+
+    if check is None:
+        return deserialize
+
+    def deserialize_checked(data: bytes) -> Any:
+        request = decode(deserializer, data, "request message")
+        return request if request.__class__ is Rejected else decode(check, request, "request message")
+    return deserialize_checked
 
 
 def code_name(context: Any) -> str:
@@ -225,10 +237,10 @@ class Pipeline:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
             if needs_auth:
                 authorize(access, context.invocation_metadata())
+            if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
+                raise rejected(label, request)
             if request_streaming:
                 return _checked_requests(request, label, rejected)
-            if request.__class__ is Rejected:
-                raise rejected(label, request)
             return request
 
         def done(context: Any, code: str, started: float) -> None:

@@ -111,13 +111,13 @@ _WELL_KNOWN: dict[str, Callable[[], dict[str, Any]]] = {
 
 
 def _enum(enum: EnumDescriptor) -> dict[str, Any]:
-    """An enum by its value names, or by number: MessageToDict writes a number the enum does not
-    define (an open enum keeps it), and ParseDict takes numbers."""
+    """An enum by its value names, or by the numbers it defines: ParseDict takes any number for an
+    open enum, but uibus refuses a request holding one it does not define
+    (uibus.proto_check.undefined_enum), so the schema says what is accepted."""
     if enum.full_name == "google.protobuf.NullValue":
         return {"enum": [None, "NULL_VALUE", 0]}  # written as JSON null
     names = [v.name for v in enum.values]
-    numbers: dict[str, Any] = ({"type": "integer", "enum": sorted({v.number for v in enum.values})}
-                               if enum.is_closed else {"type": "integer", **_INT32})
+    numbers = {"type": "integer", "enum": sorted({v.number for v in enum.values})}
     return {"title": enum.name, "anyOf": [{"type": "string", "enum": names}, numbers]}
 
 
@@ -134,8 +134,12 @@ class SchemaBook:
     `"#/$defs/"` for a standalone JSON Schema, `"#/components/schemas/"` for OpenAPI.
     """
 
-    def __init__(self, ref_prefix: str) -> None:
+    def __init__(self, ref_prefix: str, nullable: bool = False) -> None:
+        """`nullable`: every field may also be JSON null, which ParseDict takes as the field being
+        absent (proto3 JSON's rule): for a document that must say exactly what is accepted (the
+        HTTP API's, which fuzzers hold to it); left out where it is only noise (MCP tool schemas)."""
         self.prefix = ref_prefix
+        self.nullable = nullable
         self.defs: dict[str, dict[str, Any]] = {}
         self._names: dict[str, str] = {}  # full name → definition name
         self._referenced: set[str] = set()  # definition names some definition refers to
@@ -168,6 +172,8 @@ class SchemaBook:
 
     def _message(self, descriptor: Descriptor) -> dict[str, Any]:
         properties = {f.name: self._field(f) for f in descriptor.fields}
+        if self.nullable:
+            properties = {name: {"anyOf": [prop, {"type": "null"}]} for name, prop in properties.items()}
         schema: dict[str, Any] = {"type": "object", "properties": properties, "additionalProperties": False}
         required = [f.name for f in descriptor.fields if f.is_required]  # proto2 `required`
         if required:

@@ -160,6 +160,19 @@ async def web_connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
         yield open_
 
 
+def run_reporter(pytestconfig: pytest.Config, tag: str) -> Callable[[str], None]:
+    """A writer of lines into the test run's own output, as `[tag] line` (CI's log shows them;
+    stdout is captured): for figures a test measures (the container's build, the fuzz suite's cases)."""
+    terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+
+    def write(line: str) -> None:
+        if terminal is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                terminal.write_line(f"\n[{tag}] {line}")
+    return write
+
+
 async def wait_for(predicate: Callable[[], bool], timeout: float = 2.0, what: str = "condition") -> float:
     """Polls `predicate` until true; returns the seconds it took, fails after `timeout`."""
     start = time.monotonic()

@@ -23,7 +23,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from websockets.asyncio.client import connect as ws_connect
 
-from tests.conftest import REPO, free_port, next_message, require_binary
+from tests.conftest import REPO, free_port, next_message, require_binary, run_reporter
 from tests.dockerenv import IMAGE, Docker
 from tests.webclient import call
 from uibus.clients.connection import Connection
@@ -34,15 +34,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 @pytest.fixture(scope="module")
 def report(pytestconfig: pytest.Config) -> Callable[[str], None]:
-    """Writes a line into the test run's own output (CI's log shows it; stdout is captured)."""
-    terminal = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
-
-    def write(line: str) -> None:
-        if terminal is not None and capture is not None:
-            with capture.global_and_fixture_disabled():
-                terminal.write_line(f"\n[container] {line}")
-    return write
+    return run_reporter(pytestconfig, "container")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,8 @@ from uibus.codebolt import protocol
 from uibus.codebolt.protocol import Request
 from uibus.domain.core import Core
 from uibus.domain.history import MAX_HISTORY
-from uibus.errors import InvalidArgument, UibusError, Unavailable
+from uibus.errors import InvalidArgument, ResourceExhausted, UibusError, Unavailable
+from uibus.json_input import dump_json
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
 
@@ -35,6 +36,10 @@ SOURCE = "codebolt"
 MAX_TEXT = 64 * 1024
 MAX_KEY = 256
 MAX_KEYS = 1000  # entries per state/memory namespace and session
+# Bytes per namespace and session (keys and values as JSON): what getApplicationState sends back,
+# both state namespaces three times over (codeboltjs reads `data`, the fields and `state`), stays
+# under the 1 MiB frame limit; and one session cannot make the server hold or copy much.
+MAX_STATE_BYTES = 128 * 1024
 DEFAULT_BUTTONS = ("Yes", "No")
 HISTORY_DEFAULT = 1000
 STATUS_KEY = "codebolt"
@@ -216,11 +221,22 @@ async def _put(ctx: Context, prefix: str, fields: dict[str, Any]) -> str:
         raise BadRequest("`value` is required (any JSON value; null deletes the key)")
     value = fields["value"]
     store = ctx.core.store
-    if value is not None and await store.get(ctx.session, prefix + key) is None:
-        if len(await store.scan(ctx.session, prefix)) >= MAX_KEYS:
+    if value is not None:
+        kept = await store.scan(ctx.session, prefix)
+        if prefix + key not in kept and len(kept) >= MAX_KEYS:
             raise BadRequest(f"this session already keeps {MAX_KEYS} keys under {prefix!r}; delete one first")
+        size = _size(key, value) + sum(_size(k[len(prefix):], v) for k, v in kept.items()
+                                         if k != prefix + key)
+        if size > MAX_STATE_BYTES:
+            raise ResourceExhausted(f"{prefix!r} of this session would hold {size} bytes of JSON, over the limit "
+                                    f"of {MAX_STATE_BYTES}: store less, or delete keys (value null)")
     await store.put(ctx.session, prefix + key, value)
     return key
+
+
+def _size(key: str, value: Any) -> int:
+    """What an entry costs in a reply: its key and its value as JSON, in UTF-8 bytes."""
+    return len(key.encode()) + len(dump_json(value).encode())
 
 
 async def _all(ctx: Context, prefix: str) -> dict[str, Any]:

@@ -268,16 +268,36 @@ class AgentConnection:
             rid, reply_type, shape = req.request_id, req.reply_type, req.reply_fields()
         else:  # an envelope error still names the requestId when it could be read
             rid, reply_type, shape = getattr(getattr(request, "error", None), "request_id", ""), "error", {}
+        text = None
         if code == grpc.StatusCode.OK and reply is not None:
             if reply.success and req is not None and not req.wants_reply:
                 return
-            text = protocol.response(rid, reply.success, reply.data, reply.error, reply.reply_type or reply_type,
-                                     **{**shape, **reply.extra})
-        else:
+            text, code, details = self._bounded(lambda: protocol.response(
+                rid, reply.success, reply.data, reply.error, reply.reply_type or reply_type,
+                **{**shape, **reply.extra}), req)
+        if text is None:
             error = f"{req.name}: {details}" if req is not None and not details.startswith(req.name) else details
             text = protocol.response(rid, False, error=error, reply_type=reply_type, code=code.name, **shape)
         with contextlib.suppress(Exception):  # the socket may be gone; nothing else to tell
             await self.send(text)
+
+    def _bounded(self, build: Callable[[], str], req: Request | None) -> tuple[str | None, grpc.StatusCode, str]:
+        """The reply text, or (None, status, why) when it cannot go out: replies are bounded like
+        requests (an agent's socket library has a frame limit too, and one reply must not cost the
+        server a copy of everything stored), and are always JSON that UTF-8 can carry."""
+        limit = self.gateway.max_message_bytes
+        try:
+            text = build()
+            size = len(text) if text.isascii() else len(text.encode())
+        except ValueError as exc:  # nothing poisonous gets in (uibus.json_input): a bug if it happens
+            log.error("codebolt reply not encodable", extra={"fields": {"action": req.name if req else "",
+                                                                        "error": str(exc)[:200]}})
+            return None, grpc.StatusCode.INTERNAL, "the reply could not be written as JSON; see the server log"
+        if size > limit:
+            return None, grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"the reply would be {size} bytes, over the frame limit of {limit}: read fewer entries "
+                "(getChatHistory `limit`) or keep less state")
+        return text, grpc.StatusCode.OK, ""
 
     async def close(self) -> None:
         """The socket is gone: cancel every wait and forget the connection, before returning."""

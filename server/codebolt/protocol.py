@@ -20,13 +20,12 @@ Nothing here does I/O: it is the schema, kept apart from what the actions do.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from uibus.errors import InvalidArgument
-from uibus.json_input import load_json
+from uibus.json_input import dump_json, load_json
 
 # Every event family of the AsyncAPI document and its actions (the schema's enums).
 ASYNCAPI: dict[str, tuple[str, ...]] = {
@@ -313,7 +312,7 @@ def push_user_message(text: str, ts: int) -> str:
 
 
 def _dumps(obj: dict[str, Any]) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return dump_json(obj)  # RFC 8259 only: codeboltjs reads every frame with JSON.parse
 
 
 def response(request_id: str, success: bool, data: Any = None, error: str = "", reply_type: str = "",

@@ -37,6 +37,7 @@ from uibus.domain.history import ChatHistory
 from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
+from uibus.proto_check import undefined_enum
 
 log = logging.getLogger("uibus.chat")
 
@@ -51,7 +52,6 @@ _ROLES = {chat_pb2.ChatMessage.HUMAN: "user", chat_pb2.ChatMessage.AI: "assistan
           chat_pb2.ChatMessage.SYSTEM: "system"}
 _FILTERS = ", ".join(f"{n} ({v})" for n, v in agent_pb2.ChatFilterType.items())
 _FILTER_VALUES = frozenset(agent_pb2.ChatFilterType.values())
-_MESSAGE_TYPES = frozenset(chat_pb2.ChatMessage.ChatMessageType.values())
 SOURCE = "neuro-san"
 # Metadata a backend may forward upstream (neuro-san clients send these).
 _FORWARD = ("user_id", "request_id")
@@ -62,13 +62,15 @@ class UnknownAgent(Unimplemented):
 
 
 def check_request(request: agent_pb2.ChatRequest) -> None:
-    """InvalidArgument when an enum carries a value the proto does not define."""
+    """InvalidArgument when an enum anywhere in the request (the filter, the message, a chat
+    context's histories) carries a value the proto does not define: the HTTP API's and the MCP
+    tools' schemas list the defined ones, and every transport takes the same requests."""
     value = request.chat_filter.chat_filter_type
     if value not in _FILTER_VALUES:
         raise InvalidArgument(f"chat_filter.chat_filter_type={value} is not one of {_FILTERS}")
-    value = request.user_message.type
-    if value not in _MESSAGE_TYPES:
-        raise InvalidArgument(f"user_message.type={value} is not a ChatMessageType")
+    why = undefined_enum(request)
+    if why is not None:
+        raise InvalidArgument(why)
 
 
 def agent_history(ctx: chat_pb2.ChatContext, agent: str) -> chat_pb2.ChatHistory | None:

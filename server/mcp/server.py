@@ -39,10 +39,12 @@ from google.protobuf import json_format
 from uibus.bus import LIVE
 from uibus.calls import text_metadata
 from uibus.domain.core import Core
+from uibus.domain.dialog_checks import MAX_TIMEOUT_MS
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
+from uibus.proto_check import enum_spellings
 from uibus.proto_schema import standalone
 from uibus.session import names_session, session_of
 
@@ -79,8 +81,9 @@ USER_TOOLS: dict[str, dict[str, Any]] = {
                 "message": {"type": "string", "description": "confirm: the text under the title"},
                 "placeholder": {"type": "string", "description": "input: the hint in the empty field"},
                 "prefill": {"type": "string", "description": "editor: the text to start from"},
-                "timeout_seconds": {"type": "number", "exclusiveMinimum": 0,
-                                    "description": "Give up after this long (default: wait for the answer)"},
+                "timeout_seconds": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_TIMEOUT_MS // 1000,
+                                    "description": "Give up after this long (default: wait for the answer; "
+                                                   "at most a day)"},
             },
             "required": ["title"],
             "additionalProperties": False,
@@ -210,6 +213,8 @@ class McpServer:
                 del self.inflight[key]
 
     def _cancel(self, session_id: str | None, ident: Any) -> bool:
+        if isinstance(ident, bool) or not isinstance(ident, str | int):  # no request has such an id
+            return False
         task = self.inflight.get((session_id or "", ident)) if session_id else None
         if task is None or task.done():
             return False
@@ -311,6 +316,7 @@ class McpServer:
                                 '{"type": "HUMAN", "text": "hello"}')
         request = agent_pb2.ChatRequest()
         try:
+            enum_spellings(args, request.DESCRIPTOR, f"arguments of {agent}")
             json_format.ParseDict(args, request)
         except json_format.ParseError as exc:
             raise InvalidParams(f"arguments of {agent} are not a neuro-san ChatRequest: {exc}") from None
@@ -389,9 +395,10 @@ def _dialog(args: dict[str, Any]) -> ext.SelectRequest | ext.ConfirmRequest | ex
         raise InvalidParams("ask_user: arguments.options must be a list of strings")
     kind = _string(args, "kind", tool) or ("select" if options else "input")
     timeout = args.get("timeout_seconds")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
-                                or timeout != timeout):
-        raise InvalidParams("ask_user: arguments.timeout_seconds must be a positive number of seconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not 0 < timeout <= MAX_TIMEOUT_MS / 1000):
+        raise InvalidParams(f"ask_user: arguments.timeout_seconds must be a positive number of seconds, at most "
+                            f"{MAX_TIMEOUT_MS // 1000} (a day)")
     extra = {"timeout_ms": max(1, round(timeout * 1000))} if timeout is not None else {}
     misplaced = {"options": "select", "message": "confirm", "placeholder": "input", "prefill": "editor"}
     for key, owner in misplaced.items():

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import grpc
 
 from uibus.errors import ResourceExhausted
+from uibus.json_input import dump_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -89,8 +89,14 @@ async def respond(send: Send, status: int, body: bytes | str, content_type: str 
     await send({"type": prefix + "http.response.body", "body": data})
 
 
-async def respond_json(send: Send, status: int, obj: Any, prefix: str = "") -> None:
-    await respond(send, status, json.dumps(obj), "application/json", prefix=prefix)
+async def respond_json(send: Send, status: int, obj: Any, prefix: str = "", headers: Headers | None = None) -> None:
+    await respond(send, status, dump_json(obj), "application/json", headers, prefix=prefix)
+
+
+async def wrong_method(send: Send, method: str, path: str, allowed: str) -> None:
+    """405 with `Allow` (RFC 9110 requires it) and the JSON error every API answer is."""
+    await respond_json(send, 405, {"error": f"{method[:16]} {path[:200]}: use {allowed}",
+                                   "code": "UNIMPLEMENTED"}, headers=[(b"allow", allowed.encode())])
 
 
 async def refuse(scope: Scope, send: Send, status: int, body: bytes | str,

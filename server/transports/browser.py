@@ -29,7 +29,6 @@ a refused request gets one JSON error naming the flag to change, and nothing els
 from __future__ import annotations
 
 import ipaddress
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from urllib.parse import urlsplit
 
 from uibus.config import Config, is_loopback
 from uibus.errors import ConfigError
+from uibus.json_input import dump_json
 from uibus.logs import Throttle
 from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header, refuse, respond
 
@@ -271,4 +271,4 @@ class BrowserGuard:
             if skipped:
                 fields["not_logged_before"] = skipped
             log.warning("browser request refused", extra={"fields": fields})
-        await refuse(scope, send, status, json.dumps({"error": why, "code": "PERMISSION_DENIED"}), "application/json")
+        await refuse(scope, send, status, dump_json({"error": why, "code": "PERMISSION_DENIED"}), "application/json")

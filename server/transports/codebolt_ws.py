@@ -10,13 +10,13 @@ shutting down) is an HTTP error with a JSON body `{"error", "code"}`, as on the 
 
 from __future__ import annotations
 
-import json
 from urllib.parse import parse_qs
 
 import grpc
 
 from uibus.codebolt import protocol
 from uibus.codebolt.gateway import Gateway
+from uibus.json_input import dump_json
 from uibus.session import SESSION_KEY
 from uibus.transports.asgi import Receive, Scope, Send, error_body, http_status, refuse, respond
 from uibus.transports.grpcweb import metadata_of, peer_of
@@ -44,7 +44,7 @@ def _metadata(scope: Scope) -> tuple[tuple[str, str | bytes], ...]:
 
 async def _deny(scope: Scope, send: Send, code: grpc.StatusCode, details: str) -> None:
     """Refuses the upgrade with an HTTP status and a JSON body where the server can send one."""
-    await refuse(scope, send, http_status(code), json.dumps(error_body(code, details)), "application/json")
+    await refuse(scope, send, http_status(code), dump_json(error_body(code, details)), "application/json")
 
 
 class AgentToApp:

@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any
 
 import grpc
 
 from uibus.calls import CallContext, Rejected, responses, unary
 from uibus.errors import UibusError
-from uibus.json_input import load_json
+from uibus.json_input import PoisonedJson, check_json, dump_json_bytes, load_json
 from uibus.mcp import protocol
-from uibus.mcp.protocol import Message, ProtocolError
+from uibus.mcp.protocol import InvalidParams, Message, ProtocolError
 from uibus.mcp.server import Call, McpServer, Reply
 from uibus.transports.asgi import (
     CHALLENGE,
@@ -55,8 +54,8 @@ _AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION
 
 
 def _json(obj: Any) -> bytes:
-    # One line: neuro-san's client reads the answer as JSON lines.
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    # One line (neuro-san's client reads the answer as JSON lines), RFC 8259 only.
+    return dump_json_bytes(obj)
 
 
 def _sse(obj: Any) -> bytes:
@@ -89,28 +88,44 @@ class McpHttp:
 
     # ---- POST: one JSON-RPC message ------------------------------------------------------------
 
-    def _read(self, scope: Scope, body: bytes) -> Message | Rejected:
+    def _read(self, scope: Scope, body: bytes) -> tuple[Message | Rejected, Any]:
+        """The message, or why there is none; and the id to answer with (None when unknown)."""
         content_type = header(scope, b"content-type").split(";")[0].strip().lower()
         if content_type != "application/json":
             # Also what keeps a web page from posting here without a CORS preflight.
             return Rejected(ProtocolError(f"POST {PATH} takes Content-Type: application/json (a JSON-RPC message), "
-                                          f"not {content_type or 'none'}"))
+                                          f"not {content_type or 'none'}")), None
         try:
             value = load_json(body, "the body")
+        except PoisonedJson as exc:
+            return self._poisoned(exc)
         except UibusError as exc:
-            return Rejected(protocol.ParseError(str(exc)))
+            return Rejected(protocol.ParseError(str(exc))), None
         try:
             message = protocol.parse_message(value)
         except ProtocolError as exc:
-            return Rejected(exc)
+            return Rejected(exc), None
         version = header(scope, b"mcp-protocol-version").strip()
         # Checked for the methods served here only: an unknown method is "method not found" in any
         # version, which is what a client probing for a newer protocol era (server/discover) needs.
         if (version and version not in protocol.VERSIONS and message.method != "initialize"
                 and self.server.serves(message)):
             return Rejected(ProtocolError(f"MCP-Protocol-Version {version[:40]!r} is not supported; uibus speaks "
-                                          f"{', '.join(protocol.VERSIONS)}"))
-        return message
+                                          f"{', '.join(protocol.VERSIONS)}")), None
+        return message, message.id
+
+    @staticmethod
+    def _poisoned(exc: PoisonedJson) -> tuple[Rejected, Any]:
+        """JSON that parsed but cannot be kept (uibus.json_input): inside `params` it is the
+        request's invalid params (-32602, answered with its id, which is sound); anywhere else the
+        message itself is invalid (-32600; an id that is the poison cannot be echoed)."""
+        if exc.path[:1] == ("params",) and isinstance(exc.value, dict):
+            with contextlib.suppress(UibusError):  # the id is poisoned too, or the message is none
+                message = protocol.parse_message(exc.value)
+                check_json(message.id, "id")
+                if message.is_request:
+                    return Rejected(InvalidParams(str(exc))), message.id
+        return Rejected(ProtocolError(str(exc))), None
 
     async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -119,11 +134,11 @@ class McpHttp:
             return
         except BodyTooLarge as exc:
             request: Message | Rejected = Rejected(exc)
+            ident: Any = None
         else:
-            request = self._read(scope, body)
+            request, ident = self._read(scope, body)
         session_id = header(scope, b"mcp-session-id").strip() or None
         message = request if isinstance(request, Message) else None
-        ident = message.id if message is not None else None
         starting = message is not None and message.method == "initialize"
         if session_id is not None and self.server.ended(session_id) and not starting:
             await respond(send, 404, _json(protocol.error(ident, "NOT_FOUND", f"MCP session {session_id[:64]} has "

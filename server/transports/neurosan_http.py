@@ -16,7 +16,6 @@ without a token like /healthz: it is the same for everyone and reveals only mess
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from typing import Any
 
@@ -25,8 +24,9 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
 from uibus.calls import CallContext, Rejected, decode, responses
-from uibus.json_input import load_json
+from uibus.json_input import dump_json_bytes, load_json
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
+from uibus.proto_check import enum_spellings
 from uibus.transports.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -39,6 +39,7 @@ from uibus.transports.asgi import (
     respond,
     respond_json,
     until_disconnect,
+    wrong_method,
 )
 from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.transports.openapi import document_json
@@ -63,7 +64,9 @@ def _parse(request_type: type[ProtoMessage], body: bytes) -> ProtoMessage:
     400 that says so rather than whatever the recursion limit breaks on the way."""
     request = request_type()
     if body.strip():
-        data = load_json(body, f"the body (a {request_type.__name__} in proto3 JSON)")
+        what = f"the body (a {request_type.__name__} in proto3 JSON)"
+        data = load_json(body, what)
+        enum_spellings(data, request_type.DESCRIPTOR, what)
         json_format.ParseDict(data, request)
     return request
 
@@ -77,14 +80,14 @@ class NeuroSanHttp:
         parts = scope["path"][len(PREFIX):].split("/")
         method = scope["method"]
         if parts == ["docs"]:  # before the handlers and their token check: the document is public
-            if method != "GET":
-                await respond_json(send, 405, {"error": "use GET /api/v1/docs"})
+            if method not in ("GET", "HEAD"):
+                await wrong_method(send, method, scope["path"], "GET, HEAD")
             else:
                 await respond(send, 200, document_json(), "application/json")
             return
         if parts == ["list"]:
             if method != "GET":
-                await respond_json(send, 405, {"error": "use GET /api/v1/list"})
+                await wrong_method(send, method, scope["path"], "GET")
                 return
             rpc_path, request_type = CONCIERGE_LIST, concierge_pb2.ConciergeRequest
         elif len(parts) == 2 and parts[1] in _AGENT_ROUTES:
@@ -94,7 +97,7 @@ class NeuroSanHttp:
                 await respond_json(send, 400, {"error": f"agent name {agent[:40]!r} is invalid"})
                 return
             if method != verb:
-                await respond_json(send, 405, {"error": f"use {verb} {scope['path']}"})
+                await wrong_method(send, method, scope["path"], verb)
                 return
             rpc_path = f"/{agent}.AgentService/{rpc}"
         else:
@@ -165,5 +168,5 @@ class NeuroSanHttp:
             else:
                 await respond_json(send, http_status(code), error_body(code, details))
             return
-        tail = b"" if code == grpc.StatusCode.OK else json.dumps(error_body(code, details)).encode() + b"\n"
+        tail = b"" if code == grpc.StatusCode.OK else dump_json_bytes(error_body(code, details)) + b"\n"
         await send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -79,7 +79,7 @@ def _operation(op_id: str, tag: str, summary: str, description: str, ok: dict[st
 
 def document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1.0 document; `version` is uibus's (the API is neuro-san's)."""
-    book = SchemaBook(_SCHEMAS)
+    book = SchemaBook(_SCHEMAS, nullable=True)  # null is an absent field in proto3 JSON: accepted, so said
     agent = {"name": "agent_name", "in": "path", "required": True, "description": "The agent, as `list` names it.",
              "schema": {"type": "string", "pattern": AGENT_NAME_PATTERN}}
     session = {"$ref": "#/components/parameters/Session"}
@@ -87,6 +87,8 @@ def document(version: str) -> dict[str, Any]:
                   "description": f"neuro-san's `{name}` metadata, passed on to an upstream neuro-san agent."}
                  for name in ("user_id", "request_id")]
 
+    # The agent descriptions and the list touch no session (uibus.pipeline.SESSIONLESS_SUFFIXES):
+    # they take no session header, and ignore one.
     def unary(schema: dict[str, Any], what: str) -> dict[str, Any]:
         return {"description": what, "content": _json(schema)}
 
@@ -94,31 +96,32 @@ def document(version: str) -> dict[str, Any]:
         "/api/v1/list": {"get": _operation(
             "ConciergeService_List", "ConciergeService", "List",
             "The agents this server offers.",
-            unary(book.ref(concierge_pb2.ConciergeResponse.DESCRIPTOR), "The agents."), [session])},
+            unary(book.ref(concierge_pb2.ConciergeResponse.DESCRIPTOR), "The agents."), [])},
         "/api/v1/{agent_name}/function": {"get": _operation(
             "AgentService_Function", "AgentService", "Function",
             "What the agent does, and the parameters and sly_data it takes.",
-            unary(book.ref(agent_pb2.FunctionResponse.DESCRIPTOR), "The agent's function."), [agent, session])},
+            unary(book.ref(agent_pb2.FunctionResponse.DESCRIPTOR), "The agent's function."), [agent])},
         "/api/v1/{agent_name}/connectivity": {"get": _operation(
             "AgentService_Connectivity", "AgentService", "Connectivity",
             "The agent network's internal connectivity, as far as the agent wants to tell.",
             unary(book.ref(agent_pb2.ConnectivityResponse.DESCRIPTOR), "The agent's connectivity."),
-            [agent, session])},
+            [agent])},
         "/api/v1/{agent_name}/streaming_chat": {"post": _operation(
             "AgentService_StreamingChat", "AgentService", "StreamingChat",
             "One chat turn. The answer is the last AGENT_FRAMEWORK message; its `chat_context` continues "
             "the conversation when sent back in the next request. Without a `chat_context`, uibus "
-            "continues the session's stored conversation with the agent.",
+            "continues the session's stored conversation with the agent. Without a user message (or "
+            "its text), the answer is one empty ChatResponse and nothing else happens (neuro-san's "
+            "contract), so an empty body is a request too.",
             {"description": "One ChatResponse in proto3 JSON per line, each sent as the agent produces it: "
                             "MINIMAL (the default) streams only the final answer, MAXIMAL every message. A "
                             "failure after the first line is reported by a last line that is an `Error` "
                             "object instead.",
              "content": _json(book.ref(agent_pb2.ChatResponse.DESCRIPTOR), "application/json-lines")},
             [agent, session, *forwarded],
-            # Proto3 has no required fields, but a turn without a user message does nothing.
-            requestBody={"required": True, "description": "The ChatRequest in proto3 JSON (proto field names).",
-                         "content": _json({**book.ref(agent_pb2.ChatRequest.DESCRIPTOR),
-                                           "required": ["user_message"]})})},
+            # What is accepted: proto3 has no required fields, and an empty body is an empty request.
+            requestBody={"required": False, "description": "The ChatRequest in proto3 JSON (proto field names).",
+                         "content": _json(book.ref(agent_pb2.ChatRequest.DESCRIPTOR))})},
         DOCS_PATH: {"get": {
             "tags": ["Docs"], "operationId": "OpenApiDocument", "summary": "This document",
             "description": "The OpenAPI description of this API; open without a token.", "security": [],

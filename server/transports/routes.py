@@ -53,7 +53,11 @@ class Routes:
         elif path.startswith(PREFIX):
             await self.api(scope, receive, send)
         elif scope["method"] not in ("GET", "HEAD"):
-            await respond(send, 405 if path in _GET_PATHS else 404, f"no {scope['method']} route for {path}\n")
+            if path in _GET_PATHS:  # RFC 9110: a 405 says what the path takes
+                await respond(send, 405, f"no {scope['method']} route for {path}: use GET\n",
+                              headers=[(b"allow", b"GET, HEAD")])
+            else:
+                await respond(send, 404, f"no {scope['method']} route for {path}\n")
         elif path == "/":
             if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
                 # The browser cannot send a header when it navigates: this page asks for the token
