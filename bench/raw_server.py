@@ -154,8 +154,15 @@ def main() -> None:
                    help="subscription handlers swallow CancelledError (to check the memory scenario)")
     p.add_argument("--extra-methods", type=int, default=0, help="register this many unused methods")
     p.add_argument("--generic-only", action="store_true", help="serve every method through generic handlers")
+    p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     ns = p.parse_args()
-    asyncio.run(serve(ns.port, ns.chat_chunks, ns.swallow_cancel, ns.extra_methods, ns.generic_only))
+    factory = None
+    if ns.uvloop:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(serve(ns.port, ns.chat_chunks, ns.swallow_cancel, ns.extra_methods, ns.generic_only))
 
 
 if __name__ == "__main__":

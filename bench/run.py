@@ -41,7 +41,12 @@ SERVERS = ("raw", "uibus", "grpcjs")  # the default set
 # uibus with Redis (store and bus): one replica, two replicas (publisher on one, subscribers on the
 # other), `uibus serve --workers 2`. Only with --servers; each gets its own redis-server.
 REDIS_KINDS = ("redis", "redis2", "workers2")
-KINDS = (*SERVERS, *REDIS_KINDS)
+# The two servers on the other event loop: uibus on asyncio's own (`--loop asyncio`; its default is
+# uvloop), raw on uvloop (raw_server.py --uvloop). Only with --servers.
+LOOP_KINDS = ("uibus-asyncio", "raw-uvloop")
+KINDS = (*SERVERS, *REDIS_KINDS, *LOOP_KINDS)
+# Each variant's figures as a ratio to its own twin on asyncio's loop (a column `variant/twin`).
+TWIN = {**{kind: "uibus" for kind in REDIS_KINDS}, "uibus-asyncio": "uibus", "raw-uvloop": "raw"}
 GRPCJS = Path(__file__).resolve().parent / "grpcjs"  # @grpc/grpc-js twin of raw_server.py (Cline's own stack)
 SCENARIOS = ("memory", "unary", "chat", "fanout")
 N_WORKERS = 3
@@ -248,14 +253,15 @@ def start_server(name: str, tmp: Path, plan: Plan) -> Server:
     port = free_port()
     root = Path(plan.alt_roots[label]).resolve() if label else ROOT
     python = str(root / ".venv" / "bin" / "python") if label else sys.executable
-    if kind == "raw":
+    if kind in ("raw", "raw-uvloop"):
         cmd = [python, "-m", "bench.raw_server", "--port", str(port), "--chat-chunks", str(plan.chat_chunks),
-               *plan.raw_args]
+               *plan.raw_args, *(["--uvloop"] if kind == "raw-uvloop" else [])]
     elif kind == "grpcjs":  # node itself is the server process, so /proc/<pid> reads its CPU and RSS
         cmd = [shutil.which("node") or "node", str(GRPCJS / "server.js"), "--port", str(port),
                "--chat-chunks", str(plan.chat_chunks)]
     else:  # the documented way to run uibus
-        cmd = uibus_serve(python, root, port, tmp / f"{name}.db", plan)
+        cmd = uibus_serve(python, root, port, tmp / f"{name}.db", plan,
+                          *(["--loop", "asyncio"] if kind == "uibus-asyncio" else []))
     proc, log = _launch(name, cmd, root, tmp)
     try:
         _wait_grpc(name, proc, port, cmd, log)
@@ -683,9 +689,9 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> dict[str, dict[st
         raw, ub = row.get("raw"), row.get("uibus")
         row["ratio"] = _ratio(ub, raw)
         row["ratio_js"] = _ratio(ub, row.get("grpcjs"))
-        for kind in REDIS_KINDS:
+        for kind, twin in TWIN.items():
             if kind in names:
-                row[f"{kind}/uibus"] = _ratio(row.get(kind), ub)
+                row[f"{kind}/{twin}"] = _ratio(row.get(kind), row.get(twin))
         for label in labels:
             row[f"ratio@{label}"] = _ratio(row.get(f"uibus@{label}"), row.get(f"raw@{label}"))
             row[f"uibus@{label}/uibus"] = _ratio(row.get(f"uibus@{label}"), ub)
@@ -712,8 +718,8 @@ def table(summary: dict[str, dict[str, Any]], names: list[str], outside: dict[st
     cols.append(("ratio", "uibus/raw", True))
     if "grpcjs" in names:
         cols.append(("ratio_js", "uibus/grpcjs", True))
-    if "uibus" in names:
-        cols += [(f"{kind}/uibus", f"{kind}/uibus", True) for kind in REDIS_KINDS if kind in names]
+    cols += [(f"{kind}/{twin}", f"{kind}/{twin}", True) for kind, twin in TWIN.items()
+             if kind in names and twin in names]
     for label in labels:
         cols += [(n, n, False) for n in names if n.endswith("@" + label)]
         cols += [(f"ratio@{label}", f"ratio@{label}", True), (f"uibus@{label}/uibus", f"{label}/main", True)]
@@ -743,7 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, help="seconds per measured phase")
     p.add_argument("--only", help=f"comma-separated scenarios of {','.join(SCENARIOS)}")
     p.add_argument("--servers", help="comma-separated of raw,uibus,grpcjs (the default: all three; grpcjs when "
-                   "node is found) and redis,redis2,workers2 (uibus on Redis; when redis-server is found)")
+                   "node is found), redis,redis2,workers2 (uibus on Redis; when redis-server is found) and "
+                   "uibus-asyncio,raw-uvloop (each on the other event loop)")
     p.add_argument("--fanout", help="comma-separated subscriber counts, e.g. 10,1000")
     p.add_argument("--unary", help="comma-separated unary concurrencies, e.g. 1,100")
     p.add_argument("--chat", help="comma-separated chat concurrencies, e.g. 1,10")

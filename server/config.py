@@ -119,6 +119,9 @@ def describe(exc: ConfigError, ns: argparse.Namespace | None = None) -> str:
     return " ".join(line.strip() for line in text.splitlines())
 
 
+LOOPS = ("auto", "asyncio", "uvloop")  # --loop
+
+
 @dataclass(frozen=True)
 class Config:
     host: str = field(default="127.0.0.1", metadata={
@@ -191,6 +194,9 @@ class Config:
     trust_network: bool = field(default=False, metadata={
         "help": "serve a non-loopback --host without tokens: only where every host that can reach it is trusted"})
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    loop: str = field(default="auto", metadata={
+        "help": "the event loop: uvloop (libuv's: 10-17% less CPU per delivery, bench/README.md), asyncio "
+                "(Python's own), or auto: uvloop where it is installed (a dependency on Linux and macOS)"})
 
     def __post_init__(self) -> None:
         """Refuses a config that cannot work, naming each bad flag, before anything starts: a typo must
@@ -239,6 +245,7 @@ class Config:
               "or add --trust-network if every host on this network is trusted")
         check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
               f"{self.log_level[:20]!r} is not one of DEBUG, INFO, WARNING, ERROR")
+        check(self.loop in LOOPS, "loop", f"{self.loop[:20]!r} is not one of {', '.join(LOOPS)}")
         if problems:
             raise InvalidConfig(*problems[0], problems[1:])
 

@@ -26,6 +26,7 @@ from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.installers import INSTALLERS
+from uibus.main import loop_factory
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
 from uibus.wiring import Installer
@@ -158,6 +159,17 @@ async def web(web_config: Config, installers: Sequence[Installer]) -> AsyncItera
 async def web_connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
     async with connections(web) as open_:
         yield open_
+
+
+# The loop the in-process servers of the tests run on: the one `uibus serve` runs on by default
+# (--loop auto: uvloop where installed), or UIBUS_TEST_LOOP=asyncio|uvloop. Servers the tests
+# start as processes follow UIBUS_LOOP like any `uibus serve`.
+TEST_LOOP = os.environ.get("UIBUS_TEST_LOOP", "auto")
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    factory = loop_factory(TEST_LOOP) or asyncio.new_event_loop
+    return {"uvloop" if factory is not asyncio.new_event_loop else "asyncio": factory}
 
 
 def run_reporter(pytestconfig: pytest.Config, tag: str) -> Callable[[str], None]:

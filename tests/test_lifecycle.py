@@ -273,3 +273,15 @@ async def test_begin_shutdown_refuses_new_work_then_aclose_stops(config, tmp_pat
         with pytest.raises(grpc.aio.AioRpcError):
             await conn.ui.scrollToSettings(common_pb2.StringRequest(value="x"), timeout=1)
     assert app.bus.count() == 0
+
+
+@pytest.mark.parametrize(("args", "uvloop"), [((), True), (("--loop", "asyncio"), False), (("--loop", "uvloop"), True)])
+async def test_the_event_loop_is_the_one_configured(spawn, args: tuple[str, ...], uvloop: bool) -> None:
+    """`--loop auto` (the default) runs on uvloop, which the package installs; `--loop asyncio` on
+    Python's own. Told from outside: whether the process has uvloop's extension mapped."""
+    server = spawn(*args)
+    await server.wait_ready()
+    async with Connection(server.target, session="loop") as conn:
+        await conn.host.GetBusStats(common_pb2.Empty())  # serving: the loop runs calls
+    maps = open(f"/proc/{server.proc.pid}/maps").read()
+    assert ("uvloop/loop" in maps) is uvloop
