@@ -29,6 +29,16 @@ _LIST = "google.protobuf.ListValue"
 _DYNAMIC = (_STRUCT, _VALUE, _LIST)
 
 
+def _held(field: FieldDescriptor, value: Any, where: str, item: Message) -> list[tuple[str, Any]]:
+    """The messages a message-typed field of `item` holds, each with its path: a map's message
+    values, a repeated field's elements, or the one message when it is set."""
+    if field.message_type.GetOptions().map_entry:
+        return [(f"{where}[{k!r}]", v) for k, v in value.items()] if _target(field) is not field.message_type else []
+    if field.is_repeated:
+        return [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    return [(where, value)] if item.HasField(field.name) else []
+
+
 def _message_fields(descriptor: Descriptor) -> list[FieldDescriptor]:
     return [f for f in descriptor.fields if f.type == FieldDescriptor.TYPE_MESSAGE]
 
@@ -108,15 +118,7 @@ def non_finite(message: Message, fields: dict[str, tuple[FieldDescriptor, ...]] 
                 stack.append((path, item.list_value))
         else:
             for field in reaching.get(name, ()):
-                value = getattr(item, field.name)
-                where = f"{path}.{field.name}"
-                if field.message_type.GetOptions().map_entry:
-                    if _target(field) is not field.message_type:
-                        stack.extend((f"{where}[{key!r}]", v) for key, v in value.items())
-                elif field.is_repeated:
-                    stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-                elif item.HasField(field.name):
-                    stack.append((where, value))
+                stack.extend(_held(field, getattr(item, field.name), f"{path}.{field.name}", item))
     return None
 
 
@@ -140,13 +142,7 @@ def undefined_enum(message: Message) -> str | None:
                         names = ", ".join(v.name for v in field.enum_type.values)
                         return f"{where}={number} is not a {field.enum_type.name} (one of: {names})"
             elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                if field.message_type.GetOptions().map_entry:
-                    if _target(field) is not field.message_type:
-                        stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
-                elif field.is_repeated:
-                    stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-                else:
-                    stack.append((where, value))
+                stack.extend(_held(field, value, where, item))
     return None
 
 

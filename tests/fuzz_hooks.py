@@ -8,18 +8,15 @@ a ChatResponse, is what the document's response schema is checked against.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import schemathesis
 
-
-def _refuse(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON (RFC 8259 has no NaN or Infinity)")
+from tests.fuzzgen import strict_json
 
 
 @schemathesis.deserializer("application/json-lines")
 def json_lines(ctx: Any, response: Any) -> Any:
     lines = [line for line in response.content.split(b"\n") if line.strip()]
-    values = [json.loads(line, parse_constant=_refuse) for line in lines]
+    values = [strict_json(line) for line in lines]
     return values[0] if values else {}

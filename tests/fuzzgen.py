@@ -35,6 +35,14 @@ NUMBER_TOKENS = ("1e400", "-1e400", "NaN", "Infinity", "-Infinity", "1" + "0" * 
                  "1e308", "-0", "0.5", "2.5e-42", "4294967296", "9223372036854775808", "-2147483649", "1e-400")
 
 
+def strict_json(text: str | bytes) -> Any:
+    """RFC 8259 JSON only, as a browser's or codeboltjs' JSON.parse reads it (Python's parser also
+    takes NaN and Infinity): what every reply of uibus must be."""
+    def refuse(token: str) -> Any:
+        raise ValueError(f"{token} is not JSON (RFC 8259 has no NaN or Infinity)")
+    return json.loads(text, parse_constant=refuse)
+
+
 def _dump(value: Any) -> str:
     return json.dumps(value)  # ensure_ascii: a lone surrogate becomes its \\udxxx escape
 

@@ -38,7 +38,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from websockets.sync.client import connect as ws_connect
 
 from tests import fuzzgen
 from tests.conftest import REPO, ServerProcess, free_port, run_reporter
+from tests.fuzzgen import strict_json
 from tests.webclient import FrameReader, parse_trailers
 from uibus.codebolt import protocol as codebolt
 from uibus.codebolt.gateway import MAX_MESSAGE_BYTES
@@ -75,11 +76,6 @@ BAD_STATUSES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
 ERROR_LINE = re.compile(r'"level": "(error|critical)"|Exception in ASGI application|Traceback')
 
 
-def strict(text: str | bytes) -> Any:
-    """RFC 8259 JSON only, as a browser's or codeboltjs' JSON.parse reads it."""
-    def refuse(token: str) -> Any:
-        raise ValueError(f"{token} is not JSON")
-    return json.loads(text, parse_constant=refuse)
 
 
 def _settings(scale: int = 1) -> Callable[[Any], Any]:
@@ -97,7 +93,6 @@ class Server:
     http_port: int
     rss0: int = 0
     log_seen: int = 0
-    findings: list[str] = field(default_factory=list)
 
     @property
     def base(self) -> str:
@@ -324,14 +319,14 @@ def test_mcp(server: Server, report: Callable[[str], None]) -> None:
             counts["202"] += 1
             return
         if kind.startswith("text/event-stream"):
-            events = [strict(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            events = [strict_json(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
             assert events and ("result" in events[-1] or "error" in events[-1]), \
                 f"the event stream ended without the response: {raw[:500]!r} for {data[:300]!r}"
             answer = events[-1]
             counts["stream"] += 1
         else:
             assert kind == "application/json", (kind, raw[:200])
-            answer = strict(raw)
+            answer = strict_json(raw)
             counts["json"] += 1
         error = answer.get("error")
         if error is not None:
@@ -435,7 +430,7 @@ def test_codebolt_socket(server: Server, report: Callable[[str], None]) -> None:
                     raise AssertionError(f"no answer to the reads after {[f[:200] for f in frames]}") from None
                 size = len(reply.encode()) if isinstance(reply, str) else len(reply)
                 assert size <= MAX_MESSAGE_BYTES, f"a {size}-byte reply, over the frame limit, to {frames[0][:200]}"
-                obj = strict(reply)
+                obj = strict_json(reply)
                 assert isinstance(obj, dict), reply[:200]
                 if obj.get("requestId") in pending:
                     assert obj.get("success") is True, obj

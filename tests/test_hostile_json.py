@@ -22,6 +22,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 
+from tests.fuzzgen import strict_json
 from tests.webclient import call
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -34,11 +35,6 @@ SURROGATE = "\ud800"  # json.dumps writes it as the escape \ud800, which RFC 825
 CHAT = "/dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService/StreamingChat"
 
 
-def strict(text: str | bytes) -> Any:
-    """RFC 8259 only: what codeboltjs' and a browser's JSON.parse accept (no NaN, no Infinity)."""
-    def refuse(token: str) -> Any:
-        raise ValueError(f"{token} is not JSON")
-    return json.loads(text, parse_constant=refuse)
 
 
 @pytest.fixture(autouse=True)
@@ -78,13 +74,13 @@ def tool(name: str, arguments: dict[str, Any], ident: int = 7, **params: Any) ->
 async def test_row1_a_poisoned_id_is_a_json_rpc_error_at_400(web: App, http: httpx.AsyncClient) -> None:
     r = await mcp(http, web, '{"jsonrpc":"2.0","id":"\\ud800","method":"ping"}')
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert body["id"] is None and body["error"]["code"] == -32600 and "id" in body["error"]["message"]
     assert "surrogate" in body["error"]["message"]
     # on an event-stream call: the poisoned progress token is the request's invalid params, said at once
     r = await mcp(http, web, tool("set_status", {"key": "k"}, _meta={"progressToken": SURROGATE}))
     assert r.status_code == 400 and r.headers["content-type"] == "application/json"
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert body["id"] == 7 and body["error"]["code"] == -32602
     assert "params._meta.progressToken" in body["error"]["message"]
     assert (await mcp(http, web, {"jsonrpc": "2.0", "id": 1, "method": "ping"})).json()["result"] == {}
@@ -100,7 +96,7 @@ async def test_row1_a_poisoned_id_is_a_json_rpc_error_at_400(web: App, http: htt
 async def test_row2_every_text_argument_is_invalid_params(web: App, http: httpx.AsyncClient, name: str,
                                                          arguments: dict[str, Any], where: str) -> None:
     r = await mcp(http, web, tool(name, arguments))
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert r.status_code == 400 and body["id"] == 7 and body["error"]["code"] == -32602, body
     assert where in body["error"]["message"] and body["error"]["data"]["status"] == "INVALID_ARGUMENT"
 
@@ -109,7 +105,7 @@ async def test_row2_every_text_argument_is_invalid_params(web: App, http: httpx.
 async def test_row3_ask_user_timeouts_out_of_range(web: App, http: httpx.AsyncClient, timeout: str) -> None:
     r = await mcp(http, web, '{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"ask_user",'
                              f'"arguments":{{"title":"t","timeout_seconds":{timeout}}}}}}}')
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert body["id"] == 3 and body["error"]["code"] == -32602, body
     assert "timeout_seconds" in body["error"]["message"]
 
@@ -129,7 +125,7 @@ async def test_row5_http_api_refuses_numbers_json_cannot_hold(web: App, http: ht
     r = await http.post(f"{base(web)}/api/v1/hello_world/streaming_chat",
                         content=f'{{"user_message":{{"text":"hi"}},"sly_data":{{"a":{sly}}}}}'.encode())
     assert r.status_code == 400, r.text
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert body["code"] == "INVALID_ARGUMENT" and "sly_data.a" in body["error"]
 
 
@@ -156,7 +152,7 @@ async def test_row5_native_and_grpc_web_struct_numbers_must_be_finite(web: App, 
 async def test_row5_mcp_agent_tool_refuses_them_too(web: App, http: httpx.AsyncClient) -> None:
     r = await mcp(http, web, '{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"hello_world",'
                              '"arguments":{"user_message":{"text":"hi"},"sly_data":{"a":1e400}}}}')
-    body = strict(r.content)
+    body = strict_json(r.content)
     assert body["id"] == 5 and body["error"]["code"] == -32602 and "sly_data.a" in body["error"]["message"]
 
 
@@ -169,7 +165,7 @@ class Agent:
     async def call(self, raw: str | dict[str, Any]) -> dict[str, Any]:
         await self.ws.send(raw if isinstance(raw, str) else json.dumps(raw))
         text = await asyncio.wait_for(self.ws.recv(), 5)
-        return strict(text)  # type: ignore[no-any-return]
+        return strict_json(text)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -253,7 +249,7 @@ async def test_row10_state_is_bounded_in_bytes_and_replies_by_the_frame_limit(we
     await a.ws.send(json.dumps({"type": "stateEvent", "action": "getApplicationState", "requestId": "g"}))
     text = await asyncio.wait_for(a.ws.recv(), 5)
     assert isinstance(text, str) and len(text.encode()) < MAX_MESSAGE_BYTES
-    assert strict(text)["success"] is True
+    assert strict_json(text)["success"] is True
     # a read past the frame limit answers a clear error: the chat history, at its 64 KiB per message
     for i in range(9):  # each entry goes out twice (data, and codeboltjs' `messages`): 1.15 MB
         sent = await a.call({"type": "chatEvent", "action": "sendMessage", "requestId": f"m{i}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,12 @@ async def pi(tmp_path: Path) -> Any:
     try:
         yield Pi(proc)
     finally:
-        if proc.returncode is None:
-            proc.terminate()
+        if proc.returncode is None:  # the whole group: whatever pi started goes with it
+            os.killpg(proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), 10)
             except TimeoutError:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
 
 
