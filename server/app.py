@@ -247,6 +247,9 @@ class App:
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents))
         core = self.core = Core.build(cfg, bus, store, agents)
+        # Closed after the servers stop, before the agents' backends, the bus and the store: every
+        # agent process is stopped while what it reports can still be written.
+        await res.enter("agent sessions", core.agent_sessions)
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("recent messages", self._flush_recent)
         gauges: Gauges = {
@@ -256,7 +259,21 @@ class App:
             "uibus_store_up": ("1 while the session store answers, 0 while it fails (see /readyz for why)",
                                lambda: 0.0 if store.problem else 1.0),
         }
-        counters: Gauges = {}
+        sessions = core.agent_sessions
+        gauges["uibus_agent_sessions"] = (
+            "agent sessions open now: hosted agents (backend rpc) that live across turns, one per (session, agent), "
+            "each with its process", lambda: float(sessions.count()))
+        counters: Gauges = {
+            "uibus_agent_processes_started_total": (
+                "agent processes started (backend rpc): one per agent session, again after one died",
+                lambda: float(sum(getattr(b, "started", 0) for b in agents.backends.values()))),
+            "uibus_agent_sessions_closed_idle_total": ("agent sessions closed for being idle (idle_seconds)",
+                                                       lambda: float(sessions.closed_idle)),
+            "uibus_agent_sessions_closed_evicted_total": ("agent sessions closed because their session was evicted",
+                                                          lambda: float(sessions.closed_evicted)),
+            "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
+                                                       lambda: float(sessions.closed_dead)),
+        }
         worker = self.worker
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
             "index": str(worker.index), "pid": str(worker.pid)})

@@ -27,6 +27,9 @@ AGENTS_FILES = {
     "bad.toml": "[[agents]]\nname = \n",
     "shape.json": '{"agents": {"name": "a"}}\n',
     "backend.json": '{"agents": [{"name": "x", "backend": "nope"}]}\n',
+    "rpc-missing.json": '{"agents": [{"name": "pi", "backend": "rpc", "options": {"command": ["no-such-agent-x", '
+                        '"--mode", "rpc"]}}]}\n',
+    "rpc-no-command.json": '{"agents": [{"name": "pi", "backend": "rpc"}]}\n',
 }
 
 # (id, extra args, env, exit code, the one stderr line; a trailing "…" means "starts with").
@@ -59,7 +62,12 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      "uibus serve: --agents: {tmp}/shape.json: `agents` must be a non-empty list"),
     ("agents-bad-backend", ["--agents", "{tmp}/backend.json"], {}, 2,
      "uibus serve: --agents: {tmp}/backend.json: agents[0] (x): backend 'nope' is not one of local, openai, "
-     "neuro-san"),
+     "neuro-san, rpc"),
+    ("agents-rpc-missing-binary", ["--agents", "{tmp}/rpc-missing.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/rpc-missing.json: agent 'pi': option command: 'no-such-agent-x' is not an "
+     "executable on PATH; install the agent or fix command"),
+    ("agents-rpc-no-command", ["--agents", "{tmp}/rpc-no-command.json"], {}, 2,
+     "uibus serve: --agents: {tmp}/rpc-no-command.json: agent 'pi' (backend 'rpc') needs option 'command'"),
     ("env-agents", [], {"UIBUS_AGENTS": "{tmp}/shape.json"}, 2,
      "uibus serve: UIBUS_AGENTS: {tmp}/shape.json: `agents` must be a non-empty list"),
     ("redis-scheme", ["--redis-url", "http://user:pw@x"], {}, 2,

@@ -380,3 +380,122 @@ async def test_an_mcp_agent_asks_the_person_at_the_page(web: App, browser: Any, 
         await page.screenshot(path=str(_shots(tmp_path) / "mcp-dialog.png"))
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
+
+
+async def test_page_renders_what_a_coding_agent_says(web: App, web_connect: Callable[..., Connection],
+                                                     browser: Any, tmp_path: Path) -> None:
+    """The SAY kinds a coding agent publishes while it works, each shown as its own block (found by
+    `data-say` and `data-ts`): TEXT as sanitized markdown (raw HTML in it never runs), REASONING
+    collapsed, a command and its growing output, a tool's ClineSayTool JSON, an error."""
+    host = web_connect("says").host
+    errors: list[str] = []
+    page = await _open(browser, web, "session=says", errors)
+    await wait_for(lambda: web.bus.count(session="says") == STREAMS_PER_PAGE, timeout=5, what="page subscribed")
+    ts = 1_800_000_000_000
+
+    async def say(n: int, kind: int, text: str, partial: bool = False) -> str:
+        await host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts + n, type=ui_pb2.SAY, say=kind, text=text,
+                                                             partial=partial))
+        return f"#messages [data-ts='{ts + n}']"
+
+    async def shows(sel: str, inner: str, text: str, what: str) -> None:
+        await _shown_within(page, "([s, t]) => document.querySelector(s)?.textContent === t", [f"{sel} {inner}", text],
+                            what)
+
+    # REASONING: partial, then final; collapsed all along, growing in place.
+    thinking = await say(0, ui_pb2.REASONING, "The test fails because", partial=True)
+    await shows(thinking, "details .text", "The test fails because", "partial reasoning")
+    assert "partial" in (await page.get_attribute(thinking, "class") or "")
+    reasoning = "The test fails because `a` is off by one; fix src/a.ts."
+    await say(0, ui_pb2.REASONING, reasoning)
+    await shows(thinking, "details .text", reasoning, "final reasoning")
+    assert await page.get_attribute(thinking, "data-say") == "reasoning"
+    assert "partial" not in (await page.get_attribute(thinking, "class") or "")
+    assert await page.evaluate("s => document.querySelector(s + ' details').open", thinking) is False
+    assert await page.text_content(f"{thinking} details > summary") == "Reasoning"
+    assert not await page.locator(f"{thinking} details .text").is_visible()
+
+    # TOOL_SAY: ClineSayTool JSON, its content collapsed; a diff; text that is not JSON stays text.
+    content = "export const a = 2;\n"
+    read = await say(1, ui_pb2.TOOL_SAY, json.dumps({"tool": "readFile", "path": "src/a.ts", "content": content}))
+    await shows(read, ".tool-name", "readFile", "the tool")
+    assert await page.get_attribute(read, "data-say") == "tool"
+    assert await page.text_content(f"{read} .tool-path") == "src/a.ts"
+    assert await page.text_content(f"{read} details[data-field='content'] pre") == content
+    assert await page.evaluate("s => document.querySelector(s + ' details').open", read) is False
+    diff = "@@ -1 +1 @@\n-export const a = 2;\n+export const a = 1;"
+    edit = await say(2, ui_pb2.TOOL_SAY, json.dumps({"tool": "editedExistingFile", "path": "src/a.ts", "diff": diff}))
+    await shows(edit, ".tool-name", "editedExistingFile", "the edit")
+    assert await page.text_content(f"{edit} details[data-field='diff'] pre") == diff
+    assert await page.locator(f"{edit} .diff .add").all_text_contents() == ["+export const a = 1;"]
+    assert await page.locator(f"{edit} .diff .del").all_text_contents() == ["-export const a = 2;"]
+    odd = await say(3, ui_pb2.TOOL_SAY, "not JSON: <b>{tool")
+    await shows(odd, ".text", "not JSON: <b>{tool", "a tool message that is not JSON")
+    assert await page.locator(f"{odd} b, {odd} .tool-name").count() == 0
+
+    # COMMAND_SAY and its output, which grows (each update is the whole output so far).
+    command = "npm test -- --run 'a.test.ts' && echo <ok>"
+    cmd = await say(4, ui_pb2.COMMAND_SAY, command)
+    await shows(cmd, "pre.command code", command, "the command")
+    assert await page.get_attribute(cmd, "data-say") == "command"
+    assert await page.evaluate("s => getComputedStyle(document.querySelector(s + ' pre.command'), '::before')"
+                               ".content", cmd) == '"$ "'
+    first, second = "> vitest --run a.test.ts\n", "> vitest --run a.test.ts\n\n ✓ a.test.ts (2 tests) 3ms\n"
+    out = await say(5, ui_pb2.COMMAND_OUTPUT_SAY, first, partial=True)
+    await shows(out, "pre.output", first, "the output so far")
+    await say(5, ui_pb2.COMMAND_OUTPUT_SAY, second)
+    await shows(out, "pre.output", second, "the whole output")
+    assert await page.get_attribute(out, "data-say") == "command_output"
+    assert await page.evaluate("s => getComputedStyle(document.querySelector(s + ' pre.output')).fontFamily",
+                               out) != await page.evaluate("getComputedStyle(document.body).fontFamily")
+
+    # ERROR
+    failure = "Command failed with exit code 1: <stderr>"
+    err = await say(6, ui_pb2.ERROR, failure)
+    await shows(err, ".text", failure, "the error")
+    assert await page.get_attribute(err, "data-say") == "error"
+    assert "error" in (await page.get_attribute(err, "class") or "").split()
+    assert await page.evaluate("s => getComputedStyle(document.querySelector(s + ' .text')).color", err) \
+        == "rgb(248, 81, 73)"
+
+    # TEXT: markdown, sanitized: the HTML in it is neutralised, links open safely.
+    markdown = ("Fixed: the **off-by-one** in `a`.\n\n- changed src/a.ts\n- ran the tests\n\n"
+                "```ts\nexport const a = 1 < 2;\n```\n\n"
+                '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+                '<a href="javascript:window.__pwned=3">click</a> See [the docs](https://example.com/docs).')
+    text = await say(7, ui_pb2.TEXT, markdown)
+    await shows(text, ".text strong", "off-by-one", "the markdown reply")
+    assert await page.get_attribute(text, "data-say") == "text"
+    assert await page.locator(f"{text} .text ul > li").all_text_contents() == ["changed src/a.ts", "ran the tests"]
+    assert await page.text_content(f"{text} .text pre > code") == "export const a = 1 < 2;\n"
+    assert await page.get_attribute(f"{text} .text pre > code", "class") == "language-ts"
+    assert await page.text_content(f"{text} .text p > code") == "a"
+    link = page.locator(f"{text} .text a[href='https://example.com/docs']")
+    assert await link.get_attribute("target") == "_blank"
+    assert "noopener" in (await link.get_attribute("rel") or "").split()
+    # the image (if kept) has loaded or failed by now, so an onerror would have run
+    await page.wait_for_function("() => [...document.querySelectorAll('#messages img')].every(i => i.complete)",
+                                 timeout=WITHIN)
+    scripted = page.locator(f"{text} .text a", has_text="click")  # kept without its javascript: href
+    if await scripted.count():
+        await scripted.click()
+        await page.wait_for_timeout(100)
+    assert await page.evaluate("typeof window.__pwned") == "undefined"
+    assert await page.evaluate("""() => [...document.querySelectorAll('#messages *')].filter(e =>
+        e.tagName === 'SCRIPT' || [...e.attributes].some(a => a.name.startsWith('on')
+        || /^\\s*javascript:/i.test(a.value))).length""") == 0
+
+    # one block per ts, in the order published, none duplicated
+    shown = await page.evaluate("[...document.querySelectorAll('#messages [data-ts]')].map(e => [e.dataset.ts,"
+                                " e.dataset.say])")
+    assert shown == [[str(ts + n), kind] for n, kind in enumerate(
+        ["reasoning", "tool", "tool", "tool", "command", "command_output", "error", "text"])], shown
+    # a click opens the collapsed blocks (and they stay open as nothing replaces them)
+    await page.click(f"{thinking} summary")
+    await page.click(f"{edit} summary")
+    assert await page.locator(f"{thinking} details .text").is_visible()
+    await page.set_viewport_size({"width": 1100, "height": 1200})
+    await page.screenshot(path=str(_shots(tmp_path) / "agent-says.png"))
+    assert not errors, errors
+    await page.close()
+    await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")

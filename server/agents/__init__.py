@@ -12,6 +12,14 @@ the UI feed — so a new backend is one small module with no gRPC in it. Pieces 
 
 A failure is an ordinary exception; the engine turns it into the final message as neuro-san does.
 Cancellation is never caught here: it must reach the backend's await so its work stops at once.
+
+Agents that live across turns (a coding agent's process that keeps its own conversation and asks
+the user things while it works) implement `Backend.open_session`: the engine then owns one
+`AgentSession` per (uibus session, agent), started on first use and closed when idle, when the
+uibus session is evicted and at shutdown (uibus.domain.agent_sessions), and hands it a `SessionUi`:
+the session's dialogs, fire-and-forget UI and webview messages, implemented by the domain, so an
+agent backend reaches every UI of its session without knowing any transport or RPC path. A
+stateless backend (`open_session` returns None) stays a per-turn generator.
 """
 
 from __future__ import annotations
@@ -19,9 +27,11 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import chat_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 
 Role = str  # "user", "assistant" or "system", as chat-completion APIs name them
 
@@ -69,16 +79,81 @@ class Final:
 Piece = str | chat_pb2.ChatMessage | Final
 
 
-class Backend(abc.ABC):
+Dialog = ext_pb.SelectRequest | ext_pb.ConfirmRequest | ext_pb.InputRequest | ext_pb.EditorRequest
+
+
+class SessionUi(Protocol):
+    """Everything an agent session may do at the UIs of its uibus session (the domain implements it:
+    uibus.domain.agent_sessions). Dialogs and fire-and-forget UI go through the domain's `Dialogs`,
+    so every UI of the session shows them, on any replica; `say` is a Cline SAY message on the
+    session's webview streams."""
+
+    session: str
+
+    async def ask(self, request: Dialog) -> ext_pb.DialogResult:
+        """Opens a dialog at every UI of the session and waits for its outcome; cancelling the
+        awaiting task closes it for every UI."""
+        ...
+
+    async def fire(self, request: ext_pb.NotifyRequest | ext_pb.SetStatusRequest | ext_pb.SetWidgetRequest
+                   | ext_pb.SetTitleRequest | ext_pb.SetEditorTextRequest) -> None:
+        """A fire-and-forget UI request (notify, status, widget, title, editor text)."""
+        ...
+
+    def say(self, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
+        """Shows (or, with the same `ts`, updates) a SAY ClineMessage on the session's webviews."""
+        ...
+
+    def next_ts(self) -> int:
+        """A fresh message ts, later than every earlier one of this server."""
+        ...
+
+
+class AgentSession(abc.ABC):
+    """One agent that lives across turns for one (uibus session, agent): a process, a connection.
+
+    The engine opens it (`start`) on the first turn, runs one turn at a time through `stream`, and
+    closes it (`aclose`, once, whatever happened) when idle for `idle_seconds`, when its uibus
+    session is evicted, and at shutdown."""
+
+    idle_seconds: float = 900.0
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Gets the agent ready (spawns it, handshakes); raises AgentError with a clear message."""
+
+    @abc.abstractmethod
+    def stream(self, turn: Turn) -> AsyncIterator[Piece]:
+        """The pieces of one turn; the engine never runs two at once on one session."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Stops the agent and releases everything it holds; safe to call more than once."""
+
+    @property
+    def alive(self) -> bool:
+        """False once the agent is gone (its process died): the engine then opens a new one."""
+        return True
+
+
+class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, the others open_session
     """One agent's way of answering. Built once per agent at start-up; must be safe to run many
     turns concurrently (state per turn lives in `stream`)."""
 
     def __init__(self, spec: AgentSpec) -> None:
         self.spec = spec
 
-    @abc.abstractmethod
+    lives_across_turns = False  # True: the engine answers through `open_session`'s agent sessions
+
+    def open_session(self, ui: SessionUi) -> AgentSession | None:
+        """An agent that lives across turns for `ui.session`, or None (the default): a stateless
+        backend answers every turn through `stream`. Called by the engine on a session's first
+        turn; may raise ResourceExhausted-like uibus errors (too many sessions)."""
+        return None
+
     def stream(self, turn: Turn) -> AsyncIterator[Piece]:
-        """An async generator of the reply's pieces."""
+        """An async generator of the reply's pieces (a backend with sessions need not have one)."""
+        raise NotImplementedError(f"backend {self.spec.backend!r} answers through its agent sessions")
 
     def sly_data_schema(self) -> dict[str, Any] | None:
         """The sly_data keys this backend understands (reported by Function)."""

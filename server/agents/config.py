@@ -8,7 +8,7 @@ JSON (`*.json`) or TOML (`*.toml`, read with the stdlib `tomllib`), the same sha
     name = "hello_world"                   # routes /hello_world.AgentService/...
     description = "Says hello"             # Function.description and ConciergeService.List
     tags = ["demo"]
-    backend = "local"                      # local | openai | neuro-san
+    backend = "local"                      # local | openai | neuro-san | rpc
     options = { chunks = 8, delay_ms = 20 }
 
 Optional per agent: `parameters` and `sly_data_schema` (Function), `tools` and `display_as`
@@ -34,6 +34,7 @@ BACKENDS = {
     "local": "uibus.agents.local:LocalAgent",
     "openai": "uibus.agents.openai_compat:OpenAICompatAgent",
     "neuro-san": "uibus.agents.neurosan_proxy:NeuroSanProxyAgent",
+    "rpc": "uibus.agents.rpc:RpcAgent",
 }
 # An agent name is a proto package (`<name>.AgentService`), so it must be an identifier.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

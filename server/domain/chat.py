@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
+from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from uibus.agents import AgentSpec, Backend, Final, Turn
+from uibus.agents import AgentError, AgentSpec, Backend, Final, Turn
 from uibus.agents.config import AgentTable
+from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
@@ -170,13 +171,14 @@ def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Chat:
-    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, *,
+    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, sessions: AgentSessions, *,
                  context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
         """`context_bytes` bounds each (session, agent) ChatContext, stored and returned;
         `send_limit` is the largest message the transports send (the final reply is fitted to it)."""
         self.agents = agents
         self.history = history
         self.feed = feed
+        self.sessions = sessions
         self.context_bytes = context_bytes
         self.send_limit = send_limit
         self.context_dropped = 0  # ChatContext messages dropped to keep contexts within budget
@@ -263,45 +265,62 @@ class Chat:
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
-        await history.append(session, "user", text, agent=agent, source=SOURCE)
+        held = AsyncExitStack()  # the agent session of the turn (if the backend has them), held for it
+        source, error = backend.stream, ""
+        if backend.lives_across_turns:  # a limit (max_processes) raises here: the call's status, nothing kept
+            try:
+                live = await held.enter_async_context(self.sessions.use(session, agent, backend, keep=keep))
+            except AgentError as exc:  # could not start: the answer says why
+                live, error = None, f"Error from {agent}: {exc}"
+            if live is not None:
+                source = live.stream
+        try:
+            await history.append(session, "user", text, agent=agent, source=SOURCE)
+        except BaseException:
+            await held.aclose()
+            raise
 
         feed = self.feed
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
         feed.remember_question(session, text)  # before the reply's ts: a replay shows the turn in order
-        ts = feed.clock.next()
+        ts = 0  # the reply's message, taken at its first piece: what an agent shows before it comes first
         parts: list[str] = []
         final: Final | None = None
-        error = ""
         published_at = 0.0
         try:
-            async with aclosing(backend.stream(turn)) as pieces:
-                async for piece in pieces:
-                    if type(piece) is str:
-                        parts.append(piece)
-                        if maximal:
-                            for start in range(0, len(piece), piece_chars) if len(piece) > piece_chars else (0,):
-                                yield agent_pb2.ChatResponse(request=echo, response=chat_pb2.ChatMessage(
-                                    type=_AI, text=piece[start:start + piece_chars], origin=origin))
-                        now = time.monotonic()
-                        if now - published_at >= PARTIAL_INTERVAL_S:
-                            published_at = now
-                            feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True)
-                    elif isinstance(piece, Final):
-                        final = piece
-                    elif maximal:
-                        if not piece.origin:
-                            piece.origin.extend(origin)
-                        yield agent_pb2.ChatResponse(request=echo, response=piece)
+            if not error:
+                async with aclosing(source(turn)) as pieces:
+                    async for piece in pieces:
+                        if type(piece) is str:
+                            if not ts:
+                                ts = feed.clock.next()
+                            parts.append(piece)
+                            if maximal:
+                                for start in range(0, len(piece), piece_chars) if len(piece) > piece_chars else (0,):
+                                    yield agent_pb2.ChatResponse(request=echo, response=chat_pb2.ChatMessage(
+                                        type=_AI, text=piece[start:start + piece_chars], origin=origin))
+                            now = time.monotonic()
+                            if now - published_at >= PARTIAL_INTERVAL_S:
+                                published_at = now
+                                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True)
+                        elif isinstance(piece, Final):
+                            final = piece
+                        elif maximal:
+                            if not piece.origin:
+                                piece.origin.extend(origin)
+                            yield agent_pb2.ChatResponse(request=echo, response=piece)
         except Exception as exc:  # an agent failure is an answer, not a call error (neuro-san does the same)
             error = f"Error from {agent}: {exc}"
-            log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": str(exc)}})
         except BaseException:
             # Cancelled or closed: still end the webview's message (if one was shown), so no UI shows
             # a reply "typing" forever; say() never awaits, so this cannot delay the cancel.
             if published_at:
                 feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts)
             raise
+        finally:
+            await held.aclose()  # the next turn of this (session, agent) may start
         if error:
+            log.warning("agent failed", extra={"fields": {"agent": agent, "session": session, "error": error}})
             answer, new_ctx, returned_sly = error, ctx, None
         elif final is not None:
             answer = final.text
@@ -311,7 +330,12 @@ class Chat:
         else:
             answer = "".join(parts)
             new_ctx, returned_sly = next_context(ctx, agent, text, answer), None
-        feed.say(session, answer, ui_pb2.TEXT, ts=ts)
+        if not error:
+            feed.say(session, answer, ui_pb2.TEXT, ts=ts)
+        else:  # what was streamed stays as it was, finished; the failure is Cline's ERROR message
+            if published_at:
+                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts)
+            feed.say(session, answer, ui_pb2.ERROR)
         if not error and keep:
             new_ctx = await self._keep(session, agent, ctx, new_ctx, own_context, text, answer)
         elif not error:

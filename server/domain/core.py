@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from uibus.agents.config import AgentTable
 from uibus.bus import Bus
 from uibus.config import Config
+from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.chat import Chat
 from uibus.domain.clock import TsClock
 from uibus.domain.dialogs import Dialogs
@@ -25,15 +26,18 @@ class Core:
     history: ChatHistory
     chat: Chat
     dialogs: Dialogs
+    agent_sessions: AgentSessions
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
         clock = TsClock()
         feed = UiFeed(bus, store, clock)
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
+        dialogs = Dialogs(bus, store, config.queue_size)
+        sessions = AgentSessions(dialogs, feed, store)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
-                   chat=Chat(agents, history, feed, context_bytes=config.chat_context_bytes,
-                             send_limit=config.max_message_bytes), dialogs=Dialogs(bus, store, config.queue_size))
+                   chat=Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
+                             send_limit=config.max_message_bytes), dialogs=dialogs, agent_sessions=sessions)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

@@ -2,9 +2,10 @@
 //
 // It follows the session's UI streams (one multiplexed WebviewService stream, because a browser
 // allows only six HTTP/1.1 connections per server), renders Cline partial messages growing in
-// place (replaced by `ts`), applies the theme, and chats with any agent the concierge lists. The
-// stream starts with the session's state (recent messages, theme; marked `replayed`), so a page
-// opened or reloaded mid-conversation shows the conversation so far.
+// place (replaced by `ts`; each SAY kind in its own block, render.ts), applies the theme, and
+// chats with any agent the concierge lists. The stream starts with the session's state (recent
+// messages, theme; marked `replayed`), so a page opened or reloaded mid-conversation shows the
+// conversation so far.
 import { create } from "@bufbuild/protobuf";
 import { Code, ConnectError, createClient } from "@connectrpc/connect";
 import type { Interceptor } from "@connectrpc/connect";
@@ -18,6 +19,8 @@ import { ConciergeService } from "./gen/neuro_san/api/grpc/concierge_pb";
 import { ExtensionUiService } from "./gen/uibus/v1/extension_ui_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
 import { followExtensionUi } from "./extui";
+import { renderBody } from "./render";
+import type { Format } from "./render";
 
 const params = new URLSearchParams(location.search);
 const session = params.get("session") || "default";
@@ -81,17 +84,39 @@ function logEvent(label: string, detail = ""): void {
 // ---- messages: one element per ts, replaced in place as the message grows -----------------------
 const byTs = new Map<string, HTMLElement>();
 
-function messageLabel(m: ClineMessage): string {
-  if (m.type === ClineMessageType.ASK) return `ask · ${ClineAsk[m.ask]?.toLowerCase() ?? m.ask}`;
-  return ClineSay[m.say]?.toLowerCase().replace(/_/g, " ") ?? "say";
+// A SAY kind's name on the page (`data-say`): "text", "reasoning", "command", "command_output",
+// "tool", "error", "user_feedback", … (ClineSay's name, lower case, without `_SAY`).
+function sayName(say: ClineSay): string {
+  return ClineSay[say]?.toLowerCase().replace(/_say$/, "") ?? String(say);
 }
 
-function bubble(kind: string, label: string): HTMLElement {
+function messageLabel(m: ClineMessage): string {
+  if (m.type === ClineMessageType.ASK) return `ask · ${ClineAsk[m.ask]?.toLowerCase() ?? m.ask}`;
+  return sayName(m.say).replace(/_/g, " ");
+}
+
+// How a message's text is shown: agents' replies are markdown, the kinds coding agents publish
+// while they work have their own blocks, everything else (questions, asks) is plain text.
+function formatOf(m: ClineMessage): Format {
+  if (m.type !== ClineMessageType.SAY) return "plain";
+  switch (m.say) {
+    case ClineSay.TEXT:
+    case ClineSay.COMPLETION_RESULT_SAY: return "markdown";
+    case ClineSay.REASONING: return "reasoning";
+    case ClineSay.COMMAND_SAY: return "command";
+    case ClineSay.COMMAND_OUTPUT_SAY: return "command_output";
+    case ClineSay.TOOL_SAY: return "tool";
+    default: return "plain";
+  }
+}
+
+function bubble(kind: string, label: string, before: Element | null = null): HTMLElement {
   const el = document.createElement("article");
   el.className = `msg ${kind}`;
-  el.innerHTML = `<header></header><div class="text"></div>`;
-  el.querySelector("header")!.textContent = label;
-  messages.append(el);
+  const header = document.createElement("header");
+  header.textContent = label;
+  el.append(header);
+  messages.insertBefore(el, before);
   return el;
 }
 
@@ -108,24 +133,32 @@ const sentByMe: { text: string; el: HTMLElement }[] = [];
 function showPartial(m: ClineMessage, replayed = false): void {
   const key = m.ts.toString();
   let el = byTs.get(key);
-  // A replayed message is history (a reconnect brings it again), never the reply being awaited.
+  const say = m.type === ClineMessageType.SAY;
+  // A replayed message is history (a reconnect brings it again), never the reply being awaited;
+  // the reply is a TEXT (an agent's reasoning, commands and tools are messages of their own).
   if (!el && !replayed && pendingChat && (pendingChat.ts === null || pendingChat.ts === key)
-      && m.type === ClineMessageType.SAY) {
+      && say && m.say === ClineSay.TEXT) {
     pendingChat.ts = key;
     el = pendingChat.el;
   }
   // A chat question the server kept (replayed only): the "you" bubble this page already shows for
   // it, if it sent it, else a new one.
-  if (!el && m.type === ClineMessageType.SAY && m.say === ClineSay.USER_FEEDBACK) {
+  if (!el && say && m.say === ClineSay.USER_FEEDBACK) {
     const i = sentByMe.findIndex((s) => s.text === m.text);
     el = i >= 0 ? sentByMe.splice(i, 1)[0].el : bubble("user", "you");
   }
-  if (!el) el = bubble(m.type === ClineMessageType.ASK ? "ask" : "say", messageLabel(m));
+  // While a reply is awaited, what the agent does meanwhile shows above it (the reply stays last).
+  if (!el) {
+    const before = pendingChat?.el.isConnected ? pendingChat.el : null;
+    el = bubble(say ? "say" : "ask", messageLabel(m), before);
+  }
   byTs.set(key, el);
   el.dataset.ts = key;
+  if (say) el.dataset.say = sayName(m.say);
+  else el.dataset.ask = ClineAsk[m.ask]?.toLowerCase() ?? String(m.ask);
   el.classList.toggle("partial", m.partial);
-  const text = el.querySelector<HTMLElement>(".text")!;
-  text.textContent = m.text || m.reasoning || "";
+  if (say && m.say === ClineSay.ERROR) el.classList.add("error");
+  renderBody(el, formatOf(m), m.text || m.reasoning || "");
   scrollDown();
 }
 
@@ -250,9 +283,10 @@ async function send(text: string): Promise<void> {
   const agent = agentSelect.value;
   if (!text.trim() || !agent) return;
   const mine = bubble("user", "you");
-  mine.querySelector<HTMLElement>(".text")!.textContent = text;
+  renderBody(mine, "plain", text);
   sentByMe.push({ text, el: mine });
   const reply = bubble("agent partial", agent);
+  renderBody(reply, "markdown", "");
   reply.dataset.agent = agent;
   pendingChat = { el: reply, ts: null };
   const button = form.querySelector("button")!;
@@ -263,7 +297,7 @@ async function send(text: string): Promise<void> {
     for await (const res of agentClient(agent).streamingChat(request)) {
       const m = res.response;
       if (m && m.text && (m.type === ChatMessage_ChatMessageType.AGENT_FRAMEWORK || m.type === ChatMessage_ChatMessageType.AI)) {
-        reply.querySelector<HTMLElement>(".text")!.textContent = m.text;
+        renderBody(reply, "markdown", m.text);
         scrollDown();
       }
     }
@@ -272,7 +306,7 @@ async function send(text: string): Promise<void> {
   } catch (err) {
     reply.classList.remove("partial");
     reply.classList.add("error");
-    reply.querySelector<HTMLElement>(".text")!.textContent = `error: ${ConnectError.from(err).rawMessage}`;
+    renderBody(reply, "plain", `error: ${ConnectError.from(err).rawMessage}`);
   } finally {
     if (pendingChat?.el === reply) pendingChat = null;
     button.disabled = false;

@@ -1,0 +1,512 @@
+"""`backend = "rpc"`: a coding agent that speaks pi's RPC mode (`pi --mode rpc`), hosted per session.
+
+The protocol (the extension-UI seed and the package's `docs/rpc.md`) is JSON lines over the agent's
+stdio: commands in (`prompt`, `abort`, `get_state`, `extension_ui_response`), responses (`type:
+"response"`, with the command's `id`) and events out (`agent_start` … `agent_end`, `message_update`
+deltas, `tool_execution_*`, `extension_ui_request`). Records are split on `\\n` only: U+2028 and
+U+2029 are ordinary characters inside JSON strings.
+
+One process per (uibus session, agent) — an `RpcSession`, owned by the engine's agent sessions — in
+its own process group, started on the session's first turn and reused, so the agent keeps its own
+conversation. A turn is one `prompt`:
+
+* it ends at `agent_end`, or at the prompt's `response` for an extension command (`/name`), which
+  pi runs at once and answers when it has finished (a model prompt is answered *first* and its run
+  follows, so the response cannot end it);
+* text deltas are the reply's pieces; thinking and tool executions are MAXIMAL messages and Cline
+  messages on the session's webviews (REASONING, COMMAND_SAY + COMMAND_OUTPUT_SAY for `bash`, TOOL_SAY
+  with ClineSayTool JSON for the others);
+* `success: false`, an assistant message that ended in `error`, or a final auto-retry failure end
+  it with the agent's error; cancelling it sends `abort` (the next turn waits, bounded, for the
+  aborted run to end).
+
+Every `extension_ui_request` goes through the session's `Dialogs` (via `SessionUi`), so every UI of
+the session shows it, on any replica; the first answer goes back as `extension_ui_response` with
+the agent's id. pi resolves a dialog's `timeout` itself and tells nobody, so the dialog is opened
+with the same timeout and the UIs see it close then. A dialog whose process died or whose turn was
+cancelled is closed for every UI (and answered `cancelled` to a live agent).
+
+The process itself — options, spawning in its own group, JSON-line framing, the bounds on lines and
+stderr, SIGTERM then SIGKILL — is uibus.agents.stdio's, shared with any other stdio protocol. Faults:
+the process dies mid-turn → the turn ends at once with the exit status; an unknown event → one
+rate-limited log line; starting, stopping, a cancelled run's end and a turn are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from google.protobuf import struct_pb2
+
+from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
+from uibus.agents.stdio import AgentProcess, StdioBackend
+from uibus.agents.stdio import text as _str
+from uibus.domain import dialog_checks as limits
+from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
+from uibus.pb.cline import ui_pb2
+from uibus.pb.neuro_san.api.grpc import chat_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+
+log = logging.getLogger("uibus.agents.rpc")
+
+PARTIAL_INTERVAL_S = 0.05  # a growing Cline message is republished at most this often
+_AGENT, _TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TOOL_RESULT
+_NOTIFY = {"info": ext_pb.NOTIFY_TYPE_INFO, "warning": ext_pb.NOTIFY_TYPE_WARNING, "error": ext_pb.NOTIFY_TYPE_ERROR}
+_PLACEMENT = {"aboveEditor": ext_pb.WIDGET_PLACEMENT_ABOVE_EDITOR, "belowEditor": ext_pb.WIDGET_PLACEMENT_BELOW_EDITOR}
+_DIALOGS = frozenset({"select", "confirm", "input", "editor"})
+_FIRE = frozenset({"notify", "setStatus", "setWidget", "setTitle", "set_editor_text"})
+# Every event pi's RPC mode documents; anything else is logged (rate-limited) and ignored.
+_EVENTS = frozenset({"agent_start", "agent_end", "turn_start", "turn_end", "message_start", "message_update",
+                     "message_end", "tool_execution_start", "tool_execution_update", "tool_execution_end",
+                     "queue_update", "compaction_start", "compaction_end", "auto_retry_start", "auto_retry_end",
+                     "extension_error", "response"})
+# pi's tools as Cline's ClineSayTool names them (webview-ui renders these).
+_CLINE_TOOLS = {"read": "readFile", "write": "newFileCreated", "edit": "editedExistingFile", "ls": "listFilesTopLevel",
+                "find": "searchFiles", "grep": "searchFiles"}
+
+
+def _cut(value: Any, limit: int) -> str:
+    """An agent's text within a dialog limit: what the agent asks is shown, cut, rather than refused
+    (a refused dialog would block its tool); a cut is marked."""
+    text = _str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _content_text(result: Any) -> str:
+    """The text of a tool result (`{"content": [{"type": "text", "text": …}, …]}`)."""
+    if not isinstance(result, dict) or not isinstance(result.get("content"), list):
+        return ""
+    return "".join(_str(c.get("text")) for c in result["content"] if isinstance(c, dict) and c.get("type") == "text")
+
+
+def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    try:
+        s.update(json.loads(json.dumps(value, default=str, allow_nan=False)))
+    except (ValueError, TypeError):  # numbers JSON cannot carry, odd keys: keep the gist
+        s.update({"summary": _str(json.dumps(value, default=str))[:2000]})
+    return s
+
+
+def cline_tool(name: str, args: dict[str, Any], output: str | None) -> str:
+    """Cline's ClineSayTool JSON for one of the agent's tool calls."""
+    tool = _CLINE_TOOLS.get(name)
+    path = _str(args.get("path", args.get("file_path", "")))
+    if tool is None:
+        body: dict[str, Any] = {"tool": name, "content": _str(json.dumps(args, default=str))[:4000]}
+    else:
+        body = {"tool": tool, "path": path}
+        if name in ("find", "grep"):
+            body["regex"] = _str(args.get("pattern", ""))
+        if name == "write":
+            body["content"] = _str(args.get("content", ""))
+        elif name == "edit":
+            body["diff"] = f"-{_str(args.get('oldText', ''))}\n+{_str(args.get('newText', ''))}"
+        elif output is not None:
+            body["content"] = output
+    return json.dumps(body)
+
+
+class RpcAgent(StdioBackend):
+    """The configured agent: its options checked at start-up, its processes counted."""
+
+    def session(self, ui: SessionUi) -> RpcSession:
+        return RpcSession(self, ui)
+
+
+class RpcSession(AgentSession):
+    """One agent process of one uibus session, spoken to in pi's RPC mode."""
+
+    def __init__(self, backend: RpcAgent, ui: SessionUi) -> None:
+        self.backend = backend
+        self.options = backend.options
+        self.ui = ui
+        self.idle_seconds = backend.options.idle_seconds
+        self.process = AgentProcess(backend, ui, self._message, self._lost, log)
+        self.log = self.process.log
+        self._ids = itertools.count(1)
+        self._commands: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._turn: asyncio.Queue[dict[str, Any] | None] | None = None
+        self._dialogs: dict[str, asyncio.Task[None]] = {}  # by the agent's request id
+        self._answered: set[str] = set()
+        self._fires: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._firing: asyncio.Task[None] | None = None
+        self._running = False  # between the agent's agent_start and agent_end
+        self._run_ended = asyncio.Event()
+        self._run_ended.set()
+        self._closed = False
+
+    # ---- the process ----
+
+    @property
+    def alive(self) -> bool:
+        return self.process.alive
+
+    async def start(self) -> None:
+        await self.process.start()
+        self._firing = asyncio.get_running_loop().create_task(self._fire_forever(), name="rpc agent ui")
+        try:  # ready when it answers a command: a program that is not an RPC agent fails here, clearly
+            # (asyncio.timeout rather than wait_for throughout: wait_for, on 3.11, can swallow a
+            # cancel that arrives as the awaited thing completes, and a cancelled turn must end)
+            async with asyncio.timeout(self.options.start_timeout):
+                await self.command("get_state")
+        except TimeoutError:
+            raise AgentError(f"the agent did not answer get_state within {self.options.start_timeout:g} s "
+                             "(option start_timeout_seconds); is command an agent in RPC mode?") from None
+
+    async def command(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """Sends a command and waits for its response (failed when the process goes)."""
+        ident = f"uibus-{next(self._ids)}"
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._commands[ident] = future
+        try:
+            self.process.send({"type": kind, "id": ident, **fields})
+            await self.process.drain()
+            return await future
+        finally:
+            self._commands.pop(ident, None)
+
+    def _message(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "response":
+            future = self._commands.get(message.get("id"))  # type: ignore[arg-type]
+            if future is not None and not future.done():
+                future.set_result(message)
+                return
+        elif kind == "extension_ui_request":
+            self._ui_request(message)
+            return
+        elif kind == "agent_start":
+            self._running = True
+            self._run_ended.clear()
+        elif kind == "agent_end":
+            self._running = False
+            self._run_ended.set()
+        elif kind not in _EVENTS:
+            self.log.warn("unknown", "unknown agent event; ignored", event=_str(kind)[:80])
+            return
+        if self._turn is not None:
+            self._turn.put_nowait(message)
+
+    def _lost(self, why: str) -> None:
+        """The process is gone: every wait on it ends now."""
+        for future in self._commands.values():
+            if not future.done():
+                future.set_exception(AgentError(why))
+        if self._turn is not None:
+            self._turn.put_nowait(None)
+        self._run_ended.set()
+        for task in self._dialogs.values():
+            task.cancel()  # closes each dialog for every UI
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.process.aclose()
+            tasks = [t for t in (self._firing, *self._dialogs.values()) if t is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self.backend.released()
+
+    # ---- extension UI ----
+
+    def _ui_request(self, message: dict[str, Any]) -> None:
+        method, ident = message.get("method"), message.get("id")
+        if not isinstance(ident, str) or not ident:
+            self.log.warn("ui", "extension_ui_request without an id; ignored")
+            return
+        if method in _DIALOGS:
+            if ident not in self._dialogs:
+                task = asyncio.get_running_loop().create_task(self._dialog(ident, method, message))
+                self._dialogs[ident] = task
+                task.add_done_callback(lambda _t, i=ident: self._dialogs.pop(i, None))
+        elif method in _FIRE:
+            self._fires.put_nowait(message)
+        else:
+            self.log.warn("ui", "unknown extension_ui_request method; ignored", method=_str(method)[:80])
+
+    @staticmethod
+    def dialog_request(method: str, m: dict[str, Any]) -> Any:
+        """The dialog for an agent's request, fitted into the dialogs' limits (uibus.domain.dialog_checks)."""
+        timeout = m.get("timeout")
+        kw: dict[str, Any] = {}
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= limits.MAX_TIMEOUT_MS:
+            kw["timeout_ms"] = int(timeout)  # beyond a day: shown without one, the agent keeps its own
+        title = _cut(m.get("title"), limits.MAX_TITLE)
+        if not title.strip():  # a dialog needs a title: name the method rather than refuse it
+            title = method
+        if method == "select":
+            options = m.get("options")
+            return ext_pb.SelectRequest(title=title, options=[_cut(o, limits.MAX_OPTION) for o in options][
+                :limits.MAX_OPTIONS] if isinstance(options, list) else [], **kw)
+        if method == "confirm":
+            return ext_pb.ConfirmRequest(title=title, message=_cut(m.get("message"), limits.MAX_TEXT), **kw)
+        if method == "input":
+            if isinstance(m.get("placeholder"), str):
+                kw["placeholder"] = _cut(m["placeholder"], limits.MAX_TEXT)
+            return ext_pb.InputRequest(title=title, **kw)
+        if isinstance(m.get("prefill"), str):
+            kw["prefill"] = _cut(m["prefill"], limits.MAX_LONG_TEXT)
+        return ext_pb.EditorRequest(title=title, **kw)
+
+    def _answer(self, ident: str, **answer: Any) -> None:
+        if ident in self._answered or not self.alive:
+            return
+        self._answered.add(ident)
+        with contextlib.suppress(AgentError):
+            self.process.send({"type": "extension_ui_response", "id": ident, **answer})
+
+    async def _dialog(self, ident: str, method: str, message: dict[str, Any]) -> None:
+        """One dialog at every UI of the session; its first answer back to the agent."""
+        try:
+            result = await self.ui.ask(self.dialog_request(method, message))
+        except asyncio.CancelledError:  # its turn was cancelled or the process went
+            self._answer(ident, cancelled=True)
+            raise
+        except (InvalidArgument, ResourceExhausted, Unavailable) as exc:  # cannot be shown: the agent must go on
+            self.log.warn("ui", "agent dialog refused", error=str(exc))
+            self._answer(ident, cancelled=True)
+            return
+        outcome = result.outcome
+        if outcome == ext_pb.DIALOG_OUTCOME_ANSWERED:
+            if method == "confirm":
+                self._answer(ident, confirmed=result.confirmed)
+            else:
+                self._answer(ident, value=result.value)
+        elif outcome != ext_pb.DIALOG_OUTCOME_TIMED_OUT:  # a timeout the agent resolved itself
+            self._answer(ident, cancelled=True)
+
+    @staticmethod
+    def fire_request(m: dict[str, Any]) -> Any:
+        """The fire-and-forget request for an agent's, fitted into the limits as dialogs are."""
+        method = m["method"]
+        if method == "notify":
+            return ext_pb.NotifyRequest(message=_cut(m.get("message"), limits.MAX_TEXT),
+                                        notify_type=_NOTIFY.get(m.get("notifyType"), ext_pb.NOTIFY_TYPE_UNSPECIFIED))
+        if method == "setStatus":
+            request = ext_pb.SetStatusRequest(key=_cut(m.get("statusKey"), limits.MAX_KEY))
+            if isinstance(m.get("statusText"), str):
+                request.text = _cut(m["statusText"], limits.MAX_TEXT)
+            return request
+        if method == "setWidget":
+            lines = m.get("widgetLines")
+            return ext_pb.SetWidgetRequest(
+                key=_cut(m.get("widgetKey"), limits.MAX_KEY),
+                lines=[_cut(x, limits.MAX_LINE) for x in lines][:limits.MAX_LINES] if isinstance(lines, list) else [],
+                placement=_PLACEMENT.get(m.get("widgetPlacement"), ext_pb.WIDGET_PLACEMENT_UNSPECIFIED))
+        if method == "setTitle":
+            return ext_pb.SetTitleRequest(title=_cut(m.get("title"), limits.MAX_TITLE))
+        return ext_pb.SetEditorTextRequest(text=_cut(m.get("text"), limits.MAX_LONG_TEXT))
+
+    async def _fire_forever(self) -> None:
+        """The fire-and-forget requests, in the agent's order (a status set then cleared stays cleared)."""
+        while True:
+            message = await self._fires.get()
+            try:
+                await self.ui.fire(self.fire_request(message))
+            except Exception as exc:  # refused (bad field, a full store): logged, the agent goes on
+                self.log.warn("ui", "agent UI request refused", method=_str(message.get("method")), error=str(exc))
+
+    # ---- a turn ----
+
+    async def _extension_command(self, line: str) -> bool:
+        """Whether `/line` names an extension command (which pi runs before it answers the prompt,
+        so the turn ends at the response), not a prompt template or a skill (a model run, ending at
+        agent_end). Asked of the agent each time (`get_commands`: extensions may add commands); an
+        agent that cannot say is taken at its word that `/name` is a command, as the seed shows."""
+        name = line.split(None, 1)[0] if line.strip() else ""
+        try:
+            async with asyncio.timeout(self.options.start_timeout):
+                reply = await self.command("get_commands")
+        except (AgentError, TimeoutError):
+            return True
+        data = reply.get("data")
+        commands = data.get("commands") if isinstance(data, dict) else None
+        if not reply.get("success") or not isinstance(commands, list):
+            return True
+        return any(isinstance(c, dict) and c.get("name") == name and c.get("source") == "extension"
+                   for c in commands)
+
+    async def stream(self, turn: Turn) -> AsyncIterator[Piece]:
+        if self._running:  # a cancelled turn's run: it must end before the next prompt
+            try:
+                async with asyncio.timeout(self.options.stop_timeout):
+                    await self._run_ended.wait()
+            except TimeoutError:
+                self.process.kill()
+                raise AgentError(f"the agent did not end its cancelled run within {self.options.stop_timeout:g} s "
+                                 "(option stop_timeout_seconds); it was stopped, the next turn starts a new one") \
+                    from None
+        if not self.alive:
+            raise AgentError(self.process.gone or "the agent process is not running")
+        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        view = _TurnView(self.ui)
+        ident = f"uibus-{next(self._ids)}"
+        is_command = turn.text.startswith("/") and await self._extension_command(turn.text[1:])
+        responded = ended = False
+        self._turn = queue
+        try:
+            self.process.send({"type": "prompt", "message": turn.text, "id": ident})
+            deadline = asyncio.get_running_loop().time() + self.options.turn_timeout
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        message = await queue.get()
+                except TimeoutError:
+                    raise AgentError(f"the turn did not end within {self.options.turn_timeout:g} s "
+                                     "(option turn_timeout_seconds)") from None
+                if message is None:
+                    raise AgentError(f"{self.process.gone} during the turn")
+                kind = message.get("type")
+                if kind == "response":
+                    if message.get("id") != ident:
+                        continue
+                    if not message.get("success", False):
+                        ended = True  # refused: no run to abort
+                        raise AgentError(_str(message.get("error")) or "the agent refused the prompt")
+                    responded = True
+                    if is_command and not self._running:
+                        break
+                    continue
+                if kind == "agent_end":
+                    ended = True
+                    break
+                for piece in view.event(kind, message):
+                    yield piece
+            if view.error:
+                raise AgentError(view.error)
+        finally:
+            self._turn = None
+            view.finish()
+            if not ended and not (is_command and responded):  # cancelled or failed in the middle
+                for task in list(self._dialogs.values()):
+                    task.cancel()  # each closes at every UI and is answered `cancelled`
+                if self.alive:
+                    with contextlib.suppress(AgentError):
+                        self.process.send({"type": "abort"})
+                    self._running = True  # until its agent_end: the next turn waits for it
+                    self._run_ended.clear()
+
+
+class _TurnView:
+    """What one turn shows: MAXIMAL messages for the caller, Cline messages for the webviews."""
+
+    def __init__(self, ui: SessionUi) -> None:
+        self.ui = ui
+        self.error = ""
+        self.text_before = False  # text came in an earlier assistant message of this run
+        self.text_here = False
+        self._growing: dict[str, tuple[int, int, str, float]] = {}  # name -> (ts, say, text, published at)
+        self._tools: dict[str, tuple[str, dict[str, Any]]] = {}  # toolCallId -> (name, args)
+
+    def _show(self, name: str, say: int, text: str, *, partial: bool) -> None:
+        ts, _, _, at = self._growing.get(name, (0, say, "", 0.0))
+        ts = ts or self.ui.next_ts()
+        now = time.monotonic()
+        if partial and now - at < PARTIAL_INTERVAL_S:
+            self._growing[name] = (ts, say, text, at)
+            return
+        self.ui.say(text, say, ts=ts, partial=partial)
+        if partial:
+            self._growing[name] = (ts, say, text, now)
+        else:
+            self._growing.pop(name, None)
+
+    def finish(self) -> None:
+        """Ends every message still growing, so no webview shows the agent working forever."""
+        for ts, say, text, _ in list(self._growing.values()):
+            self.ui.say(text, say, ts=ts)
+        self._growing.clear()
+
+    def event(self, kind: Any, m: dict[str, Any]) -> list[Piece]:
+        if kind == "message_update":
+            return self._delta(m.get("assistantMessageEvent"))
+        if kind == "message_start":
+            if isinstance(m.get("message"), dict) and m["message"].get("role") == "assistant":
+                self.text_before = self.text_before or self.text_here
+                self.text_here = False
+            return []
+        if kind == "message_end":
+            message = m.get("message")
+            if isinstance(message, dict) and message.get("role") == "assistant" \
+                    and message.get("stopReason") == "error":
+                self.error = _str(message.get("errorMessage")) or "the model request failed"
+            return []
+        if kind == "tool_execution_start":
+            return self._tool_start(m)
+        if kind == "tool_execution_update":
+            self._tool_output(m, _content_text(m.get("partialResult")), partial=True)
+            return []
+        if kind == "tool_execution_end":
+            return self._tool_end(m)
+        if kind == "auto_retry_end" and m.get("success") is False:
+            self.error = _str(m.get("finalError")) or "the model request failed after retries"
+        elif kind == "extension_error":
+            return [chat_pb2.ChatMessage(type=_AGENT, text=f"extension error: {_str(m.get('error'))}",
+                                         structure=_struct({"kind": "extension_error", **m}))]
+        return []
+
+    def _delta(self, event: Any) -> list[Piece]:
+        if not isinstance(event, dict):
+            return []
+        kind = event.get("type")
+        if kind == "text_delta":
+            delta = _str(event.get("delta"))
+            pieces: list[Piece] = []
+            if not self.text_here and self.text_before and delta:
+                pieces.append("\n\n")  # the next assistant message of the run
+            self.text_here = self.text_here or bool(delta)
+            if delta:
+                pieces.append(delta)
+            return pieces
+        if kind == "thinking_delta":
+            delta = _str(event.get("delta"))
+            _, _, text, _ = self._growing.get("thinking", (0, ui_pb2.REASONING, "", 0.0))
+            self._show("thinking", ui_pb2.REASONING, text + delta, partial=True)
+            return [chat_pb2.ChatMessage(type=_AGENT, text=delta, structure=_struct({"kind": "thinking"}))]
+        if kind == "thinking_end":
+            _, _, text, _ = self._growing.get("thinking", (0, ui_pb2.REASONING, "", 0.0))
+            content = event.get("content")
+            self._show("thinking", ui_pb2.REASONING, _str(content) if isinstance(content, str) else text,
+                       partial=False)
+        return []
+
+    def _tool_start(self, m: dict[str, Any]) -> list[Piece]:
+        ident, name = _str(m.get("toolCallId")), _str(m.get("toolName"))
+        args = m.get("args") if isinstance(m.get("args"), dict) else {}
+        self._tools[ident] = (name, args)
+        if name == "bash":
+            self._show(f"command {ident}", ui_pb2.COMMAND_SAY, _str(args.get("command")), partial=False)
+        else:
+            self._show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, None), partial=True)
+        return [chat_pb2.ChatMessage(type=_AGENT, text=f"{name} {json.dumps(args, default=str)[:2000]}",
+                                     structure=_struct({"kind": "tool_start", "tool": name, "tool_call_id": ident,
+                                                        "args": args}))]
+
+    def _tool_output(self, m: dict[str, Any], output: str, *, partial: bool) -> None:
+        ident = _str(m.get("toolCallId"))
+        name, args = self._tools.get(ident, (_str(m.get("toolName")), {}))
+        if name == "bash":
+            self._show(f"output {ident}", ui_pb2.COMMAND_OUTPUT_SAY, output, partial=partial)
+        else:
+            self._show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, output), partial=partial)
+
+    def _tool_end(self, m: dict[str, Any]) -> list[Piece]:
+        ident = _str(m.get("toolCallId"))
+        output = _content_text(m.get("result"))
+        self._tool_output(m, output, partial=False)
+        name, _ = self._tools.pop(ident, (_str(m.get("toolName")), {}))
+        is_error = m.get("isError") is True
+        return [chat_pb2.ChatMessage(type=_TOOL_RESULT, text=output, structure=_struct(
+            {"kind": "tool_end", "tool": name, "tool_call_id": ident, "is_error": is_error}))]

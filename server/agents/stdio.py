@@ -1,0 +1,314 @@
+"""Agent programs on stdio: what every hosted-agent protocol shares (pi's RPC mode in
+uibus.agents.rpc; the Agent Client Protocol is meant to be the next module on it).
+
+* `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
+  from the agents file only, never from a request; the program must exist then), `cwd`, `env`
+  (added to uibus's environment), `idle_seconds`, `max_processes`, and the bounds on starting,
+  stopping, a turn and a line.
+* `StdioBackend`: a backend whose agents live across turns, one process per agent session,
+  counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
+* `AgentProcess`: one running program in its own process group. Its stdout is read as JSON lines
+  split on `\\n` only (a trailing `\\r` stripped; U+2028/U+2029 are characters inside JSON strings,
+  not line ends), each object handed to `on_message`; an unparsable line is one rate-limited log
+  line; a line over `max_line_bytes` stops the process; stderr goes to the log, rate-limited and
+  cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
+  Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
+  nothing it started survives it; if uibus itself dies, the agent's stdin closes and an agent in
+  these protocols exits at the end of its input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from uibus.agents import AgentError, AgentSession, AgentSpec, Backend, SessionUi, check_options, option, seconds
+from uibus.errors import ResourceExhausted
+
+log = logging.getLogger("uibus.agents.stdio")
+
+OPTIONS = frozenset({"command", "cwd", "env", "idle_seconds", "max_processes", "start_timeout_seconds",
+                     "stop_timeout_seconds", "turn_timeout_seconds", "max_line_bytes"})
+MAX_LINE_BYTES = 16 * 1024 * 1024  # pi's agent_end carries every message of the run
+STDERR_LINE_CHARS = 2000
+LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, with the count skipped
+
+
+def text(value: Any) -> str:
+    """A string the agent sent, made safe for protobuf (a lone surrogate cannot be encoded)."""
+    out = value if isinstance(value, str) else "" if value is None else str(value)
+    try:
+        out.encode()
+    except UnicodeEncodeError:
+        out = out.encode("utf-8", "replace").decode()
+    return out
+
+
+class RateLog:
+    """One log line per kind of complaint per LOG_EVERY_S (the rest counted in the next one), so an
+    agent that writes garbage at full speed cannot flood the log."""
+
+    def __init__(self, logger: logging.Logger, where: dict[str, str]) -> None:
+        self.logger = logger
+        self.where = where
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+            self._skipped[kind] = self._skipped.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        skipped = self._skipped.pop(kind, 0)
+        self.logger.warning(message, extra={"fields": {**self.where, **fields, "skipped_since_last": skipped}})
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """How to run one configured agent program."""
+
+    command: tuple[str, ...]
+    program: str  # command[0] as found at start-up
+    cwd: str | None
+    env: dict[str, str]
+    idle_seconds: float
+    max_processes: int
+    start_timeout: float
+    stop_timeout: float
+    turn_timeout: float
+    max_line: int
+
+    @classmethod
+    def of(cls, spec: AgentSpec) -> ProcessOptions:
+        """The options of `spec`, checked; ValueError naming agent and option (start-up fails)."""
+        name = spec.name
+        command = option(spec, "command", list, required=True)
+        if not command or not all(isinstance(a, str) and a for a in command):
+            raise ValueError(f"agent {name!r}: option command must be a non-empty list of non-empty strings "
+                             f"(the argv of the agent), not {command!r}")
+        cwd = option(spec, "cwd", str, "")
+        if cwd and not Path(cwd).expanduser().is_dir():
+            raise ValueError(f"agent {name!r}: option cwd {cwd!r} is not a directory")
+        env = option(spec, "env", dict, {})
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError(f"agent {name!r}: option env must be a table of strings")
+        max_processes = option(spec, "max_processes", int, 64)
+        if max_processes < 1:
+            raise ValueError(f"agent {name!r}: option max_processes must be at least 1")
+        max_line = option(spec, "max_line_bytes", int, MAX_LINE_BYTES)
+        if max_line < 1024:
+            raise ValueError(f"agent {name!r}: option max_line_bytes must be at least 1024")
+        workdir = str(Path(cwd).expanduser()) if cwd else None
+        return cls(command=tuple(command), program=_resolve(name, command[0], workdir, env), cwd=workdir,
+                   env=dict(env), idle_seconds=seconds(spec, "idle_seconds", 900), max_processes=max_processes,
+                   start_timeout=seconds(spec, "start_timeout_seconds", 30),
+                   stop_timeout=seconds(spec, "stop_timeout_seconds", 5),
+                   turn_timeout=seconds(spec, "turn_timeout_seconds", 3600), max_line=max_line)
+
+
+def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> str:
+    """The program of `command`, found as it will be started (PATH from `env` first)."""
+    if os.sep in program:
+        found = program if os.access(Path(cwd or ".") / program, os.X_OK) else None
+    else:
+        found = shutil.which(program, path=env.get("PATH", os.environ.get("PATH", os.defpath)))
+    if found is None:
+        raise ValueError(f"agent {agent!r}: option command: {program!r} is not an executable "
+                         f"{'file' if os.sep in program else 'on PATH'}; install the agent or fix command")
+    return found
+
+
+class StdioBackend(Backend):
+    """A backend whose agents are processes, one per agent session (`session` builds one)."""
+
+    lives_across_turns = True
+    extra_options: frozenset[str] = frozenset()  # a protocol's own options, beside OPTIONS
+
+    def __init__(self, spec: AgentSpec) -> None:
+        super().__init__(spec)
+        check_options(spec, set(OPTIONS | self.extra_options))
+        self.options = ProcessOptions.of(spec)
+        self.processes = 0  # agent sessions holding (or starting) a process now
+        self.started = 0  # processes started, ever
+
+    def open_session(self, ui: SessionUi) -> AgentSession:
+        limit = self.options.max_processes
+        if self.processes >= limit:
+            raise ResourceExhausted(f"agent {self.spec.name!r} already runs {self.processes} processes, one per "
+                                    f"session (option max_processes = {limit}); try again when one is idle, or "
+                                    "raise max_processes")
+        self.processes += 1
+        try:
+            return self.session(ui)
+        except BaseException:
+            self.processes -= 1
+            raise
+
+    def session(self, ui: SessionUi) -> AgentSession:
+        """The protocol's agent session for `ui.session`; it must call `released` once when closed."""
+        raise NotImplementedError
+
+    def released(self) -> None:
+        self.processes -= 1
+
+
+class AgentProcess:
+    """One agent program on stdio (see the module docstring)."""
+
+    def __init__(self, backend: StdioBackend, ui: SessionUi, on_message: Callable[[dict[str, Any]], None],
+                 on_exit: Callable[[str], None], logger: logging.Logger) -> None:
+        self.backend = backend
+        self.options = backend.options
+        self.on_message = on_message
+        self.on_exit = on_exit
+        self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
+        self.proc: asyncio.subprocess.Process | None = None
+        self.gone = ""  # why it is gone; "" while it runs
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def alive(self) -> bool:
+        return not self.gone and self.proc is not None and self.proc.returncode is None
+
+    async def start(self) -> None:
+        o = self.options
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                o.program, *o.command[1:], cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                limit=o.max_line)
+        except OSError as exc:
+            raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
+                             f"{exc.strerror or exc}") from exc
+        self.backend.started += 1
+        log.info("agent process started", extra={"fields": {**self.log.where, "pid": self.proc.pid}})
+        spawn = asyncio.get_running_loop().create_task
+        self._tasks = [spawn(self._read(), name="agent stdout"), spawn(self._stderr(), name="agent stderr")]
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Writes one JSON line (buffered by the transport; `drain` waits for the pipe)."""
+        proc = self.proc
+        if proc is None or proc.stdin is None or not self.alive or proc.stdin.is_closing():
+            raise AgentError(self.gone or "the agent process is not running")
+        proc.stdin.write(json.dumps(message, ensure_ascii=False).encode() + b"\n")
+
+    async def drain(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None
+        try:
+            await proc.stdin.drain()
+        except ConnectionError as exc:  # it exited while we wrote: said as the rest says it
+            raise AgentError(self.gone or f"the agent process closed its input: {exc}") from exc
+
+    async def _read(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        why = ""
+        try:
+            while True:
+                try:
+                    line = await proc.stdout.readuntil(b"\n")
+                except asyncio.IncompleteReadError:
+                    break  # the end of its output (a last line without \n is not a record)
+                except asyncio.LimitOverrunError:
+                    why = (f"the agent wrote a line over {self.options.max_line} bytes (option max_line_bytes); "
+                           "it was stopped")
+                    log.warning("agent line too long", extra={"fields": self.log.where})
+                    self.kill()
+                    break
+                message = self._parse(line)
+                if message is not None:
+                    self.on_message(message)
+        except Exception as exc:  # a bug here must not leave a turn waiting
+            why = f"reading the agent failed: {exc}"
+            log.exception("reading the agent failed", extra={"fields": self.log.where})
+            self.kill()
+        finally:
+            code = None
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.options.stop_timeout):
+                    code = await proc.wait()
+            self._lost(why or (f"the agent process exited (code {code})" if code is not None
+                               else "the agent closed its output"))
+
+    def _parse(self, raw: bytes) -> dict[str, Any] | None:
+        line = raw[:-1]
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if not line.strip():
+            return None
+        try:
+            message = json.loads(line)
+        except ValueError as exc:
+            self.log.warn("unparsable", "agent line is not JSON; ignored", error=str(exc),
+                          line=text(line[:200].decode(errors="replace")))
+            return None
+        if not isinstance(message, dict):
+            self.log.warn("unparsable", "agent line is not a JSON object; ignored")
+            return None
+        return message
+
+    async def _stderr(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stderr is not None
+        while True:
+            try:
+                line = await proc.stderr.readline()
+            except (asyncio.LimitOverrunError, ValueError):  # a line over the bound: drop what is buffered
+                with contextlib.suppress(Exception):
+                    await proc.stderr.read(self.options.max_line)
+                continue
+            if not line:
+                return
+            self.log.warn("stderr", "agent stderr", line=text(line.decode(errors="replace").rstrip())
+                          [:STDERR_LINE_CHARS])
+
+    def _lost(self, why: str) -> None:
+        if not self.gone:
+            self.gone = why
+            self.on_exit(why)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group, at once."""
+        proc = self.proc
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    async def aclose(self) -> None:
+        """Stops it (input closed, SIGTERM, SIGKILL after stop_timeout, the group killed last) and
+        waits for its readers; safe to call more than once."""
+        proc = self.proc
+        if proc is not None:
+            if proc.returncode is None:
+                self._lost("the agent session was closed")
+                with contextlib.suppress(Exception):
+                    if proc.stdin is not None:
+                        proc.stdin.close()
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    async with asyncio.timeout(self.options.stop_timeout):
+                        await proc.wait()
+                except TimeoutError:
+                    self.kill()
+                    await proc.wait()
+            self.kill()  # whatever it started in its group goes with it
+            log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
+                                                                 "code": proc.returncode}})
+        self._lost("the agent session was closed")
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

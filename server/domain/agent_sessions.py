@@ -1,0 +1,254 @@
+"""Agents that live across turns: one `AgentSession` per (uibus session, agent), owned here.
+
+The chat engine asks `AgentSessions.use` for the agent of a turn. The first turn of a (session,
+agent) opens it (`Backend.open_session` then `start`), later turns reuse it, one at a time: a
+second turn waits for the first rather than being slipped into the agent's run (pi's `followUp`),
+because one agent run can only be streamed to one caller — a follow-up's events would arrive on the
+first caller's stream and its own stream would see nothing it could tell apart. Waiting keeps every
+call's stream its own and the agent's conversation in the order the turns came.
+
+An agent session is closed, exactly once and with errors collected, when
+
+* it was idle (no turn running or waiting) for its `idle_seconds`,
+* its uibus session was evicted (retention, `max-sessions`; on any replica): each live agent keeps a
+  marker key in the session store, and a session whose marker is gone was deleted,
+* the server shuts down (`aclose`, in reverse of nothing: every one of them, concurrently),
+* it died (`alive` false): the next turn opens a new one.
+
+A caller that named no session (`keep=False`) gets an agent of its own for the turn, closed with it:
+a fresh conversation, as the engine gives stateless agents.
+
+`SessionBound` is the `SessionUi` handed to agent sessions: the session's dialogs, fire-and-forget
+UI and webview messages through the domain's `Dialogs` and `UiFeed`, never a transport.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from uibus.agents import AgentError, AgentSession, Backend, Dialog
+from uibus.domain.dialogs import Dialogs
+from uibus.domain.feed import UiFeed
+from uibus.pb.cline import ui_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.store import Store
+
+log = logging.getLogger("uibus.agents")
+
+MARKER = "agent/live/"  # + agent name: the store key a live agent session keeps in its uibus session
+SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at most; idle/2 when shorter)
+
+
+class SessionBound:
+    """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
+
+    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed) -> None:
+        self.session = session
+        self._dialogs = dialogs
+        self._feed = feed
+
+    async def ask(self, request: Dialog) -> ext_pb.DialogResult:
+        return await self._dialogs.ask(self.session, request)
+
+    async def fire(self, request: ext_pb.NotifyRequest | ext_pb.SetStatusRequest | ext_pb.SetWidgetRequest
+                   | ext_pb.SetTitleRequest | ext_pb.SetEditorTextRequest) -> None:
+        dialogs, session = self._dialogs, self.session
+        if isinstance(request, ext_pb.NotifyRequest):
+            await dialogs.notify(session, request)
+        elif isinstance(request, ext_pb.SetStatusRequest):
+            await dialogs.set_status(session, request)
+        elif isinstance(request, ext_pb.SetWidgetRequest):
+            await dialogs.set_widget(session, request)
+        elif isinstance(request, ext_pb.SetTitleRequest):
+            await dialogs.set_title(session, request)
+        else:
+            await dialogs.set_editor_text(session, request)
+
+    def say(self, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
+        return self._feed.say(self.session, text, say, ts=ts, partial=partial)
+
+    def next_ts(self) -> int:
+        return self._feed.clock.next()
+
+
+@dataclass
+class _Live:
+    """One open agent session and its turn bookkeeping."""
+
+    agent: AgentSession
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
+    users: int = 0  # turns running or waiting
+    idle_since: float = field(default_factory=time.monotonic)
+
+
+class AgentSessions:
+    """Every live agent session of this process, by (uibus session, agent name)."""
+
+    def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, *, sweep_s: float = SWEEP_S) -> None:
+        self.dialogs = dialogs
+        self.feed = feed
+        self.store = store
+        self.sweep_s = sweep_s
+        self._live: dict[tuple[str, str], _Live] = {}
+        self._opening: dict[tuple[str, str], asyncio.Lock] = {}
+        self._one_shot = 0  # agent sessions of callers that named no session, open now
+        self._stopping = 0  # agent sessions being closed now (their processes still stopping)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closing = False
+        self.closed_idle = 0
+        self.closed_evicted = 0
+        self.closed_dead = 0
+
+    def count(self) -> int:
+        """Agent sessions open or closing now (each may hold a process)."""
+        return len(self._live) + self._one_shot + self._stopping
+
+    # ---- lifecycle ----
+
+    async def __aenter__(self) -> AgentSessions:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes every agent session (concurrently: each may wait for its process to stop)."""
+        self._closing = True
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+        live, self._live = list(self._live.items()), {}
+        results = await asyncio.gather(*(self._close(key, entry.agent, "shutdown") for key, entry in live),
+                                       return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise BaseExceptionGroup("closing agent sessions", errors)
+
+    async def _close(self, key: tuple[str, str], agent: AgentSession, why: str) -> None:
+        self._stopping += 1
+        try:
+            await agent.aclose()
+        finally:
+            self._stopping -= 1
+            log.info("agent session closed", extra={"fields": {"session": key[0], "agent": key[1], "why": why}})
+            with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
+                await self.store.put(key[0], MARKER + key[1], None)
+
+    def _ensure_sweeper(self, idle_seconds: float) -> None:
+        self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
+        if self._sweeper is None and not self._closing:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="agent sessions")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                await self.sweep()
+            except Exception as exc:  # a store outage: the next sweep tries again
+                log.warning("agent session sweep failed", extra={"fields": {"error": str(exc)}})
+
+    async def sweep(self) -> None:
+        """Closes the agent sessions idle too long, dead, or whose uibus session was evicted."""
+        now = time.monotonic()
+        for key, entry in list(self._live.items()):
+            if entry.users:
+                continue
+            why = ""
+            if not entry.agent.alive:
+                why = "its agent exited"
+            elif now - entry.idle_since >= entry.agent.idle_seconds:
+                why = f"idle for {entry.agent.idle_seconds:g} s"
+            elif await self.store.get(key[0], MARKER + key[1]) is None:
+                why = "its session was evicted"
+            if why and self._live.get(key) is entry and not entry.users:
+                del self._live[key]
+                if why.startswith("idle"):
+                    self.closed_idle += 1
+                elif why.startswith("its session"):
+                    self.closed_evicted += 1
+                else:
+                    self.closed_dead += 1
+                try:
+                    await self._close(key, entry.agent, why)
+                except Exception as exc:
+                    log.warning("closing an agent session failed", extra={"fields": {
+                        "session": key[0], "agent": key[1], "error": str(exc)}})
+
+    # ---- turns ----
+
+    async def _open(self, session: str, name: str, backend: Backend) -> AgentSession | None:
+        agent = backend.open_session(SessionBound(session, self.dialogs, self.feed))
+        if agent is None:
+            return None
+        try:
+            await agent.start()
+        except BaseException:
+            await agent.aclose()
+            raise
+        return agent
+
+    @asynccontextmanager
+    async def use(self, session: str, name: str, backend: Backend, *,
+                  keep: bool = True) -> AsyncIterator[AgentSession | None]:
+        """The agent session for one turn of `name` in `session`, held for the turn; None for a
+        stateless backend. Raises AgentError when the agent cannot start (the turn's answer) and the
+        backend's ResourceExhausted when it may not (the call's status)."""
+        if self._closing:
+            raise AgentError("the server is shutting down")
+        if not keep:
+            self._one_shot += 1
+            try:
+                agent = await self._open(session, name, backend)
+                if agent is None:
+                    yield None
+                    return
+                try:
+                    yield agent
+                finally:
+                    await agent.aclose()
+            finally:
+                self._one_shot -= 1
+            return
+        key = (session, name)
+        entry = self._live.get(key)
+        if entry is None:
+            opening = self._opening.setdefault(key, asyncio.Lock())
+            try:
+                async with opening:  # two first turns at once start one agent
+                    entry = self._live.get(key)
+                    if entry is None:
+                        agent = await self._open(session, name, backend)
+                        if agent is None:
+                            yield None
+                            return
+                        try:  # the marker first: a sweep must never find a live agent without one
+                            await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
+                        except BaseException:
+                            await agent.aclose()
+                            raise
+                        entry = self._live[key] = _Live(agent)
+                        self._ensure_sweeper(agent.idle_seconds)
+            finally:
+                if not opening.locked():
+                    self._opening.pop(key, None)
+        entry.users += 1
+        try:
+            async with entry.lock:
+                if not entry.agent.alive:  # it died after the last turn: this turn gets a new one
+                    old = entry.agent
+                    self.closed_dead += 1
+                    await self._close(key, old, "its agent exited")
+                    await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
+                    entry.agent = await self._open(session, name, backend) or old
+                yield entry.agent
+        finally:
+            entry.users -= 1
+            entry.idle_since = time.monotonic()
