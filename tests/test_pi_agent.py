@@ -342,7 +342,8 @@ def broken_agent(**options: Any) -> dict[str, Any]:
 
 async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Config, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
-    path = write_agents(tmp_path, [broken_agent(max_line_bytes=1024 * 1024)])
+    path = write_agents(tmp_path, [broken_agent(max_line_bytes=1024 * 1024, turn_timeout_seconds=1,
+                                                stop_timeout_seconds=1)])
     app = await start_app(replace(config, agents=path))
     backend = app.core.chat.agents.backends["broken"]
     try:
@@ -369,6 +370,14 @@ async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Conf
                                        "(option max_line_bytes); it was stopped")
             assert await final("hi") == "echo: hi"  # a new process
             assert backend.started == 2 and backend.processes == 1
+            assert await final("hang") == ("Error from broken: the turn did not end within 1 s "
+                                           "(option turn_timeout_seconds)")
+            # It never ends the run it was told to abort: the next turn waits stop_timeout_seconds for
+            # it, then stops the process and says so; the one after gets a new process.
+            assert (await final("hi")).startswith("Error from broken: the agent did not end its cancelled run "
+                                                  "within 1 s (option stop_timeout_seconds)")
+            assert await final("hi again") == "echo: hi again"
+            assert backend.started == 3
     finally:
         await app.aclose()
     assert backend.processes == 0 and app.core.agent_sessions.count() == 0

@@ -61,6 +61,7 @@ _AGENT, _TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TO
 _NOTIFY = {"info": ext_pb.NOTIFY_TYPE_INFO, "warning": ext_pb.NOTIFY_TYPE_WARNING, "error": ext_pb.NOTIFY_TYPE_ERROR}
 _PLACEMENT = {"aboveEditor": ext_pb.WIDGET_PLACEMENT_ABOVE_EDITOR, "belowEditor": ext_pb.WIDGET_PLACEMENT_BELOW_EDITOR}
 _DIALOGS = frozenset({"select", "confirm", "input", "editor"})
+_TIMED_OUT: dict[str, Any] = {"type": "uibus: the turn timed out"}  # a marker: compared by identity
 _FIRE = frozenset({"notify", "setStatus", "setWidget", "setTitle", "set_editor_text"})
 # Every event pi's RPC mode documents; anything else is logged (rate-limited) and ignored.
 _EVENTS = frozenset({"agent_start", "agent_end", "turn_start", "turn_end", "message_start", "message_update",
@@ -356,16 +357,16 @@ class RpcSession(AgentSession):
         is_command = turn.text.startswith("/") and await self._extension_command(turn.text[1:])
         responded = ended = False
         self._turn = queue
+        # One timer per turn, not one per line (bench/README.md: a timeout armed per line cost a few
+        # percent of a piece): at the deadline it puts the end-of-turn marker in the queue.
+        timer = asyncio.get_running_loop().call_later(self.options.turn_timeout, queue.put_nowait, _TIMED_OUT)
         try:
             self.process.send({"type": "prompt", "message": turn.text, "id": ident})
-            deadline = asyncio.get_running_loop().time() + self.options.turn_timeout
             while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        message = await queue.get()
-                except TimeoutError:
+                message = await queue.get()
+                if message is _TIMED_OUT:
                     raise AgentError(f"the turn did not end within {self.options.turn_timeout:g} s "
-                                     "(option turn_timeout_seconds)") from None
+                                     "(option turn_timeout_seconds)")
                 if message is None:
                     raise AgentError(f"{self.process.gone} during the turn")
                 kind = message.get("type")
@@ -387,6 +388,7 @@ class RpcSession(AgentSession):
             if view.error:
                 raise AgentError(view.error)
         finally:
+            timer.cancel()
             self._turn = None
             view.finish()
             if not ended and not (is_command and responded):  # cancelled or failed in the middle

@@ -5,7 +5,8 @@ just enough of pi's RPC mode to start (answers get_state) and then misbehaves as
   then a proper short run (`agent_start`, one text delta, `agent_end`);
 * `long`: writes one line over any sane bound;
 * `refuse`: answers the prompt `success: false`;
-* `stderr`: floods stderr, then a proper run.
+* `stderr`: floods stderr, then a proper run;
+* `hang`: accepts the prompt and never runs it (nor answers `abort`).
 It is a test double for the fault paths only; the agent uibus is tested with is the real pi.
 """
 
@@ -45,6 +46,8 @@ for line in sys.stdin:
         elif text == "long":
             sys.stdout.write('{"type": "message_update", "pad": "' + "x" * (2 * 1024 * 1024) + '"}\n')
             sys.stdout.flush()
+        elif text == "hang":
+            pass
         elif text == "stderr":
             for i in range(2000):
                 sys.stderr.write(f"noise {i} " + "y" * 500 + "\n")
