@@ -42,6 +42,7 @@ from uibus.pipeline import Pipeline
 from uibus.store import SqliteStore, Store
 from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
+from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.routes import Routes
 from uibus.webview import webview_html
 from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
@@ -314,6 +315,12 @@ class App:
             self._http = HttpServer(routes, cfg, worker.http_socket if worker is not None else None)
             await self._http.start()
             self.http_port = self._http.port
+            if MCP_PATH in setup.mounts:  # hosted ACP agents are offered uibus's own MCP server
+                host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::", "localhost") else cfg.host
+                host = f"[{host}]" if ":" in host else host
+                scheme = "https" if cfg.tls_cert else "http"
+                core.agent_sessions.mcp_url = f"{scheme}://{host}:{self.http_port}{MCP_PATH}"
+                core.agent_sessions.mcp_token = cfg.auth_token
         serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)

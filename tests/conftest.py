@@ -76,6 +76,25 @@ async def browser() -> AsyncIterator[Any]:
             await b.close()
 
 
+def shots(tmp_path: Path) -> Path:
+    """Where screenshots go: UIBUS_SCREENSHOTS (.ci/run keeps them), else the test's tmp dir."""
+    return Path(os.environ.get("UIBUS_SCREENSHOTS") or tmp_path)
+
+
+async def chat_on_page(browser: Any, http_port: int, session: str, agent: str, text: str,
+                       height: int = 1000) -> Any:
+    """The browser page of `session`, live, with `text` sent to `agent` from its chat box."""
+    page = await browser.new_page(viewport={"width": 1100, "height": height})
+    await page.goto(f"http://127.0.0.1:{http_port}/?session={session}")
+    await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+    await page.wait_for_function("a => [...document.querySelectorAll('#agent option')].some(o => o.value === a)",
+                                 arg=agent, timeout=5000)
+    await page.select_option("#agent", agent)
+    await page.fill("#input", text)
+    await page.press("#input", "Enter")
+    return page
+
+
 @pytest.fixture
 def config(tmp_path: Path) -> Config:
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "uibus.db"), grace_seconds=2.0)

@@ -14,13 +14,17 @@ import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from tests.conftest import REPO, free_port
+from tests.chatkit import MAXIMAL, Agent, request, write_agents
+from tests.conftest import REPO, free_port, start_app
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config
 
 PI_DIR = REPO / "tests" / "pi"
 PI = PI_DIR / "node_modules" / ".bin" / "pi"
@@ -61,7 +65,8 @@ def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def _words(text: str) -> list[str]:
+def words(text: str) -> list[str]:
+    """`text` in pieces that end after each space (how the scripted models stream a reply)."""
     out, word = [], ""
     for ch in text:
         word += ch
@@ -85,10 +90,10 @@ async def scripted_model() -> AsyncIterator[Model]:
         finished = False
         try:
             await response.write(_chunk({"role": "assistant", "content": ""}))
-            for piece in _words(reply.thinking):
+            for piece in words(reply.thinking):
                 await response.write(_chunk({"reasoning_content": piece}))
                 await asyncio.sleep(reply.delay_s)
-            for piece in _words(reply.text):
+            for piece in words(reply.text):
                 await response.write(_chunk({"content": piece}))
                 await asyncio.sleep(reply.delay_s)
             if reply.hang:  # until the client goes (aiohttp does not cancel a handler when it does)
@@ -166,3 +171,20 @@ def agent_pids(work: Path) -> list[int]:
             except OSError:
                 continue
     return found
+
+
+@asynccontextmanager
+async def hosting(config: Config, tmp_path: Path, agents: list[dict[str, Any]], **changes: Any) -> AsyncIterator[App]:
+    """An app serving `agents`; after it closes, no agent session (so no agent process) is left."""
+    app = await start_app(replace(config, agents=write_agents(tmp_path, agents), **changes))
+    try:
+        yield app
+    finally:
+        await app.aclose()
+    assert app.core.agent_sessions.count() == 0
+
+
+async def turn_of(conn: Connection, agent: str, text: str, *, maximal: bool = False) -> list[Any]:
+    """Every ChatResponse of one StreamingChat turn of `agent`."""
+    call = Agent(conn, agent).StreamingChat(request(text, filter_type=MAXIMAL if maximal else 0))
+    return [r async for r in call]

@@ -23,9 +23,9 @@ import grpc
 import pytest
 
 from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, request, write_agents
-from tests.conftest import REPO, free_port, require, start_app, wait_for
+from tests.conftest import REPO, chat_on_page, free_port, require, shots, start_app, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
-from tests.pikit import PI, Model, Reply, agent_pids, pi_agent, scripted_model
+from tests.pikit import PI, Model, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from uibus import kinds
 from uibus.app import App
@@ -49,18 +49,12 @@ async def model() -> AsyncIterator[Model]:
 
 @pytest.fixture
 async def pi_app(config: Config, model: Model, tmp_path: Path) -> AsyncIterator[App]:
-    path = write_agents(tmp_path, [pi_agent(tmp_path, model)])
-    app = await start_app(replace(config, agents=path))
-    try:
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)]) as app:
         yield app
-    finally:
-        await app.aclose()
-    assert app.core.agent_sessions.count() == 0
 
 
 async def turn(conn: Connection, text: str, *, maximal: bool = False) -> list[Any]:
-    call = Agent(conn, "pi").StreamingChat(request(text, filter_type=MAXIMAL if maximal else 0))
-    return [r async for r in call]
+    return await turn_of(conn, "pi", text, maximal=maximal)
 
 
 async def test_every_pi_dialog_and_ui_method_reaches_the_session_uis(pi_app: App) -> None:
@@ -472,15 +466,8 @@ async def test_a_pi_dialog_answered_by_a_click_on_the_page(config: Config, model
     model.script(Reply(thinking="The cache is stale; removing it is safe. ", text="Cleaning up. ",
                        tool=("bash", {"command": command})),
                  Reply(text="**Done**: the cache is gone.\n\n- removed `build-cache`"))
-    page = await browser.new_page(viewport={"width": 1100, "height": 1000})
+    page = await chat_on_page(browser, app.http_port, "page", "pi", "please clean the build cache")
     try:
-        await page.goto(f"http://127.0.0.1:{app.http_port}/?session=page")
-        await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
-        await page.wait_for_function("() => [...document.querySelectorAll('#agent option')].some(o => o.value === "
-                                     "'pi')", timeout=5000)
-        await page.select_option("#agent", "pi")
-        await page.fill("#input", "please clean the build cache")
-        await page.press("#input", "Enter")
         dialog = '.dialog[data-kind="select"]'
         await page.wait_for_selector(dialog, timeout=30_000)
         assert f"Dangerous command: {command}" in (await page.text_content(dialog) or "")
@@ -502,10 +489,6 @@ async def test_a_pi_dialog_answered_by_a_click_on_the_page(config: Config, model
         await app.aclose()
     assert app.core.agent_sessions.count() == 0 and agent_pids(tmp_path / "work") == []
 
-
-def shots(tmp_path: Path) -> Path:
-    """Where screenshots go: UIBUS_SCREENSHOTS (CI keeps them), else the test's tmp dir."""
-    return Path(os.environ.get("UIBUS_SCREENSHOTS") or tmp_path)
 
 
 async def test_the_example_config_loads_and_its_echo_agent_asks_at_a_ui(config: Config,

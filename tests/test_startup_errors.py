@@ -62,7 +62,7 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      "uibus serve: --agents: {tmp}/shape.json: `agents` must be a non-empty list"),
     ("agents-bad-backend", ["--agents", "{tmp}/backend.json"], {}, 2,
      "uibus serve: --agents: {tmp}/backend.json: agents[0] (x): backend 'nope' is not one of local, openai, "
-     "neuro-san, rpc"),
+     "neuro-san, rpc, acp"),
     ("agents-rpc-missing-binary", ["--agents", "{tmp}/rpc-missing.json"], {}, 2,
      "uibus serve: --agents: {tmp}/rpc-missing.json: agent 'pi': option command: 'no-such-agent-x' is not an "
      "executable on PATH; install the agent or fix command"),

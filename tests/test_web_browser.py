@@ -7,13 +7,12 @@ served it, must show each update within a second. Closing the page must leave no
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import wait_for
+from tests.conftest import shots, wait_for
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2
@@ -22,11 +21,6 @@ from uibus.pb.uibus.v1 import host_pb2
 # Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
 STREAMS_PER_PAGE = 12
 WITHIN = 1000  # ms: each published update must be on screen within a second
-
-
-def _shots(tmp_path: Path) -> Path:
-    """Where screenshots go: UIBUS_SCREENSHOTS (to look at them), else the test's tmp dir."""
-    return Path(os.environ.get("UIBUS_SCREENSHOTS") or tmp_path)
 
 
 async def _shown_within(page: Any, js: str, arg: Any, what: str) -> float:
@@ -79,7 +73,7 @@ async def test_page_shows_host_updates_live_and_cleans_up(web: App, web_connect:
     timings["focus"] = await _shown_within(page, "() => document.activeElement?.id === 'input'", None,
                                            "the focus request")
     print("\nshown after publish (ms):", {k: round(v) for k, v in timings.items()})
-    await page.screenshot(path=str(_shots(tmp_path) / "webview.png"))
+    await page.screenshot(path=str(shots(tmp_path) / "webview.png"))
     assert not errors, errors
 
     await page.close()
@@ -112,7 +106,7 @@ async def test_chat_with_an_agent_from_the_page(web: App, browser: Any, tmp_path
         assert await reply.get_attribute("class") and "error" not in (await reply.get_attribute("class") or "")
         assert (await reply.locator(".text").text_content() or "").strip()
     assert "my name is Ada" in (await page.locator(".msg.agent").nth(1).text_content() or "")  # context kept
-    await page.screenshot(path=str(_shots(tmp_path) / "chat.png"))
+    await page.screenshot(path=str(shots(tmp_path) / "chat.png"))
     # Reloaded: the conversation comes back from the server, each question once, in order.
     await page.reload()
     await page.wait_for_function("() => document.querySelectorAll('#messages .msg').length >= 4", timeout=5000)
@@ -165,7 +159,7 @@ async def test_page_answers_extension_ui_dialogs(web: App, browser: Any, tmp_pat
         timed = asyncio.ensure_future(agent.Editor(ext.EditorRequest(title="Edit", prefill="x = 1", timeout_ms=600),
                                                    metadata=md))
         await page.wait_for_selector('.dialog[data-kind="editor"]', timeout=WITHIN)
-        await page.screenshot(path=str(_shots(tmp_path) / "dialog.png"))
+        await page.screenshot(path=str(shots(tmp_path) / "dialog.png"))
         result = await asyncio.wait_for(timed, 5)
         assert result.outcome == ext.DIALOG_OUTCOME_TIMED_OUT
         await page.wait_for_selector('.dialog[data-kind="editor"]', state="detached", timeout=WITHIN)
@@ -260,7 +254,7 @@ async def test_page_opened_later_shows_the_session_so_far(web: App, web_connect:
         assert await page.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
         await page.wait_for_selector('#statuses [data-key="build"]:text("green")', timeout=WITHIN)
         if attempt == "load":
-            await page.screenshot(path=str(_shots(tmp_path) / "on-load.png"))
+            await page.screenshot(path=str(shots(tmp_path) / "on-load.png"))
             await page.reload()
             await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
 
@@ -377,7 +371,7 @@ async def test_an_mcp_agent_asks_the_person_at_the_page(web: App, browser: Any, 
         await page.wait_for_function(
             "t => [...document.querySelectorAll('#messages .msg .text')].some(e => e.textContent === t)",
             arg=reply.content[0].text, timeout=5000)
-        await page.screenshot(path=str(_shots(tmp_path) / "mcp-dialog.png"))
+        await page.screenshot(path=str(shots(tmp_path) / "mcp-dialog.png"))
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
 
@@ -495,7 +489,7 @@ async def test_page_renders_what_a_coding_agent_says(web: App, web_connect: Call
     await page.click(f"{edit} summary")
     assert await page.locator(f"{thinking} details .text").is_visible()
     await page.set_viewport_size({"width": 1100, "height": 1200})
-    await page.screenshot(path=str(_shots(tmp_path) / "agent-says.png"))
+    await page.screenshot(path=str(shots(tmp_path) / "agent-says.png"))
     assert not errors, errors
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")

@@ -108,6 +108,12 @@ class SessionUi(Protocol):
         """A fresh message ts, later than every earlier one of this server."""
         ...
 
+    def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
+        """uibus's own MCP server (URL and the headers that reach this session, naming `agent` as
+        the caller), if it serves one: what a hosted agent can be given as an MCP server (ask_user,
+        notify_user, the other agents)."""
+        ...
+
 
 class AgentSession(abc.ABC):
     """One agent that lives across turns for one (uibus session, agent): a process, a connection.

@@ -8,7 +8,7 @@ JSON (`*.json`) or TOML (`*.toml`, read with the stdlib `tomllib`), the same sha
     name = "hello_world"                   # routes /hello_world.AgentService/...
     description = "Says hello"             # Function.description and ConciergeService.List
     tags = ["demo"]
-    backend = "local"                      # local | openai | neuro-san | rpc
+    backend = "local"                      # local | openai | neuro-san | rpc | acp
     options = { chunks = 8, delay_ms = 20 }
 
 Optional per agent: `parameters` and `sly_data_schema` (Function), `tools` and `display_as`
@@ -35,6 +35,7 @@ BACKENDS = {
     "openai": "uibus.agents.openai_compat:OpenAICompatAgent",
     "neuro-san": "uibus.agents.neurosan_proxy:NeuroSanProxyAgent",
     "rpc": "uibus.agents.rpc:RpcAgent",
+    "acp": "uibus.agents.acp:AcpAgent",
 }
 # An agent name is a proto package (`<name>.AgentService`), so it must be an identifier.
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

@@ -39,15 +39,17 @@ import contextlib
 import itertools
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from google.protobuf import struct_pb2
-
-from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
-from uibus.agents.stdio import AgentProcess, StdioBackend
+from uibus.agents import AgentError, Piece, SessionUi, Turn
+from uibus.agents.stdio import StdioBackend, StdioSession
 from uibus.agents.stdio import text as _str
+from uibus.agents.views import AGENT as _AGENT
+from uibus.agents.views import TOOL_RESULT as _TOOL_RESULT
+from uibus.agents.views import ClineView
+from uibus.agents.views import cut as _cut
+from uibus.agents.views import struct as _struct
 from uibus.domain import dialog_checks as limits
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
 from uibus.pb.cline import ui_pb2
@@ -56,8 +58,6 @@ from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 
 log = logging.getLogger("uibus.agents.rpc")
 
-PARTIAL_INTERVAL_S = 0.05  # a growing Cline message is republished at most this often
-_AGENT, _TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TOOL_RESULT
 _NOTIFY = {"info": ext_pb.NOTIFY_TYPE_INFO, "warning": ext_pb.NOTIFY_TYPE_WARNING, "error": ext_pb.NOTIFY_TYPE_ERROR}
 _PLACEMENT = {"aboveEditor": ext_pb.WIDGET_PLACEMENT_ABOVE_EDITOR, "belowEditor": ext_pb.WIDGET_PLACEMENT_BELOW_EDITOR}
 _DIALOGS = frozenset({"select", "confirm", "input", "editor"})
@@ -73,27 +73,11 @@ _CLINE_TOOLS = {"read": "readFile", "write": "newFileCreated", "edit": "editedEx
                 "find": "searchFiles", "grep": "searchFiles"}
 
 
-def _cut(value: Any, limit: int) -> str:
-    """An agent's text within a dialog limit: what the agent asks is shown, cut, rather than refused
-    (a refused dialog would block its tool); a cut is marked."""
-    text = _str(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
 def _content_text(result: Any) -> str:
     """The text of a tool result (`{"content": [{"type": "text", "text": …}, …]}`)."""
     if not isinstance(result, dict) or not isinstance(result.get("content"), list):
         return ""
     return "".join(_str(c.get("text")) for c in result["content"] if isinstance(c, dict) and c.get("type") == "text")
-
-
-def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
-    s = struct_pb2.Struct()
-    try:
-        s.update(json.loads(json.dumps(value, default=str, allow_nan=False)))
-    except (ValueError, TypeError):  # numbers JSON cannot carry, odd keys: keep the gist
-        s.update({"summary": _str(json.dumps(value, default=str))[:2000]})
-    return s
 
 
 def cline_tool(name: str, args: dict[str, Any], output: str | None) -> str:
@@ -122,16 +106,13 @@ class RpcAgent(StdioBackend):
         return RpcSession(self, ui)
 
 
-class RpcSession(AgentSession):
+class RpcSession(StdioSession):
     """One agent process of one uibus session, spoken to in pi's RPC mode."""
 
+    logger = log
+
     def __init__(self, backend: RpcAgent, ui: SessionUi) -> None:
-        self.backend = backend
-        self.options = backend.options
-        self.ui = ui
-        self.idle_seconds = backend.options.idle_seconds
-        self.process = AgentProcess(backend, ui, self._message, self._lost, log)
-        self.log = self.process.log
+        super().__init__(backend, ui)
         self._ids = itertools.count(1)
         self._commands: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._turn: asyncio.Queue[dict[str, Any] | None] | None = None
@@ -142,13 +123,8 @@ class RpcSession(AgentSession):
         self._running = False  # between the agent's agent_start and agent_end
         self._run_ended = asyncio.Event()
         self._run_ended.set()
-        self._closed = False
 
     # ---- the process ----
-
-    @property
-    def alive(self) -> bool:
-        return self.process.alive
 
     async def start(self) -> None:
         await self.process.start()
@@ -174,7 +150,7 @@ class RpcSession(AgentSession):
         finally:
             self._commands.pop(ident, None)
 
-    def _message(self, message: dict[str, Any]) -> None:
+    def on_message(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
         if kind == "response":
             future = self._commands.get(message.get("id"))  # type: ignore[arg-type]
@@ -196,7 +172,7 @@ class RpcSession(AgentSession):
         if self._turn is not None:
             self._turn.put_nowait(message)
 
-    def _lost(self, why: str) -> None:
+    def on_exit(self, why: str) -> None:
         """The process is gone: every wait on it ends now."""
         for future in self._commands.values():
             if not future.done():
@@ -207,18 +183,8 @@ class RpcSession(AgentSession):
         for task in self._dialogs.values():
             task.cancel()  # closes each dialog for every UI
 
-    async def aclose(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self.process.aclose()
-            tasks = [t for t in (self._firing, *self._dialogs.values()) if t is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            self.backend.released()
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return [t for t in (self._firing, *self._dialogs.values()) if t is not None]
 
     # ---- extension UI ----
 
@@ -401,35 +367,15 @@ class RpcSession(AgentSession):
                     self._run_ended.clear()
 
 
-class _TurnView:
+class _TurnView(ClineView):
     """What one turn shows: MAXIMAL messages for the caller, Cline messages for the webviews."""
 
     def __init__(self, ui: SessionUi) -> None:
-        self.ui = ui
+        super().__init__(ui)
         self.error = ""
         self.text_before = False  # text came in an earlier assistant message of this run
         self.text_here = False
-        self._growing: dict[str, tuple[int, int, str, float]] = {}  # name -> (ts, say, text, published at)
         self._tools: dict[str, tuple[str, dict[str, Any]]] = {}  # toolCallId -> (name, args)
-
-    def _show(self, name: str, say: int, text: str, *, partial: bool) -> None:
-        ts, _, _, at = self._growing.get(name, (0, say, "", 0.0))
-        ts = ts or self.ui.next_ts()
-        now = time.monotonic()
-        if partial and now - at < PARTIAL_INTERVAL_S:
-            self._growing[name] = (ts, say, text, at)
-            return
-        self.ui.say(text, say, ts=ts, partial=partial)
-        if partial:
-            self._growing[name] = (ts, say, text, now)
-        else:
-            self._growing.pop(name, None)
-
-    def finish(self) -> None:
-        """Ends every message still growing, so no webview shows the agent working forever."""
-        for ts, say, text, _ in list(self._growing.values()):
-            self.ui.say(text, say, ts=ts)
-        self._growing.clear()
 
     def event(self, kind: Any, m: dict[str, Any]) -> list[Piece]:
         if kind == "message_update":
@@ -474,14 +420,12 @@ class _TurnView:
             return pieces
         if kind == "thinking_delta":
             delta = _str(event.get("delta"))
-            _, _, text, _ = self._growing.get("thinking", (0, ui_pb2.REASONING, "", 0.0))
-            self._show("thinking", ui_pb2.REASONING, text + delta, partial=True)
+            self.show("thinking", ui_pb2.REASONING, self.shown("thinking") + delta, partial=True)
             return [chat_pb2.ChatMessage(type=_AGENT, text=delta, structure=_struct({"kind": "thinking"}))]
         if kind == "thinking_end":
-            _, _, text, _ = self._growing.get("thinking", (0, ui_pb2.REASONING, "", 0.0))
             content = event.get("content")
-            self._show("thinking", ui_pb2.REASONING, _str(content) if isinstance(content, str) else text,
-                       partial=False)
+            self.show("thinking", ui_pb2.REASONING, _str(content) if isinstance(content, str) else
+                      self.shown("thinking"), partial=False)
         return []
 
     def _tool_start(self, m: dict[str, Any]) -> list[Piece]:
@@ -489,9 +433,9 @@ class _TurnView:
         args = m.get("args") if isinstance(m.get("args"), dict) else {}
         self._tools[ident] = (name, args)
         if name == "bash":
-            self._show(f"command {ident}", ui_pb2.COMMAND_SAY, _str(args.get("command")), partial=False)
+            self.show(f"command {ident}", ui_pb2.COMMAND_SAY, _str(args.get("command")), partial=False)
         else:
-            self._show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, None), partial=True)
+            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, None), partial=True)
         return [chat_pb2.ChatMessage(type=_AGENT, text=f"{name} {json.dumps(args, default=str)[:2000]}",
                                      structure=_struct({"kind": "tool_start", "tool": name, "tool_call_id": ident,
                                                         "args": args}))]
@@ -500,9 +444,9 @@ class _TurnView:
         ident = _str(m.get("toolCallId"))
         name, args = self._tools.get(ident, (_str(m.get("toolName")), {}))
         if name == "bash":
-            self._show(f"output {ident}", ui_pb2.COMMAND_OUTPUT_SAY, output, partial=partial)
+            self.show(f"output {ident}", ui_pb2.COMMAND_OUTPUT_SAY, output, partial=partial)
         else:
-            self._show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, output), partial=partial)
+            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, output), partial=partial)
 
     def _tool_end(self, m: dict[str, Any]) -> list[Piece]:
         ident = _str(m.get("toolCallId"))

@@ -163,6 +163,51 @@ class StdioBackend(Backend):
         self.processes -= 1
 
 
+class StdioSession(AgentSession):
+    """An agent session whose agent is one AgentProcess; a protocol module adds its messages.
+
+    Subclasses implement `on_message` (one JSON object from the agent), `on_exit` (the process is
+    gone: end every wait on it) and `tasks` (what they started that closing must cancel)."""
+
+    logger = log
+
+    def __init__(self, backend: StdioBackend, ui: SessionUi) -> None:
+        self.backend = backend
+        self.options = backend.options
+        self.ui = ui
+        self.idle_seconds = backend.options.idle_seconds
+        self.process = AgentProcess(backend, ui, self.on_message, self.on_exit, self.logger)
+        self.log = self.process.log
+        self._closed = False
+
+    @property
+    def alive(self) -> bool:
+        return self.process.alive
+
+    def on_message(self, message: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def on_exit(self, why: str) -> None:
+        raise NotImplementedError
+
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        return []
+
+    async def aclose(self) -> None:
+        """Stops the process, then cancels what the session started; counted out exactly once."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.process.aclose()
+            tasks = self.tasks()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self.backend.released()
+
+
 class AgentProcess:
     """One agent program on stdio (see the module docstring)."""
 

@@ -48,10 +48,22 @@ SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at mo
 class SessionBound:
     """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
 
-    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed) -> None:
+    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None) -> None:
         self.session = session
         self._dialogs = dialogs
         self._feed = feed
+        self._owner = owner
+
+    def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
+        owner = self._owner
+        if owner is None or not owner.mcp_url:
+            return None
+        headers = {"x-uibus-session": self.session}
+        if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
+            headers["x-uibus-agent"] = agent
+        if owner.mcp_token:
+            headers["authorization"] = f"Bearer {owner.mcp_token}"
+        return owner.mcp_url, headers
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
         return await self._dialogs.ask(self.session, request)
@@ -104,6 +116,9 @@ class AgentSessions:
         self.closed_idle = 0
         self.closed_evicted = 0
         self.closed_dead = 0
+        # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
+        self.mcp_url = ""
+        self.mcp_token = ""
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -185,7 +200,7 @@ class AgentSessions:
     # ---- turns ----
 
     async def _open(self, session: str, name: str, backend: Backend) -> AgentSession | None:
-        agent = backend.open_session(SessionBound(session, self.dialogs, self.feed))
+        agent = backend.open_session(SessionBound(session, self.dialogs, self.feed, self))
         if agent is None:
             return None
         try:

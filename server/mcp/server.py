@@ -247,11 +247,14 @@ class McpServer:
             yield Reply({})
 
         async def tools_list(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            yield Reply({"tools": self.tools()})
+            yield Reply({"tools": self.tools(_caller(context))})
 
         async def tools_call(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             name, args = _args(call.message)
             session = session_of(context)
+            if name == _caller(context):
+                raise InvalidParams(f"{name} cannot call itself: its own turn holds its agent session, so the call "
+                                    "would wait for itself")
             if name in USER_TOOLS:
                 run = self._user_tool(name, session, args)
             else:
@@ -299,11 +302,13 @@ class McpServer:
 
     # ---- tools -------------------------------------------------------------------------------
 
-    def tools(self) -> list[dict[str, Any]]:
+    def tools(self, caller: str = "") -> list[dict[str, Any]]:
         """The agents, as ConciergeService.List reports them, then the user tools; an agent named
-        like a user tool is not listed (the user tool answers that name)."""
+        like a user tool is not listed (the user tool answers that name), nor a hosted agent to
+        itself (`caller`, from AGENT_HEADER: uibus offers its /mcp to the ACP agents it hosts)."""
         agents = [{"name": info.agent_name, "description": info.description, "inputSchema": self.chat_schema}
-                  for info in self.core.chat.directory.agents if info.agent_name not in USER_TOOLS]
+                  for info in self.core.chat.directory.agents
+                  if info.agent_name not in USER_TOOLS and info.agent_name != caller]
         return [*agents, *USER_TOOLS.values()]
 
     async def _chat(self, agent: str, session: str, args: dict[str, Any], progress: str | int | None,
@@ -377,6 +382,16 @@ class McpServer:
 
 SERVED = ("initialize", "ping", "tools/list", "tools/call", "resources/list", "resources/templates/list",
           "prompts/list", "delete")
+
+
+AGENT_HEADER = "x-uibus-agent"  # set by uibus for the agents it hosts: who is calling (see McpServer.tools)
+
+
+def _caller(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == AGENT_HEADER:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
 
 
 def _fired(reply: ext.FireReply, session: str, what: str) -> dict[str, Any]:

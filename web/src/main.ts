@@ -101,7 +101,8 @@ function formatOf(m: ClineMessage): Format {
   if (m.type !== ClineMessageType.SAY) return "plain";
   switch (m.say) {
     case ClineSay.TEXT:
-    case ClineSay.COMPLETION_RESULT_SAY: return "markdown";
+    case ClineSay.COMPLETION_RESULT_SAY:
+    case ClineSay.INFO: return "markdown";  // e.g. an ACP agent's plan, a task list
     case ClineSay.REASONING: return "reasoning";
     case ClineSay.COMMAND_SAY: return "command";
     case ClineSay.COMMAND_OUTPUT_SAY: return "command_output";

@@ -1,0 +1,77 @@
+"""What a hosted agent's work looks like to uibus's UIs, whatever protocol it speaks (pi's RPC mode,
+ACP): the pieces for MAXIMAL callers and the Cline messages of the session's webviews.
+
+`ClineView` keeps the messages one turn is growing (by a name the protocol chooses: "thinking", a
+tool call's id), republishes each at most every PARTIAL_INTERVAL_S while it grows (a reply's
+thinking can change hundreds of times a second; the bus coalesces states by ts anyway) and ends
+every one of them when the turn ends, however it ends, so no webview shows an agent working forever.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from google.protobuf import struct_pb2
+
+from uibus.agents import SessionUi
+from uibus.agents.stdio import text
+from uibus.pb.neuro_san.api.grpc import chat_pb2
+
+PARTIAL_INTERVAL_S = 0.05  # a growing Cline message is republished at most this often
+AGENT, TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TOOL_RESULT
+
+
+def cut(value: Any, limit: int) -> str:
+    """An agent's text within a limit: what the agent asks is shown, cut (and marked), rather than
+    refused (a refused dialog would block its tool)."""
+    out = text(value)
+    return out if len(out) <= limit else out[:limit - 1] + "…"
+
+
+def struct(value: dict[str, Any]) -> struct_pb2.Struct:
+    """A Struct of the agent's JSON (for a MAXIMAL message's `structure`)."""
+    s = struct_pb2.Struct()
+    try:
+        s.update(json.loads(json.dumps(value, default=str, allow_nan=False)))
+    except (ValueError, TypeError):  # numbers JSON cannot carry, odd keys: keep the gist
+        s.update({"summary": text(json.dumps(value, default=str))[:2000]})
+    return s
+
+
+def message(message_type: int, body: str, /, **structure: Any) -> chat_pb2.ChatMessage:
+    """A MAXIMAL message of the agent's work (thinking, a tool starting or ending, a plan)."""
+    return chat_pb2.ChatMessage(type=message_type, text=body, structure=struct(structure))  # type: ignore[arg-type]
+
+
+class ClineView:
+    """The Cline messages one turn shows, by name."""
+
+    def __init__(self, ui: SessionUi) -> None:
+        self.ui = ui
+        self._growing: dict[str, tuple[int, int, str, float]] = {}  # name -> (ts, say, text, published at)
+
+    def shown(self, name: str) -> str:
+        """The text `name` shows now ("" if nothing yet)."""
+        entry = self._growing.get(name)
+        return entry[2] if entry is not None else ""
+
+    def show(self, name: str, say: int, body: str, *, partial: bool) -> None:
+        ts, _, _, at = self._growing.get(name, (0, say, "", 0.0))
+        ts = ts or self.ui.next_ts()
+        now = time.monotonic()
+        if partial and now - at < PARTIAL_INTERVAL_S:
+            self._growing[name] = (ts, say, body, at)
+            return
+        self.ui.say(body, say, ts=ts, partial=partial)
+        if partial:
+            self._growing[name] = (ts, say, body, now)
+        else:
+            self._growing.pop(name, None)
+
+    def finish(self) -> None:
+        """Ends every message still growing."""
+        for ts, say, body, _ in list(self._growing.values()):
+            self.ui.say(body, say, ts=ts)
+        self._growing.clear()

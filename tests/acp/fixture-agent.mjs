@@ -1,0 +1,125 @@
+// An ACP agent written with the official SDK (@agentclientprotocol/sdk, pinned by package-lock.json)
+// for tests/test_acp_agent.py: what a prompt says decides what it does, so one fixture shows every
+// side of the protocol uibus must handle as the client.
+//
+//   "tour"      every session/update kind (thought, plan, tool_call execute + updates with output,
+//               a read tool, a message in chunks, one unknown kind), a session/request_permission
+//               whose answer it reports, then end_turn
+//   "slow"      one chunk, then waits for session/cancel and ends `cancelled` (writes a line to
+//               $ACP_FIXTURE_LOG when the cancel arrives)
+//   "mcp"       calls ask_user on the first HTTP MCP server of session/new (with its headers) and
+//               says what the user answered
+//   "fail"      answers the prompt with a JSON-RPC error
+//   anything    echoes it, with the turn number of the session (its conversation lives here)
+//
+// It logs what it was given (initialize, session/new) to $ACP_FIXTURE_LOG as JSON lines.
+import { appendFileSync } from "node:fs";
+import { Readable, Writable } from "node:stream";
+import { agent, methods, ndJsonStream, RequestError } from "@agentclientprotocol/sdk";
+
+const logFile = process.env.ACP_FIXTURE_LOG;
+const note = (obj) => { if (logFile) appendFileSync(logFile, JSON.stringify(obj) + "\n"); };
+const sessions = new Map(); // sessionId -> { turns, mcp, cancel }
+let next = 0;
+
+async function update(client, sessionId, u) {
+  await client.notify(methods.client.session.update, { sessionId, update: u });
+}
+
+async function say(client, sessionId, text) {
+  for (const word of text.split(/(?<= )/)) {
+    await update(client, sessionId, { sessionUpdate: "agent_message_chunk", content: { type: "text", text: word } });
+  }
+}
+
+async function tour(client, sessionId) {
+  await update(client, sessionId, { sessionUpdate: "agent_thought_chunk", content: { type: "text", text: "I should " } });
+  await update(client, sessionId, { sessionUpdate: "agent_thought_chunk", content: { type: "text", text: "clean the build." } });
+  await update(client, sessionId, { sessionUpdate: "plan", entries: [
+    { content: "Look at the build", priority: "high", status: "completed" },
+    { content: "Remove the cache", priority: "medium", status: "in_progress" }] });
+  await update(client, sessionId, { sessionUpdate: "tool_call", toolCallId: "read-1", title: "Read package.json",
+    kind: "read", status: "completed", locations: [{ path: "/work/package.json" }],
+    content: [{ type: "content", content: { type: "text", text: "{\"name\": \"demo\"}" } }] });
+  await update(client, sessionId, { sessionUpdate: "tool_call", toolCallId: "cmd-1", title: "rm -rf build",
+    kind: "execute", status: "pending", rawInput: { command: "rm -rf build" } });
+  const answer = await client.request(methods.client.session.requestPermission, {
+    sessionId, toolCall: { toolCallId: "cmd-1", title: "rm -rf build", kind: "execute", status: "pending" },
+    options: [{ optionId: "allow-always", name: "Always Allow", kind: "allow_always" },
+              { optionId: "allow", name: "Allow", kind: "allow_once" },
+              { optionId: "reject", name: "Reject", kind: "reject_once" }] });
+  const chosen = answer.outcome.outcome === "selected" ? answer.outcome.optionId : "cancelled";
+  if (chosen.startsWith("allow")) {
+    await update(client, sessionId, { sessionUpdate: "tool_call_update", toolCallId: "cmd-1", status: "in_progress",
+      content: [{ type: "content", content: { type: "text", text: "removing build\n" } }] });
+    await update(client, sessionId, { sessionUpdate: "tool_call_update", toolCallId: "cmd-1", status: "completed",
+      content: [{ type: "content", content: { type: "text", text: "removing build\nremoved\n" } }] });
+  } else {
+    await update(client, sessionId, { sessionUpdate: "tool_call_update", toolCallId: "cmd-1", status: "failed",
+      content: [{ type: "content", content: { type: "text", text: "The user rejected this." } }] });
+  }
+  await update(client, sessionId, { sessionUpdate: "mystery_update", whatever: 1 });
+  await say(client, sessionId, `Permission: ${chosen}.`);
+}
+
+async function askUser(server) {
+  const headers = { "content-type": "application/json", accept: "application/json, text/event-stream" };
+  for (const h of server.headers) headers[h.name] = h.value;
+  const post = async (body, extra = {}) => {
+    const res = await fetch(server.url, { method: "POST", headers: { ...headers, ...extra }, body: JSON.stringify(body) });
+    const type = res.headers.get("content-type") || "";
+    const text = await res.text();
+    const json = type.includes("event-stream")
+      ? JSON.parse(text.split("\n").filter((l) => l.startsWith("data:")).pop().slice(5)) : JSON.parse(text);
+    return { res, json };
+  };
+  const init = await post({ jsonrpc: "2.0", id: 1, method: "initialize", params: {
+    protocolVersion: "2025-06-18", capabilities: {}, clientInfo: { name: "fixture", version: "1" } } });
+  const sid = init.res.headers.get("mcp-session-id");
+  const more = sid ? { "mcp-session-id": sid, "mcp-protocol-version": "2025-06-18" } : {};
+  await post({ jsonrpc: "2.0", method: "notifications/initialized" }, more).catch(() => undefined);
+  const call = await post({ jsonrpc: "2.0", id: 2, method: "tools/call", params: {
+    name: "ask_user", arguments: { title: "Which branch?", kind: "select", options: ["main", "dev"] } } }, more);
+  return JSON.stringify(call.json.result?.structuredContent ?? call.json.result ?? call.json.error);
+}
+
+const app = agent({ name: "uibus-acp-fixture" })
+  .onRequest(methods.agent.initialize, ({ params }) => {
+    note({ initialize: params });
+    return { protocolVersion: 1, agentCapabilities: { loadSession: false, mcpCapabilities: { http: true, sse: false },
+      promptCapabilities: { image: false, audio: false, embeddedContext: false } }, authMethods: [] };
+  })
+  .onRequest(methods.agent.session.new, ({ params }) => {
+    const sessionId = `fixture-${++next}`;
+    sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null });
+    note({ "session/new": params, sessionId });
+    return { sessionId };
+  })
+  .onRequest(methods.agent.session.prompt, async ({ params, client }) => {
+    const s = sessions.get(params.sessionId);
+    if (!s) throw RequestError.invalidParams({ sessionId: params.sessionId }, "unknown session");
+    s.turns += 1;
+    const text = params.prompt.filter((b) => b.type === "text").map((b) => b.text).join("");
+    if (text === "tour") {
+      await tour(client, params.sessionId);
+    } else if (text === "slow") {
+      await say(client, params.sessionId, "Working ");
+      await new Promise((resolve) => { s.cancel = resolve; });
+      note({ cancelled: params.sessionId });
+      return { stopReason: "cancelled" };
+    } else if (text === "mcp") {
+      const server = (s.mcp || []).find((m) => m.type === "http" || m.url);
+      await say(client, params.sessionId, `The user said ${server ? await askUser(server) : "nothing (no MCP server)"}`);
+    } else if (text === "fail") {
+      throw new RequestError(-32603, "the fixture was told to fail");
+    } else {
+      await say(client, params.sessionId, `Turn ${s.turns}: ${text}`);
+    }
+    return { stopReason: "end_turn" };
+  })
+  .onNotification(methods.agent.session.cancel, ({ params }) => {
+    const s = sessions.get(params.sessionId);
+    if (s && s.cancel) { s.cancel(); s.cancel = null; }
+  });
+
+app.connect(ndJsonStream(Writable.toWeb(process.stdout), Readable.toWeb(process.stdin)));
