@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 
 from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, request
-from tests.claude_model import ClaudeModel, Say, claude_model
 from tests.conftest import REPO, chat_on_page, free_port, require, shots, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import hosting, turn_of
+from tests.scripted_models import Say, ScriptedModel, claude_model, gemini_model, responses_model
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -104,7 +104,9 @@ async def test_uibus_mcp_neither_lists_a_hosted_agent_to_itself_nor_lets_it_call
                                                   others)).json()["result"]["tools"]]
 
 
-async def test_every_update_kind_and_a_permission_answered_at_a_ui(acp_app: App) -> None:
+async def test_every_update_kind_and_a_permission_answered_at_a_ui(acp_app: App,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="uibus.agents.acp")
     async with Connection(f"127.0.0.1:{acp_app.port}", session="tour") as conn:
         (ui,) = await open_uis(acp_app, conn, 1, "tour")
         webview = ui_pb2_grpc.UiServiceStub(conn.channel).subscribeToPartialMessage(common_pb2.EmptyRequest())
@@ -139,6 +141,8 @@ async def test_every_update_kind_and_a_permission_answered_at_a_ui(acp_app: App)
         assert [m.text for m in by[ui_pb2.COMMAND_SAY]] == ["rm -rf build"]
         assert by[ui_pb2.COMMAND_OUTPUT_SAY][-1].text == "The user rejected this."
         assert all(not m.partial for m in seen.values() if m.say != ui_pb2.TEXT)
+    unknown = [r for r in caplog.records if r.getMessage() == "unknown session/update kind; ignored"]
+    assert len(unknown) == 1 and unknown[0].fields["update"] == "mystery_update"  # type: ignore[attr-defined]
 
 
 async def test_cancel_reaches_the_agent_as_session_cancel(acp_app: App, tmp_path: Path) -> None:
@@ -202,7 +206,7 @@ async def test_a_killed_acp_agent_ends_the_turn_and_the_next_starts_another(acp_
 CLAUDE_ACP = ACP_DIR / "node_modules" / ".bin" / "claude-code-acp"
 
 
-def claude_agent(tmp_path: Path, model: ClaudeModel, **options: Any) -> dict[str, Any]:
+def claude_agent(tmp_path: Path, model: ScriptedModel, **options: Any) -> dict[str, Any]:
     home = tmp_path / "claude-home"
     home.mkdir(exist_ok=True)
     work = tmp_path / "work"
@@ -215,7 +219,7 @@ def claude_agent(tmp_path: Path, model: ClaudeModel, **options: Any) -> dict[str
 
 
 @pytest.fixture
-async def claude(config: Config, tmp_path: Path) -> AsyncIterator[tuple[App, ClaudeModel]]:
+async def claude(config: Config, tmp_path: Path) -> AsyncIterator[tuple[App, ScriptedModel]]:
     require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists())
     async with claude_model() as model, \
             hosting(config, tmp_path, [claude_agent(tmp_path, model)], http_port=free_port()) as app:
@@ -226,7 +230,7 @@ async def claude_chat(conn: Connection, text: str, *, maximal: bool = False) -> 
     return await turn_of(conn, "claude", text, maximal=maximal)
 
 
-async def test_claude_code_answers_and_streams_through_uibus(claude: tuple[App, ClaudeModel]) -> None:
+async def test_claude_code_answers_and_streams_through_uibus(claude: tuple[App, ScriptedModel]) -> None:
     app, model = claude
     model.script(Say("Hello from Claude Code, scripted."), Say("Still the same conversation."))
     async with Connection(f"127.0.0.1:{app.port}", session="cc") as conn:
@@ -239,7 +243,7 @@ async def test_claude_code_answers_and_streams_through_uibus(claude: tuple[App, 
         assert "Hello from Claude Code, scripted." in second and "and now?" in second
 
 
-async def test_claude_codes_bash_permission_rejected_at_a_ui(claude: tuple[App, ClaudeModel], tmp_path: Path) -> None:
+async def test_claude_codes_bash_permission_rejected_at_a_ui(claude: tuple[App, ScriptedModel], tmp_path: Path) -> None:
     app, model = claude
     victim = tmp_path / "work" / "build"
     victim.mkdir(parents=True)
@@ -270,7 +274,7 @@ async def test_claude_codes_bash_permission_rejected_at_a_ui(claude: tuple[App, 
         assert any(m.say == ui_pb2.COMMAND_SAY and command in m.text for m in seen.values()), seen
 
 
-async def test_claude_code_asks_the_user_through_uibus_mcp(claude: tuple[App, ClaudeModel]) -> None:
+async def test_claude_code_asks_the_user_through_uibus_mcp(claude: tuple[App, ScriptedModel]) -> None:
     """uibus offered its /mcp in session/new; the scripted model calls its ask_user tool. Claude Code
     first asks permission to use the MCP tool (a dialog), then the tool opens the question (a second
     dialog); both are answered at the session's UI and the answer reaches the model."""
@@ -359,5 +363,82 @@ def test_the_example_acp_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PATH", f"{CLAUDE_ACP.parent}{os.pathsep}{os.environ['PATH']}")
     table = load_agents(str(REPO / "examples" / "acp-agents.toml"))
-    backend = table.backends["claude"]
-    assert (table.specs["claude"].backend, backend.options.max_processes) == ("acp", 16)  # type: ignore[attr-defined]
+    assert [(s.name, s.backend) for s in table.specs.values()] == [("claude", "acp"), ("gemini", "acp"),
+                                                                   ("codex", "acp")]
+    assert table.backends["claude"].options.max_processes == 16  # type: ignore[attr-defined]
+
+
+# ---- Gemini CLI's ACP mode and Codex's ACP adapter, unmodified, on scripted APIs ----
+
+GEMINI = ACP_DIR / "node_modules" / ".bin" / "gemini"
+CODEX = ACP_DIR / "node_modules" / "@zed-industries" / "codex-acp-linux-x64" / "bin" / "codex-acp"
+
+
+def gemini_agent(tmp_path: Path, model: ScriptedModel) -> dict[str, Any]:
+    home = tmp_path / "gemini-home"
+    (home / ".gemini").mkdir(parents=True, exist_ok=True)
+    (home / ".gemini" / "settings.json").write_text(json.dumps({"privacy": {"usageStatisticsEnabled": False}}))
+    (tmp_path / "work").mkdir(exist_ok=True)
+    return {"name": "gemini", "backend": "acp", "options": {
+        "command": [str(GEMINI), "--acp", "--model", "gemini-2.5-flash"], "cwd": str(tmp_path / "work"),
+        "start_timeout_seconds": 60, "env": {
+            "HOME": str(home), "GEMINI_API_KEY": "scripted-key", "GOOGLE_GEMINI_BASE_URL": model.url,
+            "GEMINI_CLI_NO_RELAUNCH": "true"}}}
+
+
+def codex_agent(tmp_path: Path, model: ScriptedModel) -> dict[str, Any]:
+    home = tmp_path / "codex-home"
+    home.mkdir(exist_ok=True)
+    # Codex reads its provider from CODEX_HOME/config.toml (OPENAI_BASE_URL alone is not used). No
+    # sandbox: Linux sandboxing needs bubblewrap, which this machine lacks; `untrusted` still asks
+    # permission for every command that is not known to be safe.
+    (home / "config.toml").write_text(
+        'model = "gpt-5.4"\nmodel_provider = "scripted"\nsandbox_mode = "danger-full-access"\n'
+        'approval_policy = "untrusted"\n[model_providers.scripted]\nname = "Scripted"\n'
+        f'base_url = "{model.url}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\nstream_max_retries = 0\n')
+    (tmp_path / "work").mkdir(exist_ok=True)
+    return {"name": "codex", "backend": "acp", "options": {
+        "command": [str(CODEX)], "cwd": str(tmp_path / "work"), "start_timeout_seconds": 60,
+        "env": {"HOME": str(home), "CODEX_HOME": str(home)}}}
+
+
+async def test_gemini_cli_answers_and_a_shell_permission_is_rejected_at_a_ui(config: Config, tmp_path: Path) -> None:
+    require("Gemini CLI (npm ci --prefix tests/acp)", GEMINI.exists())
+    victim = tmp_path / "work" / "build"
+    victim.mkdir(parents=True)
+    async with gemini_model() as model, \
+            hosting(config, tmp_path, [gemini_agent(tmp_path, model)], http_port=free_port()) as app, \
+            Connection(f"127.0.0.1:{app.port}", session="gem") as conn:
+        model.script(Say("Hello from Gemini, scripted."),
+                     Say(tool=("run_shell_command", {"command": "rm -rf build", "description": "Remove build"})),
+                     Say("I left the build directory alone."))
+        assert (await turn_of(conn, "gemini", "hi"))[-1].response.text == "Hello from Gemini, scripted."
+        (ui,) = await open_uis(app, conn, 1, "gem")
+        call = asyncio.ensure_future(turn_of(conn, "gemini", "clean the build", maximal=True))
+        asked = (await read(ui, 60)).request
+        assert (asked.select.title, list(asked.select.options)) == (
+            "rm -rf build", ["Allow for this session", "Allow", "Reject"])
+        await ext(conn).Respond(pb.RespondRequest(id=asked.id, value="Reject"))
+        final = (await asyncio.wait_for(call, 60))[-1].response.text
+        assert final.endswith("I left the build directory alone.") and victim.is_dir()
+        assert "canceled by the user" in json.dumps(model.requests[-1]["contents"][-1])
+
+
+async def test_codex_answers_and_a_command_permission_is_rejected_at_a_ui(config: Config, tmp_path: Path) -> None:
+    require("codex-acp with its linux-x64 binary (npm ci --prefix tests/acp)", CODEX.exists())
+    victim = tmp_path / "work" / "build"
+    victim.mkdir(parents=True)
+    async with responses_model() as model, \
+            hosting(config, tmp_path, [codex_agent(tmp_path, model)], http_port=free_port()) as app, \
+            Connection(f"127.0.0.1:{app.port}", session="codex") as conn:
+        model.script(Say("Hello from Codex, scripted."), Say("I will remove it.", tool=("exec_command",
+                                                                                       {"cmd": "rm -rf build"})))
+        assert (await turn_of(conn, "codex", "hi"))[-1].response.text == "Hello from Codex, scripted."
+        (ui,) = await open_uis(app, conn, 1, "codex")
+        call = asyncio.ensure_future(turn_of(conn, "codex", "clean the build", maximal=True))
+        asked = (await read(ui, 60)).request
+        assert asked.select.title == "rm -rf build"
+        assert asked.select.options[0] == "Yes, proceed" and asked.select.options[-1].startswith("No, and tell Codex")
+        await ext(conn).Respond(pb.RespondRequest(id=asked.id, value=asked.select.options[-1]))
+        final = (await asyncio.wait_for(call, 60))[-1].response.text  # a rejected command ends the turn
+        assert final == "I will remove it." and victim.is_dir() and len(model.requests) == 2
