@@ -3,9 +3,16 @@ Redis pub/sub, and every replica delivers what the others publish (SPEC.md §4).
 
 Why it is shaped like this:
 * `publish` must never wait on the network, so the Redis write happens in a background writer fed
-  by a bounded outbox. When Redis is slow the oldest envelopes are dropped; when it is down new
-  ones are dropped at once (live UI events are worthless minutes later). Both are counted in
-  `stats`. Local delivery never depends on Redis.
+  by a bounded outbox. Local delivery never depends on Redis.
+* Nothing acknowledged is lost silently. The outbox is also the buffer across a short outage or a
+  failover: while Redis is unreachable envelopes stay in it (a batch whose write failed goes back
+  to its front), bounded by `buffer_bytes` (default 16 MiB) and `outbox_size` envelopes, the
+  oldest dropped first, and by age: an envelope older than `buffer_age_s` (default 10 s) when it
+  could be sent is dropped (live UI events are worthless minutes later). Every drop is counted in
+  `stats.dropped`. Once Redis answers again the writer holds the buffer until the other replicas
+  are listening again (each says so with a hello when its subscription is back; Redis pub/sub
+  keeps nothing for a subscriber that is not there yet), at most `resubscribe_s`, then sends it.
+  A batch that failed halfway may be sent twice: delivery across an outage is at least once.
 * One channel per deployment, not one per session: every replica receives every envelope, reads a
   short header and skips the payload when it has no subscriber for that (session, kind), which
   costs a dict lookup. Per-session channels would cut cross traffic for many replicas with
@@ -51,6 +58,7 @@ log = logging.getLogger("uibus.redis_bus")
 
 _JSON_ITEM = ""  # type field of an envelope whose payload is a JSON value, not a protobuf
 _PRESENCE = "!presence"  # type field of a subscription-count announcement
+_HELLO = "!hello"  # type field of "this replica is subscribed" (after each (re)subscribe, and each heartbeat)
 _BATCH = 512  # envelopes per pipelined write
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
@@ -82,19 +90,27 @@ class ReplicatedBus(Bus):
 
     def __init__(self, redis_url: str, queue_size: int = 256, max_per_session: int = 10_000, *,
                  channel: str = "uibus:bus", outbox_size: int = 10_000, heartbeat_s: float = 5.0,
-                 mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024) -> None:
+                 mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024,
+                 buffer_bytes: int = 16 * 1024 * 1024, buffer_age_s: float = 10.0, resubscribe_s: float = 4.0) -> None:
         super().__init__(queue_size, max_per_session, mailbox_bytes=mailbox_bytes, mailboxes_bytes=mailboxes_bytes)
         self.replica_id = uuid.uuid4().hex[:16]
         self.channel = channel
         self.stats = ReplicationStats()
         self._redis = make_client(redis_url, "uibus-bus")
-        self._outbox: deque[bytes] = deque()
+        self._outbox: deque[tuple[float, bytes]] = deque()  # (monotonic time queued, envelope)
         self._outbox_size = outbox_size
+        self._outbox_bytes = 0
+        self._buffer_bytes = buffer_bytes
+        self._buffer_age_s = buffer_age_s
+        self._resubscribe_s = resubscribe_s
+        self._seen: dict[str, float] = {}  # other replica -> monotonic time it was last heard from
+        self._hellos: set[asyncio.Task[Any]] = set()
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()  # set by the writer whenever the outbox is empty
         self._writer_up = True  # optimistic until a write fails, so early publishes are not dropped
         self._listening = asyncio.Event()
         self._listening_since = 0.0  # monotonic time the current subscription to Redis began
+        self._listen_lost = 0.0  # monotonic time the subscription was last lost
         self._down_logged = False
         self._tasks: list[asyncio.Task[None]] = []
         self._classes: dict[str, type[Message]] = {}
@@ -124,11 +140,13 @@ class ReplicatedBus(Bus):
             self._drained.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._drained.wait(), flush_s)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._hellos]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self._hellos:
+            await asyncio.wait(self._hellos, timeout=1.0)
         self._tasks = []
         await self._redis.aclose()
 
@@ -165,14 +183,27 @@ class ReplicatedBus(Bus):
         return n
 
     def _enqueue(self, envelope: bytes) -> None:
-        if not self._tasks or not self._writer_up:
+        if not self._tasks:
             self.stats.dropped += 1
             return
-        if len(self._outbox) >= self._outbox_size:
-            self._outbox.popleft()
-            self.stats.dropped += 1
-        self._outbox.append(envelope)
+        self._outbox.append((time.monotonic(), envelope))
+        self._outbox_bytes += len(envelope)
+        self._bound()
         self._wake.set()
+
+    def _bound(self) -> None:
+        """Drops the oldest envelopes beyond the outbox's count and byte bounds (counted)."""
+        outbox = self._outbox
+        while len(outbox) > self._outbox_size or (self._outbox_bytes > self._buffer_bytes and len(outbox) > 1):
+            self._outbox_bytes -= len(outbox.popleft()[1])
+            self.stats.dropped += 1
+
+    def _expire(self) -> None:
+        """Drops what waited longer than buffer_age_s (counted): it is news no more."""
+        outbox, oldest = self._outbox, time.monotonic() - self._buffer_age_s
+        while outbox and outbox[0][0] < oldest:
+            self._outbox_bytes -= len(outbox.popleft()[1])
+            self.stats.dropped += 1
 
     async def _write_loop(self) -> None:
         while True:
@@ -181,22 +212,40 @@ class ReplicatedBus(Bus):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            self._expire()
             batch = [self._outbox.popleft() for _ in range(min(_BATCH, len(self._outbox)))]
+            self._outbox_bytes -= sum(len(e) for _, e in batch)
+            if not batch:
+                continue
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
-                    for envelope in batch:
+                    for _, envelope in batch:
                         pipe.publish(self.channel, envelope)
                     await pipe.execute()
                 self.stats.sent += len(batch)
             except OUTAGE_ERRORS as exc:
-                self.stats.dropped += len(batch) + len(self._outbox)
-                self._outbox.clear()
+                self._outbox.extendleft(reversed(batch))  # kept, in order, for when Redis is back
+                self._outbox_bytes += sum(len(e) for _, e in batch)
+                self._bound()
                 self._writer_up = False
                 self._went_down("write", exc)
+                down_since = time.monotonic()
                 await self._until_reachable()
+                await self._others_listening(down_since)
                 self._writer_up = True
                 self._came_back()
                 self._announce_all()
+
+    async def _others_listening(self, down_since: float) -> None:
+        """Waits (at most resubscribe_s) until this replica and every replica heard from before the
+        outage are subscribed again, so the buffer sent next reaches them."""
+        known = [o for o, t in self._seen.items() if t >= down_since - 3 * self._heartbeat_s]
+        deadline = time.monotonic() + self._resubscribe_s
+        while time.monotonic() < deadline:
+            mine = self._listening.is_set() and (self._listening_since >= down_since or self._listen_lost < down_since)
+            if mine and all(self._seen.get(o, 0.0) >= down_since for o in known):
+                return
+            await asyncio.sleep(0.02)
 
     async def _until_reachable(self) -> None:
         backoff = _BACKOFF_MIN_S
@@ -218,6 +267,7 @@ class ReplicatedBus(Bus):
                 await pubsub.subscribe(self.channel)
                 self._listening_since = time.monotonic()
                 self._listening.set()
+                self._say_hello()
                 backoff = _BACKOFF_MIN_S
                 self._came_back()
                 self._announce_all()  # so others learn our subscriptions without waiting a heartbeat
@@ -227,6 +277,7 @@ class ReplicatedBus(Bus):
                         self._receive(msg["data"])
             except OUTAGE_ERRORS as exc:
                 self._listening.clear()
+                self._listen_lost = time.monotonic()
                 self._went_down("listen", exc)
             finally:
                 with contextlib.suppress(Exception):
@@ -240,6 +291,9 @@ class ReplicatedBus(Bus):
         try:
             origin, session, kind, target, key, type_name = json.loads(head)
             if origin == self.replica_id:
+                return
+            self._seen[origin] = time.monotonic()
+            if type_name == _HELLO:
                 return
             self.stats.received += 1
             if type_name == _PRESENCE:
@@ -307,6 +361,22 @@ class ReplicatedBus(Bus):
             head = json.dumps([self.replica_id, "", "", None, None, _PRESENCE], separators=(",", ":"))
             self._enqueue(head.encode() + b"\n" + json.dumps(entries, separators=(",", ":")).encode())
 
+    def _say_hello(self) -> None:
+        """Tells the others this replica listens, straight to Redis (ahead of a buffered outbox), in
+        a task of its own: a cancel landing inside a redis-py command can be swallowed, and the
+        listener must stay cancellable (seen here on uvloop: stop() waited forever)."""
+        def done(task: asyncio.Task[Any]) -> None:
+            self._hellos.discard(task)
+            if not task.cancelled():
+                task.exception()  # an outage: the heartbeat's hello follows anyway
+
+        task = asyncio.get_running_loop().create_task(self._redis.publish(self.channel, self._hello()))
+        self._hellos.add(task)
+        task.add_done_callback(done)
+
+    def _hello(self) -> bytes:
+        return json.dumps([self.replica_id, "", "", None, None, _HELLO], separators=(",", ":")).encode() + b"\n"
+
     def _announce_all(self) -> None:
         mine = [t for t in self._topics if t[1] in self._presence_kinds]
         for i in range(0, len(mine), 1000):
@@ -327,7 +397,10 @@ class ReplicatedBus(Bus):
         while True:
             await asyncio.sleep(self._heartbeat_s)
             self._announce_all()
+            self._enqueue(self._hello())  # so the others know this replica listens (see _others_listening)
             now = time.monotonic()
+            for origin in [o for o, t in self._seen.items() if t < now - 10 * self._heartbeat_s]:
+                del self._seen[origin]  # a replica gone for good
             for topic in [t for t, o in self._remote.items() if all(e <= now for _, e in o.values())]:
                 del self._remote[topic]
 
