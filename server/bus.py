@@ -236,6 +236,9 @@ class Bus:
     """In-process topic bus. State is a few plain maps, as in grpc_health's aio servicer."""
 
     replicated = False  # True when events also reach other replicas (ReplicatedBus)
+    # Whether the last `publish` handed its event to replication (PublishReply.replicated): read it
+    # right after the call, before any await (publish is synchronous).
+    last_replicated = False
 
     def __init__(self, queue_size: int = 256, max_per_session: int = 10_000, *,
                  mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024) -> None:

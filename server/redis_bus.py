@@ -70,6 +70,7 @@ class ReplicationStats:
     received: int = 0  # envelopes from other replicas
     dropped: int = 0  # envelopes not sent: outbox full or Redis down
     bad: int = 0  # envelopes received that could not be decoded
+    unwanted: int = 0  # envelopes received for no subscriber here (the N x cost of one channel)
     unreplicable: int = 0  # items delivered locally only (neither protobuf nor JSON-able)
     outages: int = 0  # times the connection to Redis was lost
 
@@ -79,6 +80,7 @@ class ReplicationStats:
                 "received": (self.received, "Envelopes received from other replicas"),
                 "dropped": (self.dropped, "Envelopes not sent to Redis: outbox full or Redis down"),
                 "bad": (self.bad, "Envelopes received that could not be decoded"),
+                "unwanted": (self.unwanted, "Envelopes received from other replicas for no subscriber here"),
                 "unreplicable": (self.unreplicable, "Events delivered on this replica only (no wire form)"),
                 "outages": (self.outages, "Times the connection to Redis was lost")}
 
@@ -160,6 +162,7 @@ class ReplicatedBus(Bus):
     def publish(self, session: str, kind: Kind, item: Any, target: str | None = None,
                 key: Hashable = None) -> int:
         name = kind.name
+        self.last_replicated = False
         n = self._deliver(session, name, item, target, key)
         if kind.presence:
             remote = self.remote_count(session, name)
@@ -179,17 +182,18 @@ class ReplicatedBus(Bus):
         except (TypeError, ValueError):  # a key JSON cannot carry
             self.stats.unreplicable += 1
             return n
-        self._enqueue(head.encode() + b"\n" + payload)
+        self.last_replicated = self._enqueue(head.encode() + b"\n" + payload)
         return n
 
-    def _enqueue(self, envelope: bytes) -> None:
+    def _enqueue(self, envelope: bytes) -> bool:
         if not self._tasks:
             self.stats.dropped += 1
-            return
+            return False
         self._outbox.append((time.monotonic(), envelope))
         self._outbox_bytes += len(envelope)
         self._bound()
         self._wake.set()
+        return True
 
     def _bound(self) -> None:
         """Drops the oldest envelopes beyond the outbox's count and byte bounds (counted)."""
@@ -300,6 +304,7 @@ class ReplicatedBus(Bus):
                 self._on_presence(origin, json.loads(payload))
                 return
             if (session, kind) not in self._topics:
+                self.stats.unwanted += 1
                 return  # nobody here listens: skip decoding
             if type_name == _JSON_ITEM:
                 item = json.loads(payload)

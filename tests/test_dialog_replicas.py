@@ -285,10 +285,14 @@ async def test_replication_counters_on_metrics(replicas: tuple[Replica, Replica]
     on_a, on_b = await scrape(a.app.http_port), await scrape(b.app.http_port)
     for samples in (on_a, on_b):
         assert samples["uibus_replication_connected"] == 1
-        for name in ("sent", "received", "dropped", "bad", "unreplicable", "outages"):
+        for name in ("sent", "received", "dropped", "bad", "unwanted", "unreplicable", "outages"):
             assert f"uibus_replication_{name}_total" in samples, name
     assert on_a["uibus_replication_sent_total"] >= 1 and on_b["uibus_replication_received_total"] >= 1
     assert on_b["uibus_replication_dropped_total"] == 0
+    # A's own announcements and events reach B for sessions nobody on B follows: counted, not decoded.
+    before = on_b["uibus_replication_unwanted_total"]
+    await a.ext("nobody-on-b").Notify(pb.NotifyRequest(message="unheard"))
+    await wait_for(lambda: b.bus.stats.unwanted > before, what="the unwanted envelope counted")  # type: ignore[attr-defined]
 
     alone = await start_app(Config(host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / "one.db")))
     try:  # without Redis there is nothing to count

@@ -116,6 +116,7 @@ async def test_partial_messages_cross_replicas_in_order(replicas: tuple[Replica,
         reply = await host.PublishPartialMessage(ui_pb2.ClineMessage(
             ts=1700000000123, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=text, partial=i < len(texts) - 1))
         assert reply.subscribers == 0  # counted per replica: nobody on A itself
+        assert reply.replicated  # but handed to replication, which carries it to B
     got = [await next_message(stream) for _ in texts]
     assert [m.text for m in got] == texts
     assert [m.partial for m in got] == [True, True, True, False]

@@ -60,7 +60,8 @@ async def test_add_to_input_in_order_and_nothing_else(app, connect):
     stream = await subscribed(app, conn.ui.subscribeToAddToInput(EMPTY_REQ), "add_to_input")
     texts = [f"line {i}" for i in range(20)]
     for t in texts:
-        assert (await conn.host.PublishAddToInput(host_pb2.TextEvent(text=t))).subscribers == 1
+        reply = await conn.host.PublishAddToInput(host_pb2.TextEvent(text=t))
+        assert (reply.subscribers, reply.replicated) == (1, False)  # one process: nothing to replicate
     assert [(await next_message(stream)).value for _ in texts] == texts
     await assert_quiet(stream, lambda: conn.host.PublishAddToInput(host_pb2.TextEvent(text="end")),
                        common_pb2.String(value="end"))

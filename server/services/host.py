@@ -18,8 +18,9 @@ from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
 from uibus.session import session_of
 
 
-def reply(n: int) -> host_pb2.PublishReply:
-    return host_pb2.PublishReply(subscribers=n)
+def reply(n: int, bus: Bus) -> host_pb2.PublishReply:
+    """What a publish reached; `bus.last_replicated` is read before any await (see Bus)."""
+    return host_pb2.PublishReply(subscribers=n, replicated=bus.last_replicated)
 
 
 class HostService(host_pb2_grpc.HostServiceServicer):
@@ -29,32 +30,32 @@ class HostService(host_pb2_grpc.HostServiceServicer):
 
     async def PublishAddToInput(self, request: host_pb2.TextEvent,
                                 context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.add_to_input(session_of(context), request.text))
+        return reply(self.feed.add_to_input(session_of(context), request.text), self.bus)
 
     async def PublishButtonClick(self, request: host_pb2.ButtonClick,
                                  context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
         provider = request.provider_type if request.HasField("provider_type") else None
-        return reply(self.feed.click(session_of(context), request.button, provider))
+        return reply(self.feed.click(session_of(context), request.button, provider), self.bus)
 
     async def PublishPartialMessage(self, request: ui_pb2.ClineMessage,
                                     context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.publish_message(session_of(context), request))
+        return reply(self.feed.publish_message(session_of(context), request), self.bus)
 
     async def SetTheme(self, request: host_pb2.TextEvent,
                        context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(await self.feed.set_theme(session_of(context), request.text))
+        return reply(await self.feed.set_theme(session_of(context), request.text), self.bus)
 
     async def PublishRelinquishControl(self, request: common_pb2.Empty,
                                        context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.relinquish_control(session_of(context)))
+        return reply(self.feed.relinquish_control(session_of(context)), self.bus)
 
     async def PublishFocusChatInput(self, request: host_pb2.FocusChatInput,
                                     context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.focus_chat_input(session_of(context), request.client_id))
+        return reply(self.feed.focus_chat_input(session_of(context), request.client_id), self.bus)
 
     async def PublishDidBecomeVisible(self, request: common_pb2.Empty,
                                       context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.did_become_visible(session_of(context)))
+        return reply(self.feed.did_become_visible(session_of(context)), self.bus)
 
     async def SetAnnouncement(self, request: host_pb2.AnnouncementState,
                               context: grpc.aio.ServicerContext) -> host_pb2.AnnouncementState:
