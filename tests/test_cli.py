@@ -40,7 +40,7 @@ async def test_subscribe_prints_json_lines_until_ctrl_c(app):
                                      json.dumps({"ts": 7, "type": "SAY", "say": "TEXT", "text": text, "partial": True}),
                                      "--session", "cli", target=target)
             assert rc == 0, err
-            assert json.loads(out) == {"subscribers": 1}
+            assert json.loads(out) == {"subscribers": 1, "replicated": False}
         lines = [json.loads(await asyncio.wait_for(sub.stdout.readline(), 10)) for _ in range(2)]
         assert [line["text"] for line in lines] == ["Hel", "Hello"]
         assert lines[0]["ts"] == "7" and lines[0]["say"] == "TEXT"
@@ -81,7 +81,7 @@ async def test_json_output_prints_zero_values(app):
     target = f"127.0.0.1:{app.port}"
     rc, out, err = await run("publish", "theme", '{"kind":"dark"}', "--session", "nobody-listens", target=target)
     assert rc == 0, err
-    assert json.loads(out) == {"subscribers": 0}
+    assert json.loads(out) == {"subscribers": 0, "replicated": False}
     rc, out, err = await run("call", "uibus.v1.CodeBoltService/GetStats", "--session", "nobody-listens", target=target)
     assert rc == 0, err
     assert json.loads(out) == {"connections": "0", "pendingWaits": "0", "sessionConnections": "0",
