@@ -3,7 +3,8 @@
 // side of the protocol uibus must handle as the client.
 //
 //   "tour"      every session/update kind (thought, plan, tool_call execute + updates with output,
-//               a read tool, a message in chunks, one unknown kind), a session/request_permission
+//               a read tool, a message in chunks, a user message chunk, available commands, the
+//               current mode, one unknown kind), a session/request_permission
 //               whose answer it reports, then end_turn
 //   "slow"      one chunk, then waits for session/cancel and ends `cancelled` (writes a line to
 //               $ACP_FIXTURE_LOG when the cancel arrives)
@@ -58,6 +59,11 @@ async function tour(client, sessionId) {
     await update(client, sessionId, { sessionUpdate: "tool_call_update", toolCallId: "cmd-1", status: "failed",
       content: [{ type: "content", content: { type: "text", text: "The user rejected this." } }] });
   }
+  // The kinds a client may show or not (uibus does not): never logged as unknown.
+  await update(client, sessionId, { sessionUpdate: "user_message_chunk", content: { type: "text", text: "tour" } });
+  await update(client, sessionId, { sessionUpdate: "available_commands_update", availableCommands: [
+    { name: "review", description: "Review the changes" }] });
+  await update(client, sessionId, { sessionUpdate: "current_mode_update", currentModeId: "default" });
   await update(client, sessionId, { sessionUpdate: "mystery_update", whatever: 1 });
   await say(client, sessionId, `Permission: ${chosen}.`);
 }
