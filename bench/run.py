@@ -11,6 +11,7 @@ each on its own redis-server) runs too, with its ratio to local uibus (bench/REA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -380,16 +381,17 @@ def stop_server(srv: Server) -> None:
 
 
 class Pool:
-    """Worker processes that run client roles (bench.workers) on command."""
+    """Worker processes that run client roles (bench.workers, or a table of their own) on command;
+    `counts` is an array of `slots` counters (one per worker by default) they bump per delivery."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, roles: dict[str, Callable[..., Any]] | None = None, slots: int = 0) -> None:
         ctx = mp.get_context("spawn")
-        self.counts = ctx.Array("q", n, lock=False)
+        self.counts = ctx.Array("q", slots or n, lock=False)
         self.stop = ctx.Event()
         self.workers = []
         for _ in range(n):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(child, self.counts, self.stop), daemon=True)
+            proc = ctx.Process(target=worker_main, args=(child, self.counts, self.stop, roles), daemon=True)
             proc.start()
             self.workers.append((proc, parent))
 
@@ -399,6 +401,9 @@ class Pool:
 
     def send(self, i: int, role: str, params: dict[str, Any]) -> None:
         self.workers[i][1].send((role, params))
+
+    def delivered(self) -> int:
+        return sum(self.counts[:])
 
     def recv(self, i: int, timeout: float = 300) -> dict[str, Any]:
         conn = self.workers[i][1]
@@ -420,10 +425,12 @@ class Pool:
 
     def close(self) -> None:
         for proc, conn in self.workers:
-            conn.send(None)
+            with contextlib.suppress(OSError):
+                conn.send(None)
             proc.join(5)
             if proc.is_alive():
                 proc.terminate()
+                proc.join(5)
 
 
 @dataclass

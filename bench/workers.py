@@ -362,7 +362,11 @@ ROLES: dict[str, Callable[[Params, Any, Any], Awaitable[Params]]] = {
     "cycles": cycles}
 
 
-def worker_main(conn: Connection, counts: Any, stop: Any) -> None:
+def worker_main(conn: Connection, counts: Any, stop: Any,
+                roles: dict[str, Callable[[Any, Any, Any], Awaitable[Any]]] | None = None) -> None:
+    """A client process: runs `(role, params)` requests from the pipe until None, with `roles`
+    (these benches' by default; bench.replicas passes its own)."""
+    roles = ROLES if roles is None else roles
     # One loop for the worker's life: grpc.aio's poller thread may still post to the loop of a
     # finished role, which must not be a closed one.
     loop = asyncio.new_event_loop()
@@ -374,7 +378,7 @@ def worker_main(conn: Connection, counts: Any, stop: Any) -> None:
         role, params = msg
         t0 = time.process_time()
         try:
-            result = loop.run_until_complete(ROLES[role](params, counts, stop))
+            result = loop.run_until_complete(roles[role](params, counts, stop))
         except Exception as exc:
             result = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
         result["cpu_s"] = time.process_time() - t0

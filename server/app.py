@@ -61,7 +61,7 @@ def open_store(config: Config) -> Store:
     if config.redis_url:
         from uibus.redis_store import RedisStore
 
-        return RedisStore(config.redis_url, ttl_s=ttl_s, max_sessions=max_sessions)
+        return RedisStore(config.redis_url, ttl_s=ttl_s, max_sessions=max_sessions, cluster=config.redis_cluster)
     return SqliteStore(config.store, ttl_s=ttl_s, max_sessions=max_sessions)
 
 
@@ -71,7 +71,8 @@ def make_bus(config: Config) -> Bus:
         from uibus.redis_bus import ReplicatedBus
 
         return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session,
-                             mailbox_bytes=config.mailbox_bytes, mailboxes_bytes=config.mailboxes_bytes)
+                             mailbox_bytes=config.mailbox_bytes, mailboxes_bytes=config.mailboxes_bytes,
+                             shards=config.bus_shards, cluster=config.redis_cluster)
     return Bus(config.queue_size, config.max_streams_per_session, mailbox_bytes=config.mailbox_bytes,
                mailboxes_bytes=config.mailboxes_bytes)
 

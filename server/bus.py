@@ -257,6 +257,11 @@ class Bus:
     async def stop(self) -> None:
         """Disconnects from peers after the server has stopped."""
 
+    async def ready(self, session: str) -> None:
+        """Returns once every event published for `session` from now on, on any replica, reaches
+        this bus's subscribers of it, and `publish` knows every replica's presence counts for it.
+        A stream awaits it before its headers (LIVE); the in-process bus is always ready."""
+
     async def __aenter__(self) -> Bus:
         await self.start()
         return self

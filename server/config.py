@@ -38,7 +38,7 @@ class InvalidConfig(ConfigError, ValueError):
 # argparse's default for every flag: tells "not on the command line" apart from any value, so the
 # env var is read (and parsed) only when the flag is absent, and only in `from_args`, never for --help.
 _UNSET: Any = type("Unset", (), {"__repr__": lambda self: "<unset>"})()
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "redis+sentinel://", "unix://")
 
 
 def _flag(name: str) -> str:
@@ -132,7 +132,14 @@ class Config:
                                                            "webview, /metrics); 0 turns it off"})
     store: str = field(default_factory=_default_store,
                        metadata={"help": "SQLite file of the session store; ':memory:' keeps nothing"})
-    redis_url: str = field(default="", metadata={"help": "redis://… to use Redis as store and bus"})
+    redis_url: str = field(default="", metadata={
+        "help": "redis://… to use Redis as store and bus; with --redis-cluster any node of the cluster; "
+                "redis+sentinel://[:password@]host:port[,host:port…]/MASTER[/db] to follow a master set "
+                "through its sentinels"})
+    redis_cluster: bool = field(default=False, metadata={
+        "help": "--redis-url names a node of a Redis Cluster (>= 7): sharded pub/sub, keys hash-tagged by session"})
+    bus_shards: int = field(default=256, metadata={
+        "help": "channels the bus spreads sessions over; a replica hears only the shards its subscribers are in"})
     workers: int = field(default=1, metadata={
         "help": "worker processes serving the same ports (one per core); more than 1 needs --redis-url"})
     queue_size: int = field(default=256, metadata={"help": "bound of each subscriber's queue"})
@@ -234,6 +241,11 @@ class Config:
             scheme = self.redis_url.partition("://")[0] if "://" in self.redis_url else "no scheme"
             problems.append(("--redis-url", f"must start with {', '.join(_REDIS_SCHEMES[:-1])} or "
                                             f"{_REDIS_SCHEMES[-1]} (got {scheme[:20]!r})"))
+        check(1 <= self.bus_shards <= 16384, "bus_shards", "must be within 1..16384")
+        check(not self.redis_cluster or bool(self.redis_url), "redis_cluster",
+              "needs --redis-url (any node of the cluster)")
+        check(not (self.redis_cluster and self.redis_url.startswith("redis+sentinel://")), "redis_cluster",
+              "a Redis Cluster has no sentinels: name one of its nodes with redis:// or rediss://")
         # Workers share sessions and events only through Redis: each has its own store and bus otherwise.
         check(1 <= self.workers <= 64, "workers", "must be within 1..64")
         check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",

@@ -1,40 +1,118 @@
-"""How uibus talks to Redis: one client (one connection pool) per owner, built the same way.
+"""How uibus talks to Redis: one client (one connection pool) per owner, built the same way, for the
+three topologies an operator runs: one server, a Redis Cluster, or a master set behind sentinels.
 
 Timeouts are short and retries few on purpose: the store sits in the path of gRPC calls and the
 bus in the path of publishes, so a Redis outage must turn into a quick error, never a hung call.
+A failover is an outage of a few seconds to both; what follows it is the client's job (redis-py's
+cluster client re-reads the slot map on MOVED and on a dead node, its Sentinel pool asks the
+sentinels for the master again on every new connection), so no restart is needed.
 """
 
 from __future__ import annotations
 
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import ClusterDownError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from uibus.errors import ConfigError
 
-# What an unreachable or restarting Redis raises; everything else is a programming error.
-OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# What an unreachable, restarting or failing-over Redis raises; everything else is a programming
+# error. (MasterNotFoundError is a ConnectionError: the sentinels know no master right now.)
+OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError,
+                                                  ClusterDownError, TryAgainError, MasterNotFoundError)
 
 CONNECT_TIMEOUT_S = 1.0
 COMMAND_TIMEOUT_S = 2.0
+SENTINEL_SCHEME = "redis+sentinel://"
+
+AnyRedis = Redis | RedisCluster
 
 
-def make_client(url: str, name: str) -> Redis:
-    """A client for `url` (redis://, rediss:// or unix://) owning its pool; `aclose()` releases
-    both. A URL that cannot be parsed is a ConfigError (connecting is not tried here); Config has
-    already refused other schemes, and redis-py's own refusal never repeats the URL (a password)."""
+def _common(name: str) -> dict[str, Any]:
+    return {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": COMMAND_TIMEOUT_S,
+            "client_name": name, "decode_responses": False}
+
+
+def make_client(url: str, name: str, *, cluster: bool = False) -> AnyRedis:
+    """A client for `url` owning its pool; `aclose()` releases both.
+
+    * `redis://`, `rediss://`, `unix://`: one server.
+    * with `cluster`: `url` names any node of a Redis Cluster; the client learns the others.
+    * `redis+sentinel://[user:password@]host:port[,host:port…]/MASTER[/db]`: the master of the set
+      MASTER as the sentinels name it now (query `sentinel_password=` if they need one).
+
+    A URL that cannot be parsed is a ConfigError (connecting is not tried here); Config has already
+    refused other schemes, and redis-py's own refusal never repeats the URL (a password)."""
     try:
+        if url.startswith(SENTINEL_SCHEME):
+            return _sentinel_master(url, name)
+        if cluster:
+            return RedisCluster.from_url(url, **_common(name), require_full_coverage=False,
+                                         retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2))
         return Redis.from_url(
-            url,
-            socket_connect_timeout=CONNECT_TIMEOUT_S,
-            socket_timeout=COMMAND_TIMEOUT_S,
+            url, **_common(name),
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             health_check_interval=10,
-            client_name=name,
-            decode_responses=False,
         )
     except ValueError as exc:  # a port that is not a number, an unknown query option
         raise ConfigError("--redis-url", f"cannot be parsed: {exc}") from exc
+
+
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int, dict[str, Any]]:
+    """(sentinels, master set, db, auth) of a `redis+sentinel://` URL; ValueError says what is wrong."""
+    parts = urlsplit(url)
+    auth: dict[str, Any] = {}
+    if parts.password is not None:
+        auth["password"] = unquote(parts.password)
+    if parts.username:
+        auth["username"] = unquote(parts.username)
+    hosts = parts.netloc.rpartition("@")[2]
+    sentinels: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":") if ":" in item else (item, "", "26379")
+        if not host:
+            raise ValueError(f"sentinel {item!r} has no host")
+        sentinels.append((host.strip("[]"), int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    if not path:
+        raise ValueError("no master set name: redis+sentinel://host:port/MASTER")
+    db = int(path[1]) if len(path) > 1 else 0
+    query = parse_qs(parts.query)
+    if "sentinel_password" in query:
+        auth["sentinel_password"] = query["sentinel_password"][0]
+    return sentinels, unquote(path[0]), db, auth
+
+
+def _sentinel_master(url: str, name: str) -> Redis:
+    sentinels, master, db, auth = sentinel_parts(url)
+    sentinel_password = auth.pop("sentinel_password", None)
+    sentinel = Sentinel(sentinels, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
+                        sentinel_kwargs={"socket_connect_timeout": CONNECT_TIMEOUT_S,
+                                         "socket_timeout": COMMAND_TIMEOUT_S,
+                                         **({"password": sentinel_password} if sentinel_password else {})})
+    client = sentinel.master_for(master, redis_class=Redis, db=db, **auth, **_common(name),
+                                 retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=1),
+                                 retry_on_error=[RedisConnectionError, RedisTimeoutError])
+    return client
+
+
+def node_client(cluster: RedisCluster, host: str, port: int, name: str) -> Redis:
+    """A plain client to one node of `cluster`, with the cluster's credentials and TLS: the bus
+    holds one pub/sub connection per node that owns a shard it listens to."""
+    kwargs = dict(cluster.get_default_node().connection_kwargs) if cluster.get_default_node() else {}
+    keep = {k: v for k, v in kwargs.items() if k in ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile",
+                                                      "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname",
+                                                      "connection_class", "credential_provider")}
+    # No retry inside redis-py: a dead master must surface at once, so the bus marks its shards lost
+    # (health NOT_SERVING) and moves them to the promoted replica (redis-py's default retries and
+    # backoff hid a SIGKILLed master for 3.5 s here, longer than the failover itself).
+    return Redis(host=host, port=port, **keep, **_common(name), retry=Retry(ExponentialBackoff(), retries=0))

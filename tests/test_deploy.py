@@ -2,8 +2,9 @@
 native gRPC on the port uibus serves, the server binds every interface, every UIBUS_* setting is
 a real config field with a value `uibus serve` accepts, and the compose front reaches both replicas.
 Also: the manifests as `kubectl kustomize` renders them (PDB and HPA on the Deployment), the Ingress
-example, the image's pinned base, lock file, version label and health check (run for real against
-a live app), one compose build tagged with the package version, and nginx's `http2 on;`."""
+example, the Redis Cluster and Sentinel overlays (their settings, no single-node Redis), the image's
+pinned base, lock file, version label and health check (run for real against a live app), one
+compose build tagged with the package version, and nginx's `http2 on;`."""
 
 from __future__ import annotations
 
@@ -317,3 +318,74 @@ def test_dockerfile_runs_uibus_as_non_root_on_all_interfaces() -> None:
     assert "UIBUS_HOST=0.0.0.0" in text
     for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.MULTILINE):
         assert (REPO / src).exists() or "*" in src, f"Dockerfile copies missing {src}"
+
+
+# The overlays that put uibus on an external Redis instead of the base's single-node uibus-redis, and
+# the settings each must give the pods (through the ConfigMap the Deployment's envFrom names).
+REDIS_OVERLAYS = {
+    "redis-cluster": {"UIBUS_REDIS_URL": "redis://redis-cluster:6379/0", "UIBUS_REDIS_CLUSTER": "1",
+                      "UIBUS_BUS_SHARDS": "256"},
+    "redis-sentinel": {"UIBUS_REDIS_URL": "redis+sentinel://sentinel-0:26379,sentinel-1:26379,sentinel-2:26379"
+                                          "/mymaster/0", "UIBUS_BUS_SHARDS": "256"},
+}
+
+
+def _kustomize_overlay(name: str) -> list[dict[str, Any]]:
+    """The overlay as its header says to render it. It names the base's files rather than the base
+    (kustomize refuses `../..` as a base from inside that folder: a cycle), and files outside its
+    own folder need the load restrictor off."""
+    kubectl = require_binary("kubectl")
+    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
+                          str(K8S / "examples" / name)], capture_output=True, text=True, timeout=60, check=True)
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def _pod_env(docs: list[dict[str, Any]], deployment: str = "uibus") -> dict[str, Any]:
+    """The environment of the Deployment's container as the kubelet builds it: every envFrom
+    ConfigMap's data, then `env` over it (a secretKeyRef stays a dict)."""
+    (dep,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == deployment]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    maps = {d["metadata"]["name"]: d.get("data", {}) for d in docs if d["kind"] == "ConfigMap"}
+    env: dict[str, Any] = {}
+    for ref in container.get("envFrom", []):
+        env.update(maps[ref["configMapRef"]["name"]])
+    for e in container.get("env", []):
+        env[e["name"]] = e.get("value", e.get("valueFrom"))
+    return env
+
+
+@pytest.mark.parametrize("overlay", sorted(REDIS_OVERLAYS))
+def test_redis_overlay_points_uibus_at_its_redis_and_drops_the_single_node(
+        overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = _kustomize_overlay(overlay)
+    names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    # uibus with its Service, HPA and PDB as in the base, but no Redis of its own: the external one replaces it
+    assert names == {("ConfigMap", "uibus"), ("Deployment", "uibus"), ("Service", "uibus"),
+                     ("HorizontalPodAutoscaler", "uibus"), ("PodDisruptionBudget", "uibus")}
+    env = _pod_env(docs)
+    _check_env_names(env)
+    want = REDIS_OVERLAYS[overlay]
+    assert {k: env.get(k) for k in want} == want
+    assert "UIBUS_REDIS_CLUSTER" in want or "UIBUS_REDIS_CLUSTER" not in env  # sentinels are no cluster
+    assert env["UIBUS_AUTH_TOKEN"]["secretKeyRef"]["name"] == "uibus"  # the base's token still applies
+    cfg = _config_from_env({**{k: v for k, v in env.items() if isinstance(v, str)},
+                            "UIBUS_AUTH_TOKEN": "from-the-secret"}, monkeypatch)
+    assert cfg.redis_url == want["UIBUS_REDIS_URL"]
+    assert cfg.redis_cluster is (overlay == "redis-cluster")
+    assert cfg.bus_shards == 256
+    import kubernetes_validate
+
+    for doc in docs:
+        for version in ("1.27.0", "1.37.0"):
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("overlay", sorted(REDIS_OVERLAYS))
+def test_redis_overlay_lists_every_base_manifest_but_redis(overlay: str) -> None:
+    """The overlay copies the base's resource list (it cannot name the base itself), so a manifest
+    added to the base, or anything the base's kustomization does besides listing resources, must
+    reach the overlay too: this fails until it does."""
+    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert set(base) <= {"apiVersion", "kind", "resources"}, "the overlays only copy the base's resources"
+    mine = yaml.safe_load((K8S / "examples" / overlay / "kustomization.yaml").read_text())
+    assert mine["resources"] == [f"../../{r}" for r in base["resources"] if r != "redis.yaml"]

@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Reader, free_port, start_app, wait_for
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisProcess
+from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
 from tests.test_redis_replicas import Replica as BaseReplica
 from tests.test_redis_replicas import two_replicas
 from uibus import kinds
@@ -28,10 +29,10 @@ from uibus.config import Config
 from uibus.domain.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
-from uibus.redis_bus import ReplicatedBus
+from uibus.redis_bus import ReplicatedBus, shard_of
 from uibus.redis_store import RedisStore
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
 Stub = extension_ui_pb2_grpc.ExtensionUiServiceStub
 
@@ -45,17 +46,18 @@ class Replica(BaseReplica):
         return Stub(conn.channel)
 
     async def ui(self, session: str) -> Reader:
-        """A UI stream, returned once this replica has subscribed it."""
+        """A UI stream, returned once its headers arrived: it is live on every replica."""
         before = self.bus.count(kinds.EXTENSION_UI, session)
-        stream = Reader(self.ext(session).Subscribe(pb.SubscribeRequest()))
-        await wait_for(lambda: self.bus.count(kinds.EXTENSION_UI, session) == before + 1, what="UI subscription")
-        return stream
+        call = self.ext(session).Subscribe(pb.SubscribeRequest())
+        await asyncio.wait_for(call.initial_metadata(), 5)
+        assert self.bus.count(kinds.EXTENSION_UI, session) == before + 1
+        return Reader(call)
 
 
 @pytest.fixture
-async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+async def replicas(redis_target: RedisTarget, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
     """Two replicas on one Redis, each with an HTTP port (for /metrics)."""
-    async with two_replicas(redis_server.url, tmp_path, Replica, http=True) as pair:
+    async with two_replicas(redis_target.url, tmp_path, Replica, http=True, cluster=redis_target.cluster) as pair:
         yield pair
 
 
@@ -112,8 +114,9 @@ async def test_race_across_replicas_has_one_winner_and_the_loser_is_told_at_once
     code, seconds = await timed_respond(on_b, pb.RespondRequest(id="no-such-dialog", cancelled=True))
     assert code == grpc.StatusCode.NOT_FOUND and seconds < 0.1  # A listens and says it does not know it
     # No replica holds (or held) a dialog of this session: NOT_FOUND without waiting for anyone.
+    # (B follows that session's shard for the first time: a SUBSCRIBE and a presence read, no wait.)
     code, seconds = await timed_respond(b.ext("nobody"), pb.RespondRequest(id="x", cancelled=True))
-    assert code == grpc.StatusCode.NOT_FOUND and seconds < 0.1
+    assert code == grpc.StatusCode.NOT_FOUND and seconds < 0.5
 
 
 async def read_until_marker(ui: Reader, marker: str) -> list[pb.ExtensionUiEvent]:
@@ -237,6 +240,7 @@ async def test_entries_of_a_dead_replica_are_not_replayed(redis_server: RedisPro
     try:
         shared = SharedDialogs(reader, store)
         sub = holder.subscribe("s", kinds.EXT_UI_ANSWER)  # what a replica holding dialogs of "s" does
+        await reader.ready("s")  # what the reader's UI stream does before its headers
         await wait_for(lambda: reader.announced(holder.replica_id, "s", kinds.EXT_UI_ANSWER) is True,
                        what="the holder's announcement")
         now = int(time.time() * 1000)
@@ -289,10 +293,18 @@ async def test_replication_counters_on_metrics(replicas: tuple[Replica, Replica]
             assert f"uibus_replication_{name}_total" in samples, name
     assert on_a["uibus_replication_sent_total"] >= 1 and on_b["uibus_replication_received_total"] >= 1
     assert on_b["uibus_replication_dropped_total"] == 0
-    # A's own announcements and events reach B for sessions nobody on B follows: counted, not decoded.
+    assert on_b["uibus_replication_shards_subscribed"] == 1 and on_a["uibus_replication_shards_subscribed"] == 0
+    # Events of a session nobody on B follows reach B only when it shares a shard B listens to:
+    # counted, not decoded. A session of another shard never reaches B at all.
     before = on_b["uibus_replication_unwanted_total"]
-    await a.ext("nobody-on-b").Notify(pb.NotifyRequest(message="unheard"))
+    shards = b.bus.shards  # type: ignore[attr-defined]
+    mate = next(f"mate-{i}" for i in range(100_000) if shard_of(f"mate-{i}", shards) == shard_of("m", shards))
+    stranger = next(f"far-{i}" for i in range(100_000) if shard_of(f"far-{i}", shards) != shard_of("m", shards))
+    await a.ext(stranger).Notify(pb.NotifyRequest(message="never heard on b"))
+    await a.ext(mate).Notify(pb.NotifyRequest(message="heard, not decoded"))
     await wait_for(lambda: b.bus.stats.unwanted > before, what="the unwanted envelope counted")  # type: ignore[attr-defined]
+    await asyncio.sleep(0.2)
+    assert b.bus.stats.unwanted == before + 1  # type: ignore[attr-defined]
 
     alone = await start_app(Config(host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / "one.db")))
     try:  # without Redis there is nothing to count

@@ -8,26 +8,41 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
 from tests.conftest import wait_for
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisProcess
+from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
 from uibus.bus import Subscription
 from uibus.kinds import Kind
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.redis_bus import ReplicatedBus
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
 K = Kind("k", object)  # a test kind: any payload, the default overflow policy
 HOST = Kind("host", common_pb2.String, presence=True)
 
 
 @pytest.fixture
-async def buses(redis_server: RedisProcess) -> AsyncIterator[tuple[ReplicatedBus, ReplicatedBus]]:
-    a = ReplicatedBus(redis_server.url, outbox_size=8)
-    b = ReplicatedBus(redis_server.url, outbox_size=8)
+async def buses(redis_target: RedisTarget) -> AsyncIterator[tuple[ReplicatedBus, ReplicatedBus]]:
+    """Two buses on one redis-server, then on the Redis Cluster (sharded pub/sub)."""
+    async with pair(redis_target.url, redis_target.cluster) as both:
+        yield both
+
+
+@pytest.fixture
+async def single_buses(redis_server: RedisProcess) -> AsyncIterator[tuple[ReplicatedBus, ReplicatedBus]]:
+    async with pair(redis_server.url, False) as both:
+        yield both
+
+
+@asynccontextmanager
+async def pair(url: str, cluster: bool) -> AsyncIterator[tuple[ReplicatedBus, ReplicatedBus]]:
+    a = ReplicatedBus(url, outbox_size=8, cluster=cluster)
+    b = ReplicatedBus(url, outbox_size=8, cluster=cluster)
     await a.start()
     await b.start()
     try:
@@ -46,6 +61,7 @@ async def test_protobuf_and_json_items_cross_with_target_and_key(buses: tuple[Re
     a, b = buses
     tab = b.subscribe("s", K, "TAB")
     anyone = b.subscribe("s", K)
+    await b.ready("s")  # B's shard subscription confirmed: what A publishes now reaches it
     msg = ui_pb2.ClineMessage(ts=5, type=ui_pb2.ASK, ask=ui_pb2.FOLLOWUP, text="?", images=["x"])
     assert a.publish("s", K, msg, target="TAB", key=5) == 0  # nobody on A
     a.publish("s", K, {"plain": ["json", 1]}, target=None, key=("tuple", 1))
@@ -64,6 +80,7 @@ async def test_own_envelopes_are_not_delivered_twice(buses: tuple[ReplicatedBus,
     a, b = buses
     sub_a = a.subscribe("s", K)
     sub_b = b.subscribe("s", K)
+    await b.ready("s")
     assert a.publish("s", K, common_pb2.String(value="one")) == 1
     a.publish("s", K, common_pb2.String(value="two"))
     assert [m.value for m in await drain(sub_b, 2)] == ["one", "two"]  # type: ignore[attr-defined]
@@ -74,10 +91,11 @@ async def test_own_envelopes_are_not_delivered_twice(buses: tuple[ReplicatedBus,
 
 
 async def test_stalled_redis_never_blocks_publish_and_recovers(
-        buses: tuple[ReplicatedBus, ReplicatedBus], redis_server: RedisProcess) -> None:
-    a, b = buses
+        single_buses: tuple[ReplicatedBus, ReplicatedBus], redis_server: RedisProcess) -> None:
+    a, b = single_buses
     local = a.subscribe("s", K, maxsize=10_000)
     remote = b.subscribe("s", K, maxsize=10_000)
+    await b.ready("s")
     assert redis_server.proc is not None
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # accepts bytes, answers nothing: a hung Redis
     try:
@@ -132,6 +150,7 @@ async def test_presence_is_kept_by_heartbeats_and_expires_with_a_dead_replica(re
     await a.start()
     await b.start()
     try:
+        await a.ready("s")  # A follows the session's shard (it has no subscriber there)
         assert a.publish("s", HOST, common_pb2.String(value="nobody")) == 0
         hosts = [b.subscribe("s", HOST), b.subscribe("s", HOST)]
         await wait_for(lambda: a.remote_count("s", HOST) == 2, what="A learns of B's two hosts")
@@ -140,8 +159,9 @@ async def test_presence_is_kept_by_heartbeats_and_expires_with_a_dead_replica(re
         assert a.publish("s", HOST, common_pb2.String(value="to b")) == 2
         assert [m.value for m in await drain(hosts[0], 1)] == ["to b"]  # type: ignore[attr-defined]
         late = ReplicatedBus(redis_server.url, heartbeat_s=0.1)
-        await late.start()  # a replica that joins later learns within a heartbeat
-        await wait_for(lambda: late.remote_count("s", HOST) == 2, what="newcomer learns of B's hosts")
+        await late.start()  # a replica that joins later knows at once: it reads the shard's presence hash
+        await late.ready("s")
+        assert late.remote_count("s", HOST) == 2
         await late.stop()
         await b.stop()  # B dies without unsubscribing: its announcement must expire
         await wait_for(lambda: a.remote_count("s", HOST) == 0, timeout=3, what="B's hosts expire on A")
@@ -164,6 +184,7 @@ async def test_an_outage_inside_the_buffer_loses_nothing_acknowledged(redis_serv
     await b.start()
     try:
         remote = b.subscribe("s", K, maxsize=10_000)
+        await b.ready("s")
         await wait_for(lambda: a.connected and b.connected, what="both on redis")
         await asyncio.sleep(0.2)  # A hears B's hello
         sent: list[str] = []

@@ -15,7 +15,8 @@ import grpc
 import pytest
 
 from tests.conftest import free_port, next_message, start_app, wait_for
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisProcess
+from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -24,7 +25,7 @@ from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 from uibus.redis_bus import ReplicatedBus
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
 
 class Replica:
@@ -44,6 +45,8 @@ class Replica:
 
     async def subscribed(self, kind: str, session: str = "default", n: int = 1) -> None:
         await wait_for(lambda: self.bus.count(kind, session) == n, what=f"{n} {kind} subscription(s)")
+        if n:
+            await self.bus.ready(session)  # what the stream awaits before its headers
 
 
 R = TypeVar("R", bound=Replica)
@@ -51,7 +54,7 @@ R = TypeVar("R", bound=Replica)
 
 @asynccontextmanager
 async def two_replicas(redis_url: str, tmp_path: Path, replica: type[R], *,
-                       http: bool = False) -> AsyncIterator[tuple[R, R]]:
+                       http: bool = False, cluster: bool = False) -> AsyncIterator[tuple[R, R]]:
     """Two replicas (of the `replica` wrapper class) on one Redis, both connected to it; with
     `http`, each also has an HTTP port (for /metrics). Closes their connections and apps."""
     apps: list[App] = []
@@ -60,7 +63,7 @@ async def two_replicas(redis_url: str, tmp_path: Path, replica: type[R], *,
         for name in ("a", "b"):
             apps.append(await start_app(Config(host="127.0.0.1", port=0, http_port=free_port() if http else 0,
                                                store=str(tmp_path / f"{name}.db"), redis_url=redis_url,
-                                               grace_seconds=1.0)))
+                                               redis_cluster=cluster, grace_seconds=1.0)))
         a, b = replica(apps[0], opened), replica(apps[1], opened)
         await wait_for(lambda: a.bus.connected and b.bus.connected, what="both replicas on redis")
         yield a, b
@@ -72,7 +75,15 @@ async def two_replicas(redis_url: str, tmp_path: Path, replica: type[R], *,
 
 
 @pytest.fixture
-async def replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+async def replicas(redis_target: RedisTarget, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two replicas on one redis-server, then on the Redis Cluster."""
+    async with two_replicas(redis_target.url, tmp_path, Replica, cluster=redis_target.cluster) as pair:
+        yield pair
+
+
+@pytest.fixture
+async def single_replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIterator[tuple[Replica, Replica]]:
+    """Two replicas on one redis-server, for the tests that kill it or write to it directly."""
     async with two_replicas(redis_server.url, tmp_path, Replica) as pair:
         yield pair
 
@@ -235,8 +246,8 @@ async def _within(seconds: float, call: Callable[[], Any]) -> Any:
 
 
 async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
-        replicas: tuple[Replica, Replica], redis_server: RedisProcess) -> None:
-    a, b = replicas
+        single_replicas: tuple[Replica, Replica], redis_server: RedisProcess) -> None:
+    a, b = single_replicas
     on_a = a.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     on_b = b.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     await a.subscribed(kinds.ADD_TO_INPUT)
@@ -287,18 +298,20 @@ async def test_redis_outage_keeps_local_delivery_and_replication_resumes(
     await wait_for(lambda: a.bus.count() == 0 and b.bus.count() == 0, what="all subscriptions gone")
 
 
-async def test_bad_envelopes_are_counted_not_fatal(replicas: tuple[Replica, Replica],
+async def test_bad_envelopes_are_counted_not_fatal(single_replicas: tuple[Replica, Replica],
                                                   redis_server: RedisProcess) -> None:
     from redis.asyncio import Redis
 
-    a, b = replicas
+    a, b = single_replicas
     stream = b.connect().ui.subscribeToAddToInput(common_pb2.EmptyRequest())
     await b.subscribed(kinds.ADD_TO_INPUT)
+    await b.bus.ready("default")
     raw = Redis.from_url(redis_server.url)  # a stranger on the same Redis both replicas listen to
     try:
-        await raw.publish(b.bus.channel, b"not json\nxx")
-        await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"no.such.Type"]\n')
-        await raw.publish(b.bus.channel, b'["x","default","add_to_input",null,null,"cline.String"]\n\xff\xff')
+        await raw.publish(b.bus.shard_channel("default"), b"not json\nxx")
+        await raw.publish(b.bus.shard_channel("default"), b'["x","default","add_to_input",null,null,"no.such.Type"]\n')
+        await raw.publish(b.bus.shard_channel("default"),
+                          b'["x","default","add_to_input",null,null,"cline.String"]\n\xff\xff')
     finally:
         await raw.aclose()
     await wait_for(lambda: b.bus.stats.bad == 3, what="three bad envelopes counted")

@@ -1,4 +1,5 @@
-"""Session retention, on both store backends (SQLite file and a real redis-server): at most
+"""Session retention, on every store backend (SQLite file, a real redis-server, a real Redis Cluster
+of 3 masters and 3 replicas): at most
 `max_sessions` sessions are kept (the longest idle go first), a session idle longer than the TTL is
 deleted by the sweep, the chat history stays within its byte bound, and /metrics counts all of it.
 """
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chatkit import answer
 from tests.conftest import free_port, start_app
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -28,27 +29,39 @@ from uibus.domain.feed import THEME_KEY
 from uibus.domain.history import HISTORY_KEY
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
+from uibus.redis_store import EMPTY_TAG
 from uibus.store import SqliteStore, Store
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 
 DARK = '{"kind": "dark"}'
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+def on_redis(request: pytest.FixtureRequest, config: Config, kind: str) -> Config:
+    """The test config on a real redis-server of its own, or on the shared cluster (emptied)."""
+    if kind == "redis-cluster":
+        cluster: RedisClusterProcess = request.getfixturevalue("redis_cluster_clean")
+        return replace(config, redis_url=cluster.url, redis_cluster=True)
+    server: RedisProcess = request.getfixturevalue("redis_server")
+    return replace(config, redis_url=server.url)
+
+
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 def backend(request: pytest.FixtureRequest, config: Config) -> Config:
-    """The test config on one backend: its SQLite file, or a real redis-server of its own."""
-    if request.param == "redis":
-        server: RedisProcess = request.getfixturevalue("redis_server")
-        return replace(config, redis_url=server.url)
-    return config
+    """The test config on one backend: its SQLite file, a real redis-server of its own, or the cluster."""
+    return config if request.param == "sqlite" else on_redis(request, config, request.param)
+
+
+@pytest.fixture(params=["redis", "redis-cluster"])
+def redis_backend(request: pytest.FixtureRequest, config: Config) -> Config:
+    return on_redis(request, config, request.param)
 
 
 def open_store(cfg: Config, **retention: Any) -> Store:
     if cfg.redis_url:
         from uibus.redis_store import RedisStore
 
-        return RedisStore(cfg.redis_url, **retention)
+        return RedisStore(cfg.redis_url, cluster=cfg.redis_cluster, **retention)
     return SqliteStore(cfg.store, **retention)
 
 
@@ -61,14 +74,34 @@ async def sessions_holding_data(cfg: Config) -> set[str]:
                                              "SELECT session FROM list_bytes UNION SELECT session FROM sessions")}
     from redis.asyncio import Redis
 
-    client = Redis.from_url(cfg.redis_url)
+    if cfg.redis_cluster:  # every master, directly; the index keys (`{ix:<n>}`, never a session) are read
+        from redis.asyncio.cluster import RedisCluster
+
+        cluster = RedisCluster.from_url(cfg.redis_url)
+        try:
+            await cluster.initialize()
+            nodes = [Redis(host=n.host, port=int(n.port)) for n in cluster.get_primaries()]
+        finally:
+            await cluster.aclose()
+    else:
+        nodes = [Redis.from_url(cfg.redis_url)]
+    found: set[str] = set()
     try:
-        found = {unquote(m.decode()) for m in await client.zrange("uibus:sessions", 0, -1)}
-        async for key in client.scan_iter(match="uibus:{*", count=1000):  # a test may scan; the store never does
-            found.add(unquote(key.decode().split("{", 1)[1].split("}", 1)[0]))
+        for client in nodes:
+            async for raw in client.scan_iter(match="uibus:{*", count=1000):  # a test may scan; the store never does
+                key = raw.decode()
+                tag = key.split("{", 1)[1].split("}", 1)[0]
+                if tag.startswith("ix:"):
+                    if key.endswith(":sessions"):
+                        found |= {unquote(m.decode()) for m in await client.zrange(key, 0, -1)}
+                    continue
+                found.add("" if cfg.redis_cluster and tag == EMPTY_TAG else unquote(tag))
+            if not cfg.redis_cluster:
+                found |= {unquote(m.decode()) for m in await client.zrange("uibus:sessions", 0, -1)}
         return found
     finally:
-        await client.aclose()
+        for client in nodes:
+            await client.aclose()
 
 
 async def scrape(app: App) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -245,13 +278,11 @@ async def test_any_session_name_is_evicted_whole_and_a_lowered_bound_is_enforced
         await lowered.close()
 
 
-async def test_redis_replicas_evict_each_session_once(redis_server: RedisProcess, config: Config) -> None:
+async def test_redis_replicas_evict_each_session_once(redis_backend: Config) -> None:
     """Two stores on one Redis (two replicas) create sessions concurrently over the bound: together
     they evict exactly the surplus, each session once, and never go below the bound."""
-    from uibus.redis_store import RedisStore
-
-    cfg = replace(config, redis_url=redis_server.url)
-    a, b = (RedisStore(redis_server.url, max_sessions=100, ttl_s=60) for _ in range(2))
+    cfg = redis_backend
+    a, b = (open_store(cfg, max_sessions=100, ttl_s=60) for _ in range(2))
     try:
         async def writer(store: Store, name: str) -> None:
             for i in range(500):

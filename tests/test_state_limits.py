@@ -20,7 +20,7 @@ import pytest
 
 from tests.chatkit import MAXIMAL, Agent, answer, request
 from tests.conftest import REPO, require, require_binary, running, subscriber, wait_for
-from tests.redisproc import RedisProcess, redis_server
+from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
 from tests.webclient import call
 from uibus import kinds
 from uibus.clients.connection import Connection
@@ -28,7 +28,7 @@ from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc, host_pb2, webview_pb2, webview_pb2_grpc
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
 KB = 1024
 MB = 1024 * 1024
@@ -129,8 +129,8 @@ async def test_fifty_parallel_turns_on_sqlite_all_end_up_in_the_stored_context(c
 
 
 async def test_fifty_parallel_turns_on_two_replicas_sharing_redis_all_end_up_in_the_context(
-        config, redis_server: RedisProcess):
-    cfg = replace(config, redis_url=redis_server.url)
+        config, redis_target: RedisTarget):
+    cfg = replace(config, **redis_target.config())  # one redis-server, then the Redis Cluster
     async with running(cfg) as a, running(cfg) as b, \
             Connection(f"127.0.0.1:{a.port}", session="par2") as ca, \
             Connection(f"127.0.0.1:{b.port}", session="par2") as cb:

@@ -1,4 +1,5 @@
-"""The Store contract, run against every backend: SQLite (embedded) and Redis (real redis-server)."""
+"""The Store contract, run against every backend: SQLite (embedded), Redis (real redis-server) and a
+real Redis Cluster (3 masters, 3 replicas; shared by the session, emptied for each test)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from uibus.store import SqliteStore, Store
 
-__all__ = ["redis_server"]
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 
 Opener = Callable[[], Store]
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     """Opens a store on the same backing data each time it is called (to check reopening)."""
     if request.param == "sqlite":
@@ -23,6 +24,9 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
         return lambda: SqliteStore(path)
     from uibus.redis_store import RedisStore
 
+    if request.param == "redis-cluster":
+        cluster: RedisClusterProcess = request.getfixturevalue("redis_cluster_clean")
+        return lambda: RedisStore(cluster.url, cluster=True)
     server: RedisProcess = request.getfixturevalue("redis_server")
     return lambda: RedisStore(server.url)
 

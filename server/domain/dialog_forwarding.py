@@ -125,6 +125,7 @@ class AnswerForwarding:
     async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict) -> Verdict:
         """Asks the other replicas to apply `request`; `not_found` when none holds the dialog."""
         answer_id = uuid.uuid4().hex
+        await self.bus.ready(session)  # every replica's listeners of the session known (presence)
         try:
             sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER_RESULT, answer_id)
         except (SubscriptionLimit, BusClosed):

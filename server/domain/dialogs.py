@@ -352,6 +352,7 @@ class Dialogs:
         sub = bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
         try:
             waiting = self.pending.waiting(session)
+            await bus.ready(session)  # heard on every replica (and their dialogs' holders known) first
             yield LIVE  # subscribed: the pipeline sends the response headers now
             kept = await self.store.scan(session, PREFIX)
             for event in state_events(kept):

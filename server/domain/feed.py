@@ -334,6 +334,7 @@ class UiFeed:
         bus = self.bus
         sub = bus.subscribe(session, stream.kind, target)
         try:
+            await bus.ready(session)  # heard on every replica before the headers say so
             yield LIVE
             if stream.current:
                 # Read after subscribing, so a change in between is not missed; the value just read
@@ -363,6 +364,7 @@ class UiFeed:
         bus = self.bus
         sub = bus.subscribe(session, kinds.HOST_REQUEST)
         try:
+            await bus.ready(session)
             yield LIVE
             async for item in sub:
                 yield item
@@ -445,11 +447,13 @@ class UiFeed:
         if theme is not None:
             self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
 
-    def open_url(self, session: str, url: str) -> None:
-        """A server cannot open a browser on the user's machine: the host does, if one listens."""
+    async def open_url(self, session: str, url: str) -> None:
+        """A server cannot open a browser on the user's machine: the host does, if one listens
+        (on any replica: `ready` makes the other replicas' counts for the session known)."""
         problem = check_url(url)
         if problem:
             raise InvalidArgument(problem)
+        await self.bus.ready(session)
         if not self.bus.publish(session, kinds.HOST_REQUEST, _host_request(open_url=host_pb2.OpenUrl(url=url))):
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      "nothing can open the URL")

@@ -54,7 +54,7 @@ class UiService(ui_pb2_grpc.UiServiceServicer):
 
     async def openUrl(self, request: common_pb2.StringRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.Empty:
-        self.feed.open_url(session_of(context), request.value)
+        await self.feed.open_url(session_of(context), request.value)
         return common_pb2.Empty()
 
 
