@@ -134,7 +134,9 @@ class _Link:
         self.want: set[str] = set()
         self.confirmed: set[str] = set()
         self.pubsub: PubSub | None = None
-        self.up = False  # connected and its first confirmation arrived
+        # False from a failure until the next confirmation: a new link counts as up, so opening one
+        # (the first shard of a master) does not flip health to NOT_SERVING for a round trip.
+        self.up = True
         self.lock = asyncio.Lock()  # subscribe/unsubscribe commands in the order they were asked
         self.task: asyncio.Task[None] | None = None
 
