@@ -28,7 +28,9 @@ Why it is shaped like this:
   could be sent is dropped (live UI events are worthless minutes later). Every drop is counted in
   `stats.dropped`. Once Redis answers again the writer holds the buffer until the other replicas
   are listening again (each says so with a hello on the control channel once all its channels
-  are subscribed again), at most `resubscribe_s`, then sends it. A batch that failed halfway may
+  are subscribed again, and when asked: the writer asks "who listens?" as soon as Redis answers,
+  so a replica that never lost its subscriptions answers at once), at most `resubscribe_s`, then
+  sends it. A batch that failed halfway may
   be sent twice: delivery across an outage is at least once.
 * Envelope: one JSON header line `[origin, session, kind, target, key, type]` and the payload.
   Protobuf items travel as their serialized bytes with the message's full name, resolved on the
@@ -80,6 +82,7 @@ log = logging.getLogger("uibus.redis_bus")
 _JSON_ITEM = ""  # type field of an envelope whose payload is a JSON value, not a protobuf
 _PRESENCE = "!presence"  # type field of a subscription-count announcement
 _HELLO = "!hello"  # type field of "this replica is subscribed" (after each (re)subscribe, and each heartbeat)
+_WHO = "!who"  # type field of "who is subscribed?": every replica whose channels all are says hello
 _BATCH = 512  # envelopes per pipelined write
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
@@ -651,6 +654,9 @@ class ReplicatedBus(Bus):
                 self._went_down("write", exc)
                 down_since = time.monotonic()
                 await self._until_reachable()
+                # Replicas that never lost their subscriptions (a cluster master they do not listen to
+                # failed) would only say hello at their next heartbeat: ask, so the wait is a round trip.
+                self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._control(_WHO)))
                 await self._others_listening(down_since)
                 self._writer_up = True
                 self._came_back()
@@ -692,6 +698,10 @@ class ReplicatedBus(Bus):
                 return
             self._seen[origin] = time.monotonic()
             if type_name == _HELLO:
+                return
+            if type_name == _WHO:
+                if not self._hello_due and self._all_confirmed():
+                    self._say_hello()
                 return
             self.stats.received += 1
             if type_name == _PRESENCE:
@@ -775,10 +785,10 @@ class ReplicatedBus(Bus):
         """Tells the others this replica listens, straight to Redis (ahead of a buffered outbox), in
         a task of its own: a cancel landing inside a redis-py command can be swallowed, and the
         listener must stay cancellable (seen here on uvloop: stop() waited forever)."""
-        self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._hello()))
+        self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._control(_HELLO)))
 
-    def _hello(self) -> bytes:
-        return json.dumps([self.replica_id, "", "", None, None, _HELLO], separators=(",", ":")).encode() + b"\n"
+    def _control(self, what: str) -> bytes:
+        return json.dumps([self.replica_id, "", "", None, None, what], separators=(",", ":")).encode() + b"\n"
 
     def _announce_all(self) -> None:
         mine = [t for t in self._topics if t[1] in self._presence_kinds]
@@ -800,7 +810,7 @@ class ReplicatedBus(Bus):
         while True:
             await asyncio.sleep(self._heartbeat_s)
             self._announce_all()
-            self._enqueue(self._ctl, self._hello())  # so the others know this replica listens (see _others_listening)
+            self._enqueue(self._ctl, self._control(_HELLO))  # the others know it listens (_others_listening)
             now = time.monotonic()
             for origin in [o for o, t in self._seen.items() if t < now - 10 * self._heartbeat_s]:
                 del self._seen[origin]  # a replica gone for good

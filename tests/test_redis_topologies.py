@@ -174,3 +174,41 @@ async def test_the_cluster_bus_counts_shards_and_spreads_them_over_the_masters(
             for conn in conns:
                 await conn.close()
         await wait_for(lambda: b.bus.count() == 0, what="streams gone")
+
+
+async def test_a_write_failover_waits_only_a_round_trip_for_replicas_that_kept_listening(
+        fresh_redis_cluster: RedisClusterProcess) -> None:
+    """A's writes to one master fail while B listens only to another master's shards, so B never
+    loses a subscription and has no reason to say hello: A asks "who listens?" once the cluster
+    answers again, and sends its buffer a round trip later, not after resubscribe_s (4 s)."""
+    cluster = fresh_redis_cluster
+    on_first = next(s for s in (f"s{i}" for i in range(10_000))
+                    if cluster.master_of(f"uibus:bus:{{{shard_of(s, 256)}}}") == cluster.masters()[0][0])
+    ctl_master = cluster.master_of("uibus:bus:ctl")
+    elsewhere = next(s for s in (f"t{i}" for i in range(10_000))
+                     if cluster.master_of(f"uibus:bus:{{{shard_of(s, 256)}}}") not in
+                     (cluster.masters()[0][0], ctl_master))
+    # Heartbeats far apart, so B's next one cannot stand in for the answer (it used to, now and then).
+    a = ReplicatedBus(cluster.url, cluster=True, heartbeat_s=30)
+    b = ReplicatedBus(cluster.url, cluster=True, heartbeat_s=30)
+    await a.start()
+    await b.start()
+    try:
+        listening = b.subscribe(on_first, kinds.ADD_TO_INPUT)
+        await b.ready(on_first)
+        await wait_for(lambda: a._seen.get(b.replica_id, 0) > 0, timeout=5, what="A heard B's hello")
+        victim = cluster.master_of(f"uibus:bus:{{{shard_of(elsewhere, 256)}}}")
+        cluster.kill_node(victim)
+        a.publish(elsewhere, kinds.ADD_TO_INPUT, common_pb2.String(value="buffered"))
+        await wait_for(lambda: not a._writer_up, timeout=5, what="A's write fails")
+        await asyncio.to_thread(cluster.wait_failover, 30)
+        ok_at = time.monotonic()
+        await wait_for(lambda: a._writer_up, timeout=10, what="A writes again")
+        waited = time.monotonic() - ok_at
+        print(f"A wrote again {waited:.2f}s after the failover")
+        assert waited < 3.0, f"A held its buffer {waited:.1f}s after the failover"
+        assert b.connected and b.stats.outages == 0  # B lost nothing
+        b.unsubscribe(listening)
+    finally:
+        await a.stop()
+        await b.stop()
