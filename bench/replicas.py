@@ -67,6 +67,10 @@ class Plan:
     warmup: float = 1.0  # publishing before the window (connections, first-use allocations)
     rounds: int = 2
     uibus_args: tuple[str, ...] = ()
+    # "other": each event through a replica other than its session's (every delivery crosses Redis,
+    # at N=2 as at N=4, so the CPU figures compare like with like); "random": any replica (at N
+    # replicas (N-1)/N of them cross, so CPU per delivery grows with N by the mix alone).
+    route: str = "other"
 
     @classmethod
     def quick(cls) -> Plan:
@@ -148,7 +152,11 @@ async def publish(p: Params, counts: Any, stop: Any) -> Params:
     def send(i: int) -> None:
         nonlocal expected
         name, owner = sessions[i % len(sessions)]
-        r = rng.randrange(n)
+        if p["route"] == "other" and n > 1:
+            r = rng.randrange(n - 1)
+            r += r >= owner
+        else:
+            r = rng.randrange(n)
         via[r] += 1
         if r != owner:
             needed[owner] += 1
@@ -328,7 +336,8 @@ def run_config(n: int, shards: int, rnd: int, plan: Plan, clients: Clients, tmp:
         wait_until(lambda: all(subscriptions(r) == plan.subscribers for r in dep.replicas), 60,
                    f"{plan.subscribers} subscriptions on each of {n} replicas")
         time.sleep(0.5)  # a replica's own SUBSCRIBE to a newly needed shard lands after the stream opens
-        common = {"targets": targets, "sessions": sessions, "subs": subs, "rate": plan.rate * n}
+        common = {"targets": targets, "sessions": sessions, "subs": subs, "rate": plan.rate * n,
+                  "route": plan.route}
         clients.send(Clients.PUBLISHER, "publish", {**common, "duration": plan.warmup, "tag": "w", "seq0": 0,
                                                     "seed": rnd})
         warm = clients.recv(Clients.PUBLISHER, plan.warmup + 60)
@@ -457,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=Plan.sessions, help="sessions per replica (default 10)")
     p.add_argument("--rate", type=float, default=Plan.rate,
                    help="events per second per replica (default 100; N × rate in all)")
+    p.add_argument("--route", choices=("other", "random"), default=Plan.route,
+                   help="each event through another replica than its session's (default), or any replica")
     p.add_argument("--uibus-arg", action="append", default=[], help="extra flag for every replica (repeatable)")
     p.add_argument("--out", help="JSON result file (default bench/results/replicas-<time>.json)")
     ns = p.parse_args(argv)
@@ -473,6 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("want 0 < --rate <= 2000, 0 < --duration <= 120, 1 <= --rounds <= 10")
     plan.subscribers, plan.sessions, plan.rate = ns.subscribers, ns.sessions, ns.rate
     plan.uibus_args = tuple(ns.uibus_arg)
+    plan.route = ns.route
     if not shutil.which("redis-server"):
         p.error("redis-server not found on PATH")
 
@@ -508,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"commit {commit}, {meta['started']}, grpcio {grpc.__version__}, Python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs; {plan.rounds} round(s) of {plan.duration:g} s windows, {elapsed:.0f} s total; "
           f"per replica {plan.subscribers} streams on {plan.sessions} sessions of its own, "
-          f"{plan.rate:g} events/s (N × that in all, each through a random replica)")
+          f"{plan.rate:g} events/s (N × that in all, each through "
+          f"{'a replica other than its session' + chr(39) + 's' if plan.route == 'other' else 'a random replica'})")
     print(table(rows))
     print("CPU µs/delivery: every replica's CPU (utime+stime) over the window ÷ deliveries; ÷ N=2: that, over "
           "the same shards' first row;\nrecv/replica: uibus_replication_received_total gained per replica; "
