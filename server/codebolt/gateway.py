@@ -97,8 +97,11 @@ class Gateway:
         document (served ones run the action; the rest answer UNIMPLEMENTED naming it)."""
 
         async def connect(request: Upgrade, context: grpc.aio.ServicerContext) -> AgentConnection:
-            return self.connect(session_of(context), context.invocation_metadata(), context.peer(),
-                                request.send, request.close)
+            session = session_of(context)
+            # The session's shard heard before the connection exists (nothing to undo if the socket goes
+            # meanwhile): a user message sent on any replica from the open on reaches it.
+            await self.core.bus.ready(session)
+            return self.connect(session, context.invocation_metadata(), context.peer(), request.send, request.close)
 
         async def frame(request: Any, context: grpc.aio.ServicerContext) -> Reply:
             raise Unimplemented("a frame is answered by its action")  # a parsed frame never comes here
