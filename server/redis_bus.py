@@ -201,6 +201,7 @@ class ReplicatedBus(Bus):
         self._unplaced: set[str] = set()  # channels wanted whose cluster master is not known yet
         self._started = False
         self._topology_read = False
+        self._topology_lock = asyncio.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -419,12 +420,15 @@ class ReplicatedBus(Bus):
                     msg = await pubsub.get_message(timeout=None)
                     if msg is not None:
                         self._on_message(link, msg)
-            except (*OUTAGE_ERRORS, ResponseError) as exc:  # ResponseError: MOVED, a slot without a master
+            except Exception as exc:  # an outage; MOVED or a slot without a master (ResponseError); any other
+                # failure of the client too (a write racing a reconnect raised RuntimeError on uvloop): the
+                # listener must outlive them all, so each is a lost subscription, retried.
                 link.up = False
                 link.pubsub = None
                 for channel in list(link.confirmed):
                     self._lost(channel)
                 link.confirmed.clear()
+                self._unexpected("listen", exc)
                 self._went_down("listen", exc)
                 if self.cluster:
                     self._regroup_soon()
@@ -524,6 +528,12 @@ class ReplicatedBus(Bus):
         self._place_unplaced()
 
     async def _refresh_topology(self) -> None:
+        """Reads the slot map, one reader at a time: redis-py's cluster client, initialized by two
+        tasks at once, can write on a connection the other just closed."""
+        async with self._topology_lock:
+            await self._read_topology()
+
+    async def _read_topology(self) -> None:
         assert isinstance(self._redis, RedisCluster)
         backoff = _BACKOFF_MIN_S
         while True:
@@ -623,6 +633,8 @@ class ReplicatedBus(Bus):
 
     async def _write_loop(self) -> None:
         expire_ms = int(10 * self._heartbeat_s * 1000)
+        if self.cluster:  # the first pipeline must not initialize the client beside _cluster_start
+            await self._refresh_topology()
         while True:
             if not self._outbox:
                 self._drained.set()
@@ -646,7 +658,8 @@ class ReplicatedBus(Bus):
                         pipe.execute_command(self._pub_cmd, channel, envelope)
                     await pipe.execute()
                 self.stats.sent += len(batch)
-            except (*OUTAGE_ERRORS, ResponseError) as exc:  # ResponseError: a cluster slot without a master
+            except Exception as exc:  # as in _link_loop: whatever the client raises, the writer lives on
+                self._unexpected("write", exc)
                 self._outbox.extendleft(reversed(batch))  # kept, in order, for when Redis is back
                 self._outbox_bytes += sum(len(e[2]) for e in batch)
                 self._bound()
@@ -825,6 +838,12 @@ class ReplicatedBus(Bus):
             self.stats.outages += 1
             log.warning("redis unreachable; replicating nothing until it is back (local delivery goes on)",
                         extra={"fields": {"where": where, "error": str(exc)}})
+
+    @staticmethod
+    def _unexpected(where: str, exc: Exception) -> None:
+        if not isinstance(exc, (*OUTAGE_ERRORS, ResponseError)):  # not an outage: say what it was
+            log.warning("redis client failed unexpectedly; retrying", exc_info=exc,
+                        extra={"fields": {"where": where, "error": f"{type(exc).__name__}: {exc}"}})
 
     def _came_back(self) -> None:
         if self._down_logged and self.connected:
