@@ -202,6 +202,7 @@ class ReplicatedBus(Bus):
         self._started = False
         self._topology_read = False
         self._topology_lock = asyncio.Lock()
+        self.mismatched: set[str] = set()  # replicas heard from with another shard count
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -710,6 +711,8 @@ class ReplicatedBus(Bus):
             if origin == self.replica_id:
                 return
             self._seen[origin] = time.monotonic()
+            if type_name in (_HELLO, _WHO) and session and session != str(self.shards):
+                self._disagrees(origin, session)
             if type_name == _HELLO:
                 return
             if type_name == _WHO:
@@ -801,7 +804,10 @@ class ReplicatedBus(Bus):
         self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._control(_HELLO)))
 
     def _control(self, what: str) -> bytes:
-        return json.dumps([self.replica_id, "", "", None, None, what], separators=(",", ":")).encode() + b"\n"
+        """A hello or a who, with this replica's shard count in the session field: replicas that
+        disagree on it would each listen where the others do not publish."""
+        return json.dumps([self.replica_id, str(self.shards), "", None, None, what],
+                          separators=(",", ":")).encode() + b"\n"
 
     def _announce_all(self) -> None:
         mine = [t for t in self._topics if t[1] in self._presence_kinds]
@@ -838,6 +844,15 @@ class ReplicatedBus(Bus):
             self.stats.outages += 1
             log.warning("redis unreachable; replicating nothing until it is back (local delivery goes on)",
                         extra={"fields": {"where": where, "error": str(exc)}})
+
+    def _disagrees(self, origin: str, shards: str) -> None:
+        """Another replica uses another --bus-shards: events between the two are lost for most
+        sessions (each maps them to other channels). Said once per replica, as an error."""
+        if origin not in self.mismatched:
+            self.mismatched.add(origin)
+            log.error("another replica uses a different --bus-shards: most sessions' events between the two are "
+                      "lost; give every replica the same value", extra={"fields": {
+                          "replica": origin, "its_shards": shards, "our_shards": self.shards}})
 
     @staticmethod
     def _unexpected(where: str, exc: Exception) -> None:

@@ -238,3 +238,18 @@ async def test_what_the_buffer_cannot_hold_is_dropped_and_counted(redis_server: 
         assert bus.stats.sent < 100
     finally:
         await asyncio.wait_for(bus.stop(), 10)
+
+
+async def test_a_replica_with_another_shard_count_is_reported(redis_server: RedisProcess,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    a = ReplicatedBus(redis_server.url, shards=256, heartbeat_s=0.2)
+    b = ReplicatedBus(redis_server.url, shards=64, heartbeat_s=0.2)  # an operator's typo in one replica's config
+    await a.start()
+    await b.start()
+    try:
+        await wait_for(lambda: b.replica_id in a.mismatched and a.replica_id in b.mismatched, timeout=5,
+                       what="both told")
+        assert any("different --bus-shards" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
+    finally:
+        await a.stop()
+        await b.stop()
