@@ -136,6 +136,9 @@ class _Link:
         self.owned = owned  # a per-node client of a cluster: closed with the link
         self.want: set[str] = set()
         self.confirmed: set[str] = set()
+        # Unsubscribes asked for and not yet confirmed: their confirmation is ours, not a slot move,
+        # even when the channel is wanted again by then (a subscriber back right at the linger's end).
+        self.leaving: dict[str, int] = {}
         self.pubsub: PubSub | None = None
         # False from a failure until the next confirmation: a new link counts as up, so opening one
         # (the first shard of a master) does not flip health to NOT_SERVING for a round trip.
@@ -356,6 +359,7 @@ class ReplicatedBus(Bus):
                 if not link.want and link.owned:
                     self._retire(link)
                 elif link.pubsub is not None:
+                    link.leaving[channel] = link.leaving.get(channel, 0) + 1
                     self._spawn(self._command(link, self._unsub_cmd, channel))
 
     async def _command(self, link: _Link, command: str, channel: str) -> None:
@@ -426,6 +430,7 @@ class ReplicatedBus(Bus):
                 # listener must outlive them all, so each is a lost subscription, retried.
                 link.up = False
                 link.pubsub = None
+                link.leaving.clear()  # what was in flight on the lost connection is void
                 for channel in list(link.confirmed):
                     self._lost(channel)
                 link.confirmed.clear()
@@ -454,8 +459,17 @@ class ReplicatedBus(Bus):
                 link.confirmed.add(channel)
                 self._confirmed(channel)
         elif kind == self._unsub_cmd:
+            asked = link.leaving.get(channel, 0)
+            if asked:
+                if asked == 1:
+                    del link.leaving[channel]
+                else:
+                    link.leaving[channel] = asked - 1
+                if channel not in link.want:
+                    link.confirmed.discard(channel)
+                return  # wanted again: the SUBSCRIBE sent after it is on its way, its confirmation follows
             link.confirmed.discard(channel)
-            if channel in link.want:  # not asked for: the slot moved (or its master failed over)
+            if self.cluster and channel in link.want:  # not asked for: the slot moved (or its master failed over)
                 self._lost(channel)
                 link.want.discard(channel)
                 self._unplaced.add(channel)

@@ -253,3 +253,25 @@ async def test_a_replica_with_another_shard_count_is_reported(redis_server: Redi
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_subscriber_back_right_as_its_shard_is_left_is_heard(
+        buses: tuple[ReplicatedBus, ReplicatedBus]) -> None:
+    """The linger ends (UNSUBSCRIBE sent) and a subscriber arrives before Redis confirmed it: the
+    confirmation of our own UNSUBSCRIBE must not be taken for a slot move, and the SUBSCRIBE after
+    it makes the shard heard again."""
+    a, b = buses
+    for attempt in range(3):  # the same race, three times over on one connection
+        first = b.subscribe("churn", K)
+        await b.ready("churn")
+        b.unsubscribe(first)
+        n = next(iter(b._shards))
+        b._drop_shard(n)  # what the linger's timer does
+        again = b.subscribe("churn", K)  # no await in between: the UNSUBSCRIBE is still in flight
+        start = time.monotonic()
+        await b.ready("churn")
+        assert time.monotonic() - start < 1.0, "the shard was not subscribed again"
+        assert b.connected
+        a.publish("churn", K, common_pb2.String(value=f"heard {attempt}"))
+        assert [m.value for m in await drain(again, 1)] == [f"heard {attempt}"]  # type: ignore[attr-defined]
+        b.unsubscribe(again)
