@@ -237,13 +237,26 @@ class ReplicatedBus(Bus):
                 await asyncio.wait_for(self._drained.wait(), flush_s)
         self._started = False
         links = list(self._links.values())
-        tasks = [*self._tasks, *(link.task for link in links if link.task is not None),
-                 *([self._regrouping] if self._regrouping is not None else [])]
-        for task in [*tasks, *self._small]:
+        tasks = {*self._tasks, *(link.task for link in links if link.task is not None),
+                 *([self._regrouping] if self._regrouping is not None else [])}
+        for task in self._small:
             task.cancel()
+        # A cancel that lands inside a redis-py command can be swallowed (seen: the writer back at its
+        # wait, stop() waiting for it forever), so the loops also see _started false, and whoever is
+        # still running after a while is cancelled again; at most 5 s in all.
+        self._wake.set()
+        pending = {t for t in tasks if not t.done()}
+        for _ in range(10):
+            if not pending:
+                break
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.5)
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a loop that ended with an error was logged by it already
+        if pending:
+            log.warning("redis bus tasks did not stop", extra={"fields": {"tasks": [t.get_name() for t in pending]}})
         if self._small:
             await asyncio.wait(self._small, timeout=1.0)
         for st in self._shards.values():
@@ -407,7 +420,7 @@ class ReplicatedBus(Bus):
 
     async def _link_loop(self, link: _Link) -> None:
         backoff = _BACKOFF_MIN_S
-        while self._links.get(link.name) is link:
+        while self._started and self._links.get(link.name) is link:
             pubsub = link.client.pubsub(ignore_subscribe_messages=False)
             try:
                 link.pubsub = pubsub
@@ -421,7 +434,7 @@ class ReplicatedBus(Bus):
                     else:  # one command: every channel is subscribed before the hello (ctl, last) goes out
                         await pubsub.subscribe(*channels)
                 backoff = _BACKOFF_MIN_S
-                while True:
+                while self._started:
                     msg = await pubsub.get_message(timeout=None)
                     if msg is not None:
                         self._on_message(link, msg)
@@ -551,7 +564,7 @@ class ReplicatedBus(Bus):
     async def _read_topology(self) -> None:
         assert isinstance(self._redis, RedisCluster)
         backoff = _BACKOFF_MIN_S
-        while True:
+        while self._started:
             try:
                 if not self._topology_read:  # the first time: its command parser too (key -> slot)
                     await self._redis.initialize()
@@ -650,7 +663,7 @@ class ReplicatedBus(Bus):
         expire_ms = int(10 * self._heartbeat_s * 1000)
         if self.cluster:  # the first pipeline must not initialize the client beside _cluster_start
             await self._refresh_topology()
-        while True:
+        while self._started:
             if not self._outbox:
                 self._drained.set()
                 self._wake.clear()
@@ -703,7 +716,7 @@ class ReplicatedBus(Bus):
 
     async def _until_reachable(self) -> None:
         backoff = _BACKOFF_MIN_S
-        while True:
+        while self._started:
             await asyncio.sleep(backoff)
             try:
                 if isinstance(self._redis, RedisCluster):
@@ -840,7 +853,7 @@ class ReplicatedBus(Bus):
                     del self._remote[(session, kind)]
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while self._started:
             await asyncio.sleep(self._heartbeat_s)
             self._announce_all()
             self._enqueue(self._ctl, self._control(_HELLO))  # the others know it listens (_others_listening)

@@ -251,8 +251,8 @@ async def test_a_replica_with_another_shard_count_is_reported(redis_server: Redi
                        what="both told")
         assert any("different --bus-shards" in r.getMessage() and r.levelname == "ERROR" for r in caplog.records)
     finally:
-        await a.stop()
-        await b.stop()
+        for bus in (a, b):
+            await asyncio.wait_for(bus.stop(), 10)
 
 
 async def test_a_subscriber_back_right_as_its_shard_is_left_is_heard(
