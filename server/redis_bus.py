@@ -75,7 +75,7 @@ from redis.exceptions import ResponseError
 
 from uibus.bus import Bus, Subscription
 from uibus.kinds import Kind
-from uibus.redis_conn import OUTAGE_ERRORS, AnyRedis, make_client, node_client
+from uibus.redis_conn import OUTAGE_ERRORS, AnyRedis, SlotMap, make_client, node_client
 
 log = logging.getLogger("uibus.redis_bus")
 
@@ -203,8 +203,7 @@ class ReplicatedBus(Bus):
         self._regrouping: asyncio.Task[None] | None = None
         self._unplaced: set[str] = set()  # channels wanted whose cluster master is not known yet
         self._started = False
-        self._topology_read = False
-        self._topology_lock = asyncio.Lock()
+        self._slots = SlotMap(self._redis) if isinstance(self._redis, RedisCluster) else None
         self.mismatched: set[str] = set()  # replicas heard from with another shard count
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -551,26 +550,20 @@ class ReplicatedBus(Bus):
     # -- cluster topology -----------------------------------------------------------------------
 
     async def _cluster_start(self) -> None:
-        """Reads the slot map (retrying while the cluster is unreachable), then places the channels."""
-        await self._refresh_topology()
+        """Learns the slot map (retrying while the cluster is unreachable), then places the channels."""
+        await self._refresh_topology(first=True)
         self._place_unplaced()
 
-    async def _refresh_topology(self) -> None:
-        """Reads the slot map, one reader at a time: redis-py's cluster client, initialized by two
-        tasks at once, can write on a connection the other just closed."""
-        async with self._topology_lock:
-            await self._read_topology()
-
-    async def _read_topology(self) -> None:
-        assert isinstance(self._redis, RedisCluster)
+    async def _refresh_topology(self, first: bool = False) -> None:
+        """Reads the slot map (uibus.redis_conn.SlotMap: one reader at a time), retrying while
+        the cluster is unreachable. `first`: only if never read, as at start, where the writer and
+        the listeners start together: reading it again there, under the writer's first pipeline,
+        closed the connections that pipeline was using (it hung, and the bus sent nothing)."""
+        assert self._slots is not None
         backoff = _BACKOFF_MIN_S
         while self._started:
             try:
-                if not self._topology_read:  # the first time: its command parser too (key -> slot)
-                    await self._redis.initialize()
-                    self._topology_read = True
-                else:
-                    await self._redis.nodes_manager.initialize()
+                await (self._slots.learn() if first else self._slots.read())
                 return
             except Exception as exc:  # every node down (RedisClusterException), an outage, a slot-less reply
                 self._went_down("topology", exc)
@@ -662,7 +655,7 @@ class ReplicatedBus(Bus):
     async def _write_loop(self) -> None:
         expire_ms = int(10 * self._heartbeat_s * 1000)
         if self.cluster:  # the first pipeline must not initialize the client beside _cluster_start
-            await self._refresh_topology()
+            await self._refresh_topology(first=True)
         while self._started:
             if not self._outbox:
                 self._drained.set()

@@ -10,6 +10,7 @@ sentinels for the master again on every new connection), so no restart is needed
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -116,3 +117,32 @@ def node_client(cluster: RedisCluster, host: str, port: int, name: str) -> Redis
     # (health NOT_SERVING) and moves them to the promoted replica (redis-py's default retries and
     # backoff hid a SIGKILLed master for 3.5 s here, longer than the failover itself).
     return Redis(host=host, port=port, **keep, **_common(name), retry=Retry(ExponentialBackoff(), retries=0))
+
+
+class SlotMap:
+    """A cluster client's slot map, read one reader at a time: redis-py's cluster client learns it
+    (and its command parser, key -> slot) at its first command, and several first commands at once
+    race: one can write on a connection another's learning just closed (a RuntimeError on uvloop,
+    not an outage). `read()` learns it the first time and re-reads it after that (a failover, a
+    slot move); the store and the bus each hold one for their client. A plain client has none."""
+
+    def __init__(self, client: RedisCluster) -> None:
+        self.client = client
+        self.learned = False
+        self._lock = asyncio.Lock()
+
+    async def learn(self) -> None:
+        """The first reading, once; a no-op after it."""
+        if not self.learned:
+            async with self._lock:
+                if not self.learned:
+                    await self.client.initialize()
+                    self.learned = True
+
+    async def read(self) -> None:
+        """The first reading, or a fresh one of the map (the cluster changed)."""
+        if not self.learned:
+            await self.learn()
+            return
+        async with self._lock:
+            await self.client.nodes_manager.initialize()

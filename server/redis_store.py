@@ -54,6 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import quote
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
     BusyLoadingError,
     ClusterError,
@@ -65,7 +66,7 @@ from redis.exceptions import (
 )
 
 from uibus.errors import StoreFull, StoreUnavailable
-from uibus.redis_conn import OUTAGE_ERRORS, make_client
+from uibus.redis_conn import OUTAGE_ERRORS, SlotMap, make_client
 from uibus.store import EVICT_BATCH, Store, now_ms
 
 log = logging.getLogger("uibus.store")
@@ -307,21 +308,15 @@ class RedisStore(Store):
             self._put, self._append = script(_PUT), script(_APPEND)
             self._evict_over_max_script, self._evict_idle_script = script(_EVICT_OVER_MAX), script(_EVICT_IDLE)
         self._full = False  # Redis refused a write for memory: the probe also wants room below the limit
-        self._learned = not cluster  # the cluster client has learned the slots once
-        self._learning = asyncio.Lock()
+        self._slots = SlotMap(self._redis) if isinstance(self._redis, RedisCluster) else None
 
     async def _ready(self) -> None:
-        """On a cluster, the first learning of the slots, once, behind a lock: redis-py's cluster
-        client learns them at its first command, and several first commands at once race (one
-        can write on a connection another's learning closed: a RuntimeError under uvloop, not an
-        outage). Later relearning (after MOVED or a dead node) is the client's own business."""
-        if self._learned:
-            return
-        async with self._learning:
-            if not self._learned:
-                with self._guard():
-                    await self._redis.initialize()
-                self._learned = True
+        """On a cluster, the first learning of the slots, once (uibus.redis_conn.SlotMap: several
+        first commands at once race). Later relearning (after MOVED or a dead node) is the client's
+        own business."""
+        if self._slots is not None and not self._slots.learned:
+            with self._guard():
+                await self._slots.learn()
 
     @staticmethod
     def _member(session: str) -> str:
