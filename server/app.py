@@ -117,14 +117,32 @@ class Resources:
         self._exits.append((name, teardown))
 
     async def aclose(self) -> None:
+        """Every teardown runs, in reverse, whatever the ones before it raised — a cancel included
+        (as aiohttp's cleanup contexts): a cancelled shutdown still closes the agents, the bus and
+        the store. Failures are logged and raised together at the end; a cancel is re-raised after
+        the last teardown, ahead of any failure, since it was meant for the caller."""
         errors: list[Exception] = []
+        cancelled: BaseException | None = None
         while self._exits:
             name, teardown = self._exits.pop()
             try:
                 await teardown()
+            except asyncio.CancelledError as exc:
+                log.warning("teardown cancelled; the remaining teardowns still run", extra={"fields": {"part": name}})
+                cancelled = cancelled or exc
             except Exception as exc:
                 log.error("teardown failed", extra={"fields": {"part": name, "error": f"{type(exc).__name__}: {exc}"}})
                 errors.append(exc)
+            except BaseExceptionGroup as group:  # a part's own group holding a cancel
+                cancels, rest = group.split(asyncio.CancelledError)
+                if cancels is not None:
+                    cancelled = cancelled or asyncio.CancelledError()
+                if isinstance(rest, ExceptionGroup):
+                    errors.append(rest)
+                elif rest is not None:  # KeyboardInterrupt / SystemExit: not ours to hold back
+                    raise rest from None
+        if cancelled is not None:
+            raise cancelled
         if len(errors) == 1:
             raise errors[0]
         if errors:

@@ -19,10 +19,14 @@ from uibus.pb.cline import common_pb2, ui_pb2
 ROOTS = {"uibus": REPO / "server", "uibus.clients": REPO / "clients"}
 # Layers, lowest first: a module may import its own layer and the ones below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis_bus",
-              "uibus.redis_conn", "uibus.store", "uibus.redis_store", "uibus.session", "uibus.webview", "uibus.pb",
-              "uibus.worker_table", "uibus.proto_schema")),
-    ("domain", ("uibus.domain", "uibus.agents")),
+    ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis",
+              "uibus.redis_bus", "uibus.redis_conn", "uibus.store", "uibus.sqlite_store", "uibus.redis_store",
+              "uibus.session", "uibus.webview", "uibus.pb", "uibus.worker_table", "uibus.proto_schema",
+              "uibus.tasks", "uibus.dialog_limits")),
+    # Hosted agents know processes, protocols and the limits of what they relay, never the domain
+    # that drives them (the domain imports the agents' interface, not the other way round).
+    ("agents", ("uibus.agents",)),
+    ("domain", ("uibus.domain",)),
     ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
                   "uibus.reflection", "uibus.wiring")),
     ("transports", ("uibus.transports",)),
