@@ -40,6 +40,7 @@ from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
 from uibus.store import SqliteStore, Store
+from uibus.tasks import cancel_and_wait
 from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
 from uibus.transports.mcp_http import PATH as MCP_PATH
@@ -382,9 +383,7 @@ class App:
 
     async def _stop_health_watch(self) -> None:
         task, self._health_watch = self._health_watch, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
+        await cancel_and_wait(task)
 
     async def _flush_recent(self) -> None:
         """Writes the recent messages still held in memory (at most the last quarter second's), so a

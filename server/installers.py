@@ -44,11 +44,14 @@ async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
 async def agents(setup: Setup) -> AsyncIterator[None]:
     """neuro-san's AgentService (per agent and canonical) and ConciergeService."""
     chat = setup.core.chat
-    setup.serve(*agent.add_to(setup.registry, chat))
+    servicer = agent.AgentServicer(chat)
+    setup.serve(*agent.add_to(setup.registry, chat, servicer))
     setup.counter("uibus_chat_context_dropped_messages_total",
                   "ChatContext messages dropped (oldest first) to keep a context within --chat-context-bytes",
                   lambda: chat.context_dropped)
     yield
+    # The servers have stopped: no turn is parked any more after this; the closes under way finish.
+    await servicer.closing.aclose(grace=setup.config.grace_seconds)
 
 
 @asynccontextmanager

@@ -116,9 +116,13 @@ class Tasks:
         while self._tasks:
             await asyncio.wait(list(self._tasks))
 
-    async def aclose(self, *, patience: float | None = 5.0) -> None:
-        """Refuses new tasks, cancels every running one and waits for all of them to end."""
+    async def aclose(self, *, grace: float = 0.0, patience: float | None = 5.0) -> None:
+        """Refuses new tasks, lets the running ones finish for up to `grace` seconds (work that is
+        worth finishing: a store write, a closing generator), then cancels the rest and waits for
+        all of them to end."""
         self._closed = True
+        if grace > 0 and self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
         await cancel_all(list(self._tasks), patience=patience, what=self.owner)
 
     async def __aenter__(self) -> Tasks:

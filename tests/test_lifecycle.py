@@ -16,6 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import Reader, free_port, next_message, replace, require_binary, wait_for
+from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.installers import INSTALLERS
@@ -243,6 +244,50 @@ async def test_teardown_errors_are_collected_and_every_part_still_closes(config)
     with pytest.raises(RuntimeError, match="b cannot stop"):
         await app.aclose(grace=0.5)
     assert log == ["a up", "b up", "c up", "c down", "b down", "a down"]
+
+
+def hanging(log: list[str], entered: asyncio.Event) -> Installer:
+    """A test installer whose teardown hangs until it is cancelled."""
+
+    @asynccontextmanager
+    async def install(setup: Setup) -> AsyncIterator[None]:
+        yield
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            log.append("hanging teardown cancelled")
+    install.__name__ = "hanging"
+    return install
+
+
+async def test_a_cancelled_teardown_still_closes_the_agents_bus_and_store(config, monkeypatch):
+    """The task running the teardown is cancelled midway (as asyncio.run cancels what is left at
+    exit, or a second signal): every later teardown still runs, the cancel still propagates."""
+    from uibus.agents.config import AgentTable
+
+    log: list[str] = []
+    table_close = AgentTable.aclose
+
+    async def recorded_close(table: AgentTable) -> None:
+        log.append("agents closed")
+        await table_close(table)
+    monkeypatch.setattr(AgentTable, "aclose", recorded_close)
+    entered = asyncio.Event()
+    app = App(config, installers=[recording(log, "a"), hanging(log, entered), recording(log, "c")],
+              store=RecordingStore(config.store, log))
+    await app.start()
+    closing = asyncio.ensure_future(app.aclose(grace=0.5))
+    await asyncio.wait_for(entered.wait(), 10)
+    assert app._closing is not None
+    app._closing.cancel()  # the teardown itself, not just the caller (which is shielded from it)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(closing, 10)
+    assert log == ["a up", "c up", "c down", "hanging teardown cancelled", "a down", "agents closed",
+                   "store closed"]
+    assert app.core is not None and app.core.agent_sessions.count() == 0
+    with pytest.raises(Exception, match="shutting down"):
+        app.bus.subscribe("s", kinds.PARTIAL_MESSAGE)
 
 
 async def test_begin_shutdown_refuses_new_work_then_aclose_stops(config, tmp_path):

@@ -31,6 +31,7 @@ from uibus import kinds
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.errors import STATUS_NUMBERS, UibusError, error_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.tasks import Tasks
 
 WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
 LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed
@@ -58,6 +59,7 @@ class AnswerForwarding:
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._holds: dict[str, int] = {}  # session -> dialogs being asked here (from hold to release)
         self._lingering: dict[str, asyncio.TimerHandle] = {}  # session -> when its listener goes
+        self._serving = Tasks("forwarded answer listeners")  # joined by aclose
 
     def hold(self, session: str) -> None:
         """Listens for answers forwarded to `session`; call before the dialog is published, so the
@@ -66,13 +68,13 @@ class AnswerForwarding:
         timer = self._lingering.pop(session, None)
         if timer is not None:
             timer.cancel()
-        if session in self._listeners:
+        if session in self._listeners or self._serving.closed:
             return
         try:
             sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER)
         except (SubscriptionLimit, BusClosed):
             return  # local answers still work; remote ones get NOT_FOUND
-        self._listeners[session] = (sub, asyncio.ensure_future(self._serve(session, sub)))
+        self._listeners[session] = (sub, self._serving.spawn(self._serve(session, sub), name="uibus-answer-listener"))
 
     def release(self, session: str) -> None:
         """Ends one `hold`; the last one leaves the listener up for `linger_s` more (see above)."""
@@ -101,6 +103,12 @@ class AnswerForwarding:
         for sub, _task in self._listeners.values():
             self.bus.unsubscribe(sub)
         self._listeners.clear()
+
+    async def aclose(self) -> None:
+        """After `close`: waits for the listeners to end (unsubscribed, each finishes the answer it
+        is serving), cancelling any still running after a second."""
+        self.close()
+        await self._serving.aclose(grace=1.0)
 
     async def _serve(self, session: str, sub: Subscription) -> None:
         try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import itertools
 import logging
 import time
@@ -46,6 +45,7 @@ from uibus import kinds
 from uibus.bus import Bus
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Store
+from uibus.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.dialogs")
 
@@ -71,7 +71,7 @@ class SharedDialogs:
         self.replica: str = getattr(bus, "replica_id", "")
         # bus.announced(origin, session, kind) -> bool | None (uibus.redis_bus.ReplicatedBus)
         self._announced: Callable[[str, str, kinds.Kind], bool | None] | None = getattr(bus, "announced", None)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = Tasks("shared dialog writes")
         self._retry: dict[tuple[str, str], None] = {}  # (session, dialog id) whose delete failed, in order
         self._retrying: asyncio.Task[None] | None = None
         self._seq = itertools.count()  # orders this replica's dialogs opened within one millisecond
@@ -96,7 +96,7 @@ class SharedDialogs:
         try:
             if not await self._delete(session, dialog_id):
                 self._retry[(session, dialog_id)] = None
-                if self._retrying is None or self._retrying.done():
+                if (self._retrying is None or self._retrying.done()) and not self._tasks.closed:
                     self._retrying = asyncio.ensure_future(self._retry_loop())
         finally:
             if then is not None:
@@ -161,17 +161,14 @@ class SharedDialogs:
         return self._announced(holder, session, kinds.EXT_UI_ANSWER) is False
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if self._tasks.closed:  # shutdown: the entry expires with its deadline instead
+            work.close()
+            return
+        self._tasks.spawn(work, name="uibus-shared-dialog")
 
     async def aclose(self, wait_s: float = 2 * STORE_WAIT_S) -> None:
         """Lets the pending writes finish (briefly), then stops retrying. Call before the store and
         the bus close, so the closed events of shutdown still reach the other replicas."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=wait_s)
-        for task in [*self._tasks, *([self._retrying] if self._retrying is not None else [])]:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._retrying = None
+        await self._tasks.aclose(grace=wait_s)
+        retrying, self._retrying = self._retrying, None
+        await cancel_and_wait(retrying)

@@ -253,6 +253,8 @@ class Dialogs:
     async def aclose(self) -> None:
         """After `shutdown`, before the bus and the store close: lets the last store writes and
         closed events go out, so other replicas neither replay nor keep showing these dialogs."""
+        if self.forwarding is not None:
+            await self.forwarding.aclose()
         if self.shared is not None:
             await self.shared.aclose()
 

@@ -13,7 +13,6 @@ For reflection each agent gets a small dynamic file descriptor (package `<agent>
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from uibus.calls import text_metadata
 from uibus.domain.chat import Chat, UnknownAgent
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
 from uibus.session import names_session, session_of
+from uibus.tasks import Tasks
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 CANONICAL = _SERVICE.full_name
@@ -43,7 +43,8 @@ class AgentServicer:
 
     def __init__(self, chat: Chat) -> None:
         self.chat = chat
-        self._closing: set[asyncio.Task[None]] = set()
+        # Closes of parked turns: owned, so the installer's teardown joins them before the chat closes.
+        self.closing = Tasks("parked turn closes")
 
     async def function(self, agent: str, request: agent_pb2.FunctionRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.FunctionResponse:
@@ -75,10 +76,8 @@ class AgentServicer:
         """A cancel that lands while gRPC is sending leaves our generator parked at a `yield`,
         where no CancelledError can reach it; close it now so the backend stops (and drops its
         upstream connection) at once instead of whenever the generator is collected."""
-        if turn.ag_frame is not None and not turn.ag_running:
-            task = asyncio.get_running_loop().create_task(turn.aclose())
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        if turn.ag_frame is not None and not turn.ag_running and not self.closing.closed:
+            self.closing.spawn(turn.aclose(), name="uibus-close-parked-turn")
 
 
 def _unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
@@ -195,9 +194,9 @@ def add_descriptors(agents: list[str]) -> None:
                 from exc
 
 
-def add_to(registry: Any, chat: Chat) -> list[str]:
+def add_to(registry: Any, chat: Chat, servicer: AgentServicer | None = None) -> list[str]:
     """Registers the agents' routes and the concierge; returns the service names served."""
-    registry.add_generic_rpc_handlers([AgentRouter(AgentServicer(chat))])
+    registry.add_generic_rpc_handlers([AgentRouter(servicer or AgentServicer(chat))])
     concierge_pb2_grpc.add_ConciergeServiceServicer_to_server(ConciergeServicer(chat), registry)
     add_descriptors(chat.names())
     return [*(per_agent_service(a) for a in chat.names()), CANONICAL, CONCIERGE]

@@ -26,6 +26,7 @@ from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
 from uibus.session import session_of
+from uibus.tasks import cancel_all
 
 _END = object()
 
@@ -98,9 +99,7 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
                 else:
                     yield item
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
 
 
 SERVICE = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
