@@ -149,3 +149,14 @@ def test_bus_kinds_are_records_in_one_module() -> None:
         if module != "uibus.kinds":
             assert "Kind(" not in path.read_text(), f"{module} defines a bus kind: they live in uibus.kinds"
 
+
+
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_does_several_jobs_by_size() -> None:
+    """A module past ~500 lines has always turned out to hold two jobs (the bus's links, outbox,
+    codec and presence; two store strategies): split it by job, not by line count."""
+    long = {m: n for m, p in modules().items() if m.startswith("uibus.") and not m.startswith("uibus.clients")
+            and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
