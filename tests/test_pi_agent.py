@@ -599,8 +599,8 @@ async def test_a_pi_dialog_is_answered_at_a_ui_on_another_replica(model: Model, 
 def test_an_agents_oversized_dialog_is_shown_cut_not_refused() -> None:
     """A refused dialog would block the agent's tool until it gives up, so what it asks is fitted
     into the dialogs' limits: cut (and marked), a timeout beyond a day left to the agent."""
+    from uibus import dialog_limits as checks
     from uibus.agents.rpc import RpcSession
-    from uibus.domain import dialog_checks as checks
 
     select = RpcSession.dialog_request("select", {"title": "rm -rf " + "x" * 5000, "options": ["o"] * 1200,
                                                   "timeout": 10**12})
