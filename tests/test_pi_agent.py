@@ -380,6 +380,34 @@ async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Conf
     assert backend.processes == 0 and app.core.agent_sessions.count() == 0
 
 
+async def test_a_cancelled_shutdown_still_kills_every_agent_group_and_propagates_a_plain_cancel(
+        config: Config, tmp_path: Path) -> None:
+    """The app's teardown cancelled while agents stop (here: agents that ignore SIGTERM, each with a
+    child in its group): every agent session is still closed, every group killed, and the cancel
+    comes out as a plain CancelledError, never a group holding one (the teardown splits on that)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    stubborn = broken_agent(cwd=str(work), env={"RPC_STUBBORN": "1"}, stop_timeout_seconds=30)
+    app = await start_app(replace(config, agents=write_agents(tmp_path, [stubborn])))
+    sessions = app.core.agent_sessions
+    try:
+        for session in ("one", "two"):
+            async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+                assert [r async for r in Agent(conn, "broken").StreamingChat(request("hi"))][-1] \
+                    .response.text == "echo: hi"
+        await wait_for(lambda: len(agent_pids(work)) == 4)  # two agents, each with its child
+        closing = asyncio.ensure_future(sessions.aclose())
+        await asyncio.sleep(0.5)  # both wait (stop_timeout_seconds = 30) for a SIGTERM they ignore
+        assert not closing.done()
+        closing.cancel()
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+        assert sessions.count() == 0 and agent_pids(work) == []
+    finally:
+        await app.aclose()
+
+
 async def test_a_caller_without_a_session_gets_an_agent_for_its_turn_only(config: Config, tmp_path: Path) -> None:
     path = write_agents(tmp_path, [broken_agent()])
     app = await start_app(replace(config, agents=path))

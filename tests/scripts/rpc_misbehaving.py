@@ -7,11 +7,22 @@ just enough of pi's RPC mode to start (answers get_state) and then misbehaves as
 * `refuse`: answers the prompt `success: false`;
 * `stderr`: floods stderr, then a proper run;
 * `hang`: accepts the prompt and never runs it (nor answers `abort`).
+With RPC_STUBBORN=1 in its environment it ignores SIGTERM and the end of its input, and starts a
+child (`sleep`) in its process group: only a kill of the whole group stops them.
 It is a test double for the fault paths only; the agent uibus is tested with is the real pi.
 """
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+
+STUBBORN = os.environ.get("RPC_STUBBORN") == "1"
+if STUBBORN:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "120"])
 
 
 def out(obj: object) -> None:
@@ -55,3 +66,6 @@ for line in sys.stdin:
             run("survived stderr")
         else:
             run(f"echo: {text}")
+
+if STUBBORN:
+    time.sleep(120)
