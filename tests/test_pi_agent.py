@@ -354,7 +354,7 @@ async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Conf
                 assert await final("garbage") == "survived garbage"
                 assert await final("stderr") == "survived stderr"
             messages = [r.getMessage() for r in caplog.records if r.name == "uibus.agents.rpc"]
-            # 51 unparsable lines (50 not JSON, one an array): one log line, the rest counted
+            # 52 unparsable lines (50 not JSON, one nested too deep, one an array): one log line, the rest counted
             assert messages.count("agent line is not JSON; ignored") == 1
             assert "agent line is not a JSON object; ignored" not in messages
             assert messages.count("unknown agent event; ignored") == 1

@@ -139,8 +139,8 @@ class AgentSessions:
         """Closes every agent session, concurrently (each may wait for its process to stop).
 
         Never raises a group holding a cancel: a cancel of the caller cancels the closes (each
-        still kills its process group) and is re-raised, plain, once every one has ended; failures
-        are logged and, when nothing was cancelled, raised (one alone, several as an ExceptionGroup)."""
+        still kills its process group) and is re-raised, plain, once every one has ended (their
+        failures logged); otherwise failures are raised, one alone, several as an ExceptionGroup."""
         self._closing = True
         cancelled = False
         try:
@@ -160,11 +160,12 @@ class AgentSessions:
                 except asyncio.CancelledError:
                     cancelled = True
                     await self._cut_short(closing)
-        errors = [e for e in (t.exception() for t in tasks if not t.cancelled()) if isinstance(e, Exception)]
-        for error in errors:
-            log.error("closing an agent session failed",
-                      extra={"fields": {"error": f"{type(error).__name__}: {error}"}})
+        errors = [e for e in (t.exception() for t in tasks if t.done() and not t.cancelled())
+                  if isinstance(e, Exception)]
         if cancelled:
+            for error in errors:  # the cancel goes first: these are not raised, so they are logged
+                log.error("closing an agent session failed",
+                          extra={"fields": {"error": f"{type(error).__name__}: {error}"}})
             raise asyncio.CancelledError
         if len(errors) == 1:
             raise errors[0]

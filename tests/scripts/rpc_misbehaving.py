@@ -1,8 +1,8 @@
 """A deliberately broken agent for the rpc backend's fault tests (tests/test_pi_agent.py): it speaks
 just enough of pi's RPC mode to start (answers get_state) and then misbehaves as the prompt says:
 
-* `garbage`: writes unparsable lines, a JSON array, an unknown event type and an unknown UI method,
-  then a proper short run (`agent_start`, one text delta, `agent_end`);
+* `garbage`: writes unparsable lines (one nested too deep to parse), a JSON array, an unknown
+  event type and an unknown UI method, then a proper short run (`agent_start`, one text delta, `agent_end`);
 * `long`: writes one line over any sane bound;
 * `refuse`: answers the prompt `success: false`;
 * `stderr`: floods stderr, then a proper run;
@@ -50,6 +50,7 @@ for line in sys.stdin:
         if text == "garbage":
             for _ in range(50):
                 sys.stdout.write("this is not json\n")
+            sys.stdout.write("[" * 100_000 + "]" * 100_000 + "\n")  # deeper than the parser recurses
             sys.stdout.write("[1, 2, 3]\n\n")
             out({"type": "surprise_event", "x": 1})
             out({"type": "extension_ui_request", "id": "u1", "method": "hologram"})
