@@ -71,7 +71,12 @@ class JsonRpcSession(StdioSession):
         params = message.get("params")
         params = params if isinstance(params, dict) else {}
         if "id" in message:
-            self.on_request(message["id"], method, params)
+            ident = message["id"]
+            if isinstance(ident, bool) or not isinstance(ident, str | int | None):  # JSON-RPC ids only
+                self.log.warn("method", "agent request with an id that is not a string or number; ignored",
+                              method=text(method)[:80])
+                return
+            self.on_request(ident, method, params)
         else:
             self.on_notification(method, params)
 

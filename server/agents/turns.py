@@ -15,9 +15,11 @@ everything around a protocol's messages that is not the protocol.
   `stop_timeout_seconds`, then the process is killed) for the cancelled run to end: a new prompt
   must never land in an agent still busy with the last one.
 
-A protocol module (uibus.agents.rpc, uibus.agents.acp) subclasses `StdioSession` (or
-uibus.agents.jsonrpc's `JsonRpcSession`) and writes only its mapping: `on_message` (one JSON object
-from the agent), `handshake`, `run_turn` (send the prompt, turn events into pieces) and `cancel_run`.
+A protocol is one module (uibus.agents.rpc, uibus.agents.acp) and one line in
+uibus.agents.config's BACKENDS: a `StdioBackend` whose `session` builds its `StdioSession` subclass
+(or uibus.agents.jsonrpc's `JsonRpcSession`), which writes only the protocol's mapping: `on_message`
+(one JSON object from the agent; `on_request`/`on_notification` on JSON-RPC), `handshake`,
+`run_turn` (send the prompt, turn events into pieces) and `cancel_run`.
 """
 
 from __future__ import annotations
@@ -80,9 +82,6 @@ class Requests:
             if not future.done():
                 future.set_exception(AgentError(why))
 
-    def __len__(self) -> int:
-        return len(self._waiting)
-
 
 class AgentRequests:
     """The agent's requests of the user in progress, one owned task each, by the agent's request id."""
@@ -105,12 +104,6 @@ class AgentRequests:
         for: they stay in the session's task set, which closing the session joins."""
         for task in list(self._open.values()):
             task.cancel()
-
-    def __contains__(self, ident: object) -> bool:
-        return ident in self._open
-
-    def __len__(self) -> int:
-        return len(self._open)
 
 
 class TurnRun:
@@ -197,9 +190,6 @@ class StdioSession(AgentSession):
         """Sends the protocol's cancel of a turn that did not end, and sets `self.run` to what the
         next turn must wait for. Called only while the process is alive."""
 
-    def on_exit(self, why: str) -> None:
-        """The process is gone (after every wait on it has failed): a protocol's own cleanup."""
-
     # ---- the process ----
 
     def deliver(self, event: Event) -> None:
@@ -222,7 +212,6 @@ class StdioSession(AgentSession):
             self._turn.lost()
         self.run_ended()
         self.asks.cancel()  # closes each dialog for every UI
-        self.on_exit(why)
 
     async def start(self) -> None:
         await self._owned.enter_async_context(self.process)
