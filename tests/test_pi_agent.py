@@ -354,7 +354,7 @@ async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Conf
                 assert await final("garbage") == "survived garbage"
                 assert await final("stderr") == "survived stderr"
             messages = [r.getMessage() for r in caplog.records if r.name == "uibus.agents.rpc"]
-            # 51 unparsable lines (50 not JSON, one an array): one log line, the rest counted
+            # 52 unparsable lines (50 not JSON, one nested too deep, one an array): one log line, the rest counted
             assert messages.count("agent line is not JSON; ignored") == 1
             assert "agent line is not a JSON object; ignored" not in messages
             assert messages.count("unknown agent event; ignored") == 1
@@ -378,6 +378,34 @@ async def test_faults_of_an_agent_are_clear_errors_and_bounded_logs(config: Conf
     finally:
         await app.aclose()
     assert backend.processes == 0 and app.core.agent_sessions.count() == 0
+
+
+async def test_a_cancelled_shutdown_still_kills_every_agent_group_and_propagates_a_plain_cancel(
+        config: Config, tmp_path: Path) -> None:
+    """The app's teardown cancelled while agents stop (here: agents that ignore SIGTERM, each with a
+    child in its group): every agent session is still closed, every group killed, and the cancel
+    comes out as a plain CancelledError, never a group holding one (the teardown splits on that)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    stubborn = broken_agent(cwd=str(work), env={"RPC_STUBBORN": "1"}, stop_timeout_seconds=30)
+    app = await start_app(replace(config, agents=write_agents(tmp_path, [stubborn])))
+    sessions = app.core.agent_sessions
+    try:
+        for session in ("one", "two"):
+            async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+                assert [r async for r in Agent(conn, "broken").StreamingChat(request("hi"))][-1] \
+                    .response.text == "echo: hi"
+        await wait_for(lambda: len(agent_pids(work)) == 4)  # two agents, each with its child
+        closing = asyncio.ensure_future(sessions.aclose())
+        await asyncio.sleep(0.5)  # both wait (stop_timeout_seconds = 30) for a SIGTERM they ignore
+        assert not closing.done()
+        closing.cancel()
+        async with asyncio.timeout(10):
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+        assert sessions.count() == 0 and agent_pids(work) == []
+    finally:
+        await app.aclose()
 
 
 async def test_a_caller_without_a_session_gets_an_agent_for_its_turn_only(config: Config, tmp_path: Path) -> None:
@@ -599,8 +627,8 @@ async def test_a_pi_dialog_is_answered_at_a_ui_on_another_replica(model: Model, 
 def test_an_agents_oversized_dialog_is_shown_cut_not_refused() -> None:
     """A refused dialog would block the agent's tool until it gives up, so what it asks is fitted
     into the dialogs' limits: cut (and marked), a timeout beyond a day left to the agent."""
+    from uibus import dialog_limits as checks
     from uibus.agents.rpc import RpcSession
-    from uibus.domain import dialog_checks as checks
 
     select = RpcSession.dialog_request("select", {"title": "rm -rf " + "x" * 5000, "options": ["o"] * 1200,
                                                   "timeout": 10**12})

@@ -14,12 +14,13 @@ A failure is an ordinary exception; the engine turns it into the final message a
 Cancellation is never caught here: it must reach the backend's await so its work stops at once.
 
 Agents that live across turns (a coding agent's process that keeps its own conversation and asks
-the user things while it works) implement `Backend.open_session`: the engine then owns one
-`AgentSession` per (uibus session, agent), started on first use and closed when idle, when the
-uibus session is evicted and at shutdown (uibus.domain.agent_sessions), and hands it a `SessionUi`:
-the session's dialogs, fire-and-forget UI and webview messages, implemented by the domain, so an
-agent backend reaches every UI of its session without knowing any transport or RPC path. A
-stateless backend (`open_session` returns None) stays a per-turn generator.
+the user things while it works) are a `SessionBackend`: the engine then owns one `AgentSession`
+per (uibus session, agent), opened by `SessionBackend.open_session`, started on first use and
+closed when idle, when the uibus session is evicted and at shutdown (uibus.domain.agent_sessions),
+and hands it a `SessionUi`: the session's dialogs, fire-and-forget UI and webview messages,
+implemented by the domain, so an agent backend reaches every UI of its session without knowing
+any transport or RPC path. Any other backend stays a per-turn generator (`Backend.stream`). Which
+kind a backend is is said once, by its class.
 """
 
 from __future__ import annotations
@@ -142,23 +143,15 @@ class AgentSession(abc.ABC):
         return True
 
 
-class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, the others open_session
+class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, SessionBackend open_session
     """One agent's way of answering. Built once per agent at start-up; must be safe to run many
     turns concurrently (state per turn lives in `stream`)."""
 
     def __init__(self, spec: AgentSpec) -> None:
         self.spec = spec
 
-    lives_across_turns = False  # True: the engine answers through `open_session`'s agent sessions
-
-    def open_session(self, ui: SessionUi) -> AgentSession | None:
-        """An agent that lives across turns for `ui.session`, or None (the default): a stateless
-        backend answers every turn through `stream`. Called by the engine on a session's first
-        turn; may raise ResourceExhausted-like uibus errors (too many sessions)."""
-        return None
-
     def stream(self, turn: Turn) -> AsyncIterator[Piece]:
-        """An async generator of the reply's pieces (a backend with sessions need not have one)."""
+        """An async generator of the reply's pieces (a `SessionBackend` answers through its sessions)."""
         raise NotImplementedError(f"backend {self.spec.backend!r} answers through its agent sessions")
 
     def sly_data_schema(self) -> dict[str, Any] | None:
@@ -167,6 +160,16 @@ class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, the
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Releases connections; called once at shutdown."""
+
+
+class SessionBackend(Backend):
+    """A backend whose agents live across turns: the engine answers each turn through the
+    `AgentSession` this opens for the turn's uibus session (uibus.domain.agent_sessions)."""
+
+    @abc.abstractmethod
+    def open_session(self, ui: SessionUi) -> AgentSession:
+        """The agent for `ui.session`, not started yet. Called by the engine on a session's first
+        turn; may raise ResourceExhausted-like uibus errors (too many sessions)."""
 
 
 def option(spec: AgentSpec, name: str, kind: type | tuple[type, ...], default: Any = None,

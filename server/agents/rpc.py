@@ -26,10 +26,13 @@ the agent's id. pi resolves a dialog's `timeout` itself and tells nobody, so the
 with the same timeout and the UIs see it close then. A dialog whose process died or whose turn was
 cancelled is closed for every UI (and answered `cancelled` to a live agent).
 
-The process itself — options, spawning in its own group, JSON-line framing, the bounds on lines and
-stderr, SIGTERM then SIGKILL — is uibus.agents.stdio's, shared with any other stdio protocol. Faults:
-the process dies mid-turn → the turn ends at once with the exit status; an unknown event → one
-rate-limited log line; starting, stopping, a cancelled run's end and a turn are bounded.
+This module is only that mapping. The process — options, spawning in its own group, JSON-line
+framing, the bounds on lines and stderr, SIGTERM then SIGKILL — is uibus.agents.stdio's; commands
+matched to their responses, the turn loop (queue, deadline, waiting for a cancelled run), the
+dialog tasks and the failure of every wait when the process dies are uibus.agents.turns', shared
+with any other stdio protocol. Faults: the process dies mid-turn → the turn ends at once with the
+exit status; an unknown event → one rate-limited log line; starting, stopping, a cancelled run's
+end and a turn are bounded.
 """
 
 from __future__ import annotations
@@ -42,15 +45,15 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn
-from uibus.agents.stdio import StdioBackend, StdioSession
+from uibus.agents.stdio import StdioBackend
 from uibus.agents.stdio import text as _str
+from uibus.agents.turns import Event, StdioSession, TurnRun
 from uibus.agents.views import AGENT as _AGENT
 from uibus.agents.views import TOOL_RESULT as _TOOL_RESULT
-from uibus.agents.views import ClineView
-from uibus.agents.views import cut as _cut
+from uibus.agents.views import ClineView, pi_tool
 from uibus.agents.views import struct as _struct
-from uibus.domain import dialog_checks as limits
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import chat_pb2
@@ -61,16 +64,12 @@ log = logging.getLogger("uibus.agents.rpc")
 _NOTIFY = {"info": ext_pb.NOTIFY_TYPE_INFO, "warning": ext_pb.NOTIFY_TYPE_WARNING, "error": ext_pb.NOTIFY_TYPE_ERROR}
 _PLACEMENT = {"aboveEditor": ext_pb.WIDGET_PLACEMENT_ABOVE_EDITOR, "belowEditor": ext_pb.WIDGET_PLACEMENT_BELOW_EDITOR}
 _DIALOGS = frozenset({"select", "confirm", "input", "editor"})
-_TIMED_OUT: dict[str, Any] = {"type": "uibus: the turn timed out"}  # a marker: compared by identity
 _FIRE = frozenset({"notify", "setStatus", "setWidget", "setTitle", "set_editor_text"})
 # Every event pi's RPC mode documents; anything else is logged (rate-limited) and ignored.
 _EVENTS = frozenset({"agent_start", "agent_end", "turn_start", "turn_end", "message_start", "message_update",
                      "message_end", "tool_execution_start", "tool_execution_update", "tool_execution_end",
                      "queue_update", "compaction_start", "compaction_end", "auto_retry_start", "auto_retry_end",
                      "extension_error", "response"})
-# pi's tools as Cline's ClineSayTool names them (webview-ui renders these).
-_CLINE_TOOLS = {"read": "readFile", "write": "newFileCreated", "edit": "editedExistingFile", "ls": "listFilesTopLevel",
-                "find": "searchFiles", "grep": "searchFiles"}
 
 
 def _content_text(result: Any) -> str:
@@ -78,25 +77,6 @@ def _content_text(result: Any) -> str:
     if not isinstance(result, dict) or not isinstance(result.get("content"), list):
         return ""
     return "".join(_str(c.get("text")) for c in result["content"] if isinstance(c, dict) and c.get("type") == "text")
-
-
-def cline_tool(name: str, args: dict[str, Any], output: str | None) -> str:
-    """Cline's ClineSayTool JSON for one of the agent's tool calls."""
-    tool = _CLINE_TOOLS.get(name)
-    path = _str(args.get("path", args.get("file_path", "")))
-    if tool is None:
-        body: dict[str, Any] = {"tool": name, "content": _str(json.dumps(args, default=str))[:4000]}
-    else:
-        body = {"tool": tool, "path": path}
-        if name in ("find", "grep"):
-            body["regex"] = _str(args.get("pattern", ""))
-        if name == "write":
-            body["content"] = _str(args.get("content", ""))
-        elif name == "edit":
-            body["diff"] = f"-{_str(args.get('oldText', ''))}\n+{_str(args.get('newText', ''))}"
-        elif output is not None:
-            body["content"] = output
-    return json.dumps(body)
 
 
 class RpcAgent(StdioBackend):
@@ -110,121 +90,82 @@ class RpcSession(StdioSession):
     """One agent process of one uibus session, spoken to in pi's RPC mode."""
 
     logger = log
+    handshake_says = "answer get_state"
+    agent_kind = "an agent in RPC mode"
 
     def __init__(self, backend: RpcAgent, ui: SessionUi) -> None:
         super().__init__(backend, ui)
         self._ids = itertools.count(1)
-        self._commands: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        self._turn: asyncio.Queue[dict[str, Any] | None] | None = None
-        self._dialogs: dict[str, asyncio.Task[None]] = {}  # by the agent's request id
         self._answered: set[str] = set()
-        self._fires: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self._firing: asyncio.Task[None] | None = None
-        self._running = False  # between the agent's agent_start and agent_end
-        self._run_ended = asyncio.Event()
-        self._run_ended.set()
+        self._fires: asyncio.Queue[Event] = asyncio.Queue()
+        self._command_turn = False  # this turn's prompt is an extension command (see prepare)
 
     # ---- the process ----
 
-    async def start(self) -> None:
-        await self.process.start()
-        self._firing = asyncio.get_running_loop().create_task(self._fire_forever(), name="rpc agent ui")
-        try:  # ready when it answers a command: a program that is not an RPC agent fails here, clearly
-            # (asyncio.timeout rather than wait_for throughout: wait_for, on 3.11, can swallow a
-            # cancel that arrives as the awaited thing completes, and a cancelled turn must end)
-            async with asyncio.timeout(self.options.start_timeout):
-                await self.command("get_state")
-        except TimeoutError:
-            raise AgentError(f"the agent did not answer get_state within {self.options.start_timeout:g} s "
-                             "(option start_timeout_seconds); is command an agent in RPC mode?") from None
+    async def handshake(self) -> None:
+        self.tasks.spawn(self._fire_forever(), name="rpc agent ui")
+        await self.command("get_state")  # a program that is not an RPC agent fails here, clearly
 
-    async def command(self, kind: str, **fields: Any) -> dict[str, Any]:
+    async def command(self, kind: str, **fields: Any) -> Event:
         """Sends a command and waits for its response (failed when the process goes)."""
         ident = f"uibus-{next(self._ids)}"
-        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self._commands[ident] = future
+        self.process.send({"type": kind, "id": ident, **fields})
+        future = self.requests.open(ident)
         try:
-            self.process.send({"type": kind, "id": ident, **fields})
             await self.process.drain()
             return await future
         finally:
-            self._commands.pop(ident, None)
+            future.cancel()  # a wait given up (or a failed drain) leaves nothing behind; no-op once answered
 
-    def on_message(self, message: dict[str, Any]) -> None:
+    def on_message(self, message: Event) -> None:
         kind = message.get("type")
         if kind == "response":
-            future = self._commands.get(message.get("id"))  # type: ignore[arg-type]
-            if future is not None and not future.done():
-                future.set_result(message)
+            if self.requests.resolve(message.get("id"), message):
                 return
         elif kind == "extension_ui_request":
             self._ui_request(message)
             return
         elif kind == "agent_start":
-            self._running = True
-            self._run_ended.clear()
+            self.run_started()
         elif kind == "agent_end":
-            self._running = False
-            self._run_ended.set()
+            self.run_ended()
         elif kind not in _EVENTS:
             self.log.warn("unknown", "unknown agent event; ignored", event=_str(kind)[:80])
             return
-        if self._turn is not None:
-            self._turn.put_nowait(message)
-
-    def on_exit(self, why: str) -> None:
-        """The process is gone: every wait on it ends now."""
-        for future in self._commands.values():
-            if not future.done():
-                future.set_exception(AgentError(why))
-        if self._turn is not None:
-            self._turn.put_nowait(None)
-        self._run_ended.set()
-        for task in self._dialogs.values():
-            task.cancel()  # closes each dialog for every UI
-
-    def tasks(self) -> list[asyncio.Task[Any]]:
-        return [t for t in (self._firing, *self._dialogs.values()) if t is not None]
+        self.deliver(message)
 
     # ---- extension UI ----
 
-    def _ui_request(self, message: dict[str, Any]) -> None:
+    def _ui_request(self, message: Event) -> None:
         method, ident = message.get("method"), message.get("id")
         if not isinstance(ident, str) or not ident:
             self.log.warn("ui", "extension_ui_request without an id; ignored")
             return
         if method in _DIALOGS:
-            if ident not in self._dialogs:
-                task = asyncio.get_running_loop().create_task(self._dialog(ident, method, message))
-                self._dialogs[ident] = task
-                task.add_done_callback(lambda _t, i=ident: self._dialogs.pop(i, None))
+            self.asks.open(ident, self._dialog(ident, method, message))
         elif method in _FIRE:
             self._fires.put_nowait(message)
         else:
             self.log.warn("ui", "unknown extension_ui_request method; ignored", method=_str(method)[:80])
 
     @staticmethod
-    def dialog_request(method: str, m: dict[str, Any]) -> Any:
-        """The dialog for an agent's request, fitted into the dialogs' limits (uibus.domain.dialog_checks)."""
-        timeout = m.get("timeout")
+    def dialog_request(method: str, m: Event) -> Any:
+        """The dialog for an agent's request, fitted into the dialogs' limits (uibus.dialog_limits)."""
         kw: dict[str, Any] = {}
-        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= limits.MAX_TIMEOUT_MS:
-            kw["timeout_ms"] = int(timeout)  # beyond a day: shown without one, the agent keeps its own
-        title = _cut(m.get("title"), limits.MAX_TITLE)
-        if not title.strip():  # a dialog needs a title: name the method rather than refuse it
-            title = method
+        timeout = limits.fit_timeout_ms(m.get("timeout"))
+        if timeout is not None:
+            kw["timeout_ms"] = timeout
+        title = limits.fit_title(m.get("title"), method)
         if method == "select":
-            options = m.get("options")
-            return ext_pb.SelectRequest(title=title, options=[_cut(o, limits.MAX_OPTION) for o in options][
-                :limits.MAX_OPTIONS] if isinstance(options, list) else [], **kw)
+            return ext_pb.SelectRequest(title=title, options=limits.fit_options(m.get("options")), **kw)
         if method == "confirm":
-            return ext_pb.ConfirmRequest(title=title, message=_cut(m.get("message"), limits.MAX_TEXT), **kw)
+            return ext_pb.ConfirmRequest(title=title, message=limits.fit_text(m.get("message")), **kw)
         if method == "input":
             if isinstance(m.get("placeholder"), str):
-                kw["placeholder"] = _cut(m["placeholder"], limits.MAX_TEXT)
+                kw["placeholder"] = limits.fit_text(m["placeholder"])
             return ext_pb.InputRequest(title=title, **kw)
         if isinstance(m.get("prefill"), str):
-            kw["prefill"] = _cut(m["prefill"], limits.MAX_LONG_TEXT)
+            kw["prefill"] = limits.fit_text(m["prefill"], limits.MAX_LONG_TEXT)
         return ext_pb.EditorRequest(title=title, **kw)
 
     def _answer(self, ident: str, **answer: Any) -> None:
@@ -234,7 +175,7 @@ class RpcSession(StdioSession):
         with contextlib.suppress(AgentError):
             self.process.send({"type": "extension_ui_response", "id": ident, **answer})
 
-    async def _dialog(self, ident: str, method: str, message: dict[str, Any]) -> None:
+    async def _dialog(self, ident: str, method: str, message: Event) -> None:
         """One dialog at every UI of the session; its first answer back to the agent."""
         try:
             result = await self.ui.ask(self.dialog_request(method, message))
@@ -255,26 +196,24 @@ class RpcSession(StdioSession):
             self._answer(ident, cancelled=True)
 
     @staticmethod
-    def fire_request(m: dict[str, Any]) -> Any:
+    def fire_request(m: Event) -> Any:
         """The fire-and-forget request for an agent's, fitted into the limits as dialogs are."""
         method = m["method"]
         if method == "notify":
-            return ext_pb.NotifyRequest(message=_cut(m.get("message"), limits.MAX_TEXT),
+            return ext_pb.NotifyRequest(message=limits.fit_text(m.get("message")),
                                         notify_type=_NOTIFY.get(m.get("notifyType"), ext_pb.NOTIFY_TYPE_UNSPECIFIED))
         if method == "setStatus":
-            request = ext_pb.SetStatusRequest(key=_cut(m.get("statusKey"), limits.MAX_KEY))
+            request = ext_pb.SetStatusRequest(key=limits.fit_key(m.get("statusKey")))
             if isinstance(m.get("statusText"), str):
-                request.text = _cut(m["statusText"], limits.MAX_TEXT)
+                request.text = limits.fit_text(m["statusText"])
             return request
         if method == "setWidget":
-            lines = m.get("widgetLines")
             return ext_pb.SetWidgetRequest(
-                key=_cut(m.get("widgetKey"), limits.MAX_KEY),
-                lines=[_cut(x, limits.MAX_LINE) for x in lines][:limits.MAX_LINES] if isinstance(lines, list) else [],
+                key=limits.fit_key(m.get("widgetKey")), lines=limits.fit_lines(m.get("widgetLines")),
                 placement=_PLACEMENT.get(m.get("widgetPlacement"), ext_pb.WIDGET_PLACEMENT_UNSPECIFIED))
         if method == "setTitle":
-            return ext_pb.SetTitleRequest(title=_cut(m.get("title"), limits.MAX_TITLE))
-        return ext_pb.SetEditorTextRequest(text=_cut(m.get("text"), limits.MAX_LONG_TEXT))
+            return ext_pb.SetTitleRequest(title=limits.fit_text(m.get("title"), limits.MAX_TITLE))
+        return ext_pb.SetEditorTextRequest(text=limits.fit_text(m.get("text"), limits.MAX_LONG_TEXT))
 
     async def _fire_forever(self) -> None:
         """The fire-and-forget requests, in the agent's order (a status set then cleared stays cleared)."""
@@ -305,66 +244,44 @@ class RpcSession(StdioSession):
         return any(isinstance(c, dict) and c.get("name") == name and c.get("source") == "extension"
                    for c in commands)
 
-    async def stream(self, turn: Turn) -> AsyncIterator[Piece]:
-        if self._running:  # a cancelled turn's run: it must end before the next prompt
-            try:
-                async with asyncio.timeout(self.options.stop_timeout):
-                    await self._run_ended.wait()
-            except TimeoutError:
-                self.process.kill()
-                raise AgentError(f"the agent did not end its cancelled run within {self.options.stop_timeout:g} s "
-                                 "(option stop_timeout_seconds); it was stopped, the next turn starts a new one") \
-                    from None
-        if not self.alive:
-            raise AgentError(self.process.gone or "the agent process is not running")
-        queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    async def prepare(self, turn: Turn) -> None:
+        self._command_turn = turn.text.startswith("/") and await self._extension_command(turn.text[1:])
+
+    async def run_turn(self, turn: Turn, run: TurnRun) -> AsyncIterator[Piece]:
         view = _TurnView(self.ui)
         ident = f"uibus-{next(self._ids)}"
-        is_command = turn.text.startswith("/") and await self._extension_command(turn.text[1:])
-        responded = ended = False
-        self._turn = queue
-        # One timer per turn, not one per line (bench/README.md: a timeout armed per line cost a few
-        # percent of a piece): at the deadline it puts the end-of-turn marker in the queue.
-        timer = asyncio.get_running_loop().call_later(self.options.turn_timeout, queue.put_nowait, _TIMED_OUT)
+        is_command, responded = self._command_turn, False
         try:
             self.process.send({"type": "prompt", "message": turn.text, "id": ident})
             while True:
-                message = await queue.get()
-                if message is _TIMED_OUT:
-                    raise AgentError(f"the turn did not end within {self.options.turn_timeout:g} s "
-                                     "(option turn_timeout_seconds)")
-                if message is None:
-                    raise AgentError(f"{self.process.gone} during the turn")
+                message = await run.next()
                 kind = message.get("type")
                 if kind == "response":
                     if message.get("id") != ident:
                         continue
                     if not message.get("success", False):
-                        ended = True  # refused: no run to abort
+                        run.ended = True  # refused: no run to abort
                         raise AgentError(_str(message.get("error")) or "the agent refused the prompt")
                     responded = True
-                    if is_command and not self._running:
-                        break
+                    if is_command and not self.running:
+                        break  # pi ran the command before it answered
                     continue
                 if kind == "agent_end":
-                    ended = True
+                    run.ended = True
                     break
                 for piece in view.event(kind, message):
                     yield piece
             if view.error:
                 raise AgentError(view.error)
         finally:
-            timer.cancel()
-            self._turn = None
             view.finish()
-            if not ended and not (is_command and responded):  # cancelled or failed in the middle
-                for task in list(self._dialogs.values()):
-                    task.cancel()  # each closes at every UI and is answered `cancelled`
-                if self.alive:
-                    with contextlib.suppress(AgentError):
-                        self.process.send({"type": "abort"})
-                    self._running = True  # until its agent_end: the next turn waits for it
-                    self._run_ended.clear()
+            if is_command and responded:  # nothing of it runs any more: nothing to abort
+                run.ended = True
+
+    def cancel_run(self) -> None:
+        with contextlib.suppress(AgentError):
+            self.process.send({"type": "abort"})
+        self.run_started()  # until its agent_end: the next turn waits for it
 
 
 class _TurnView(ClineView):
@@ -435,7 +352,7 @@ class _TurnView(ClineView):
         if name == "bash":
             self.show(f"command {ident}", ui_pb2.COMMAND_SAY, _str(args.get("command")), partial=False)
         else:
-            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, None), partial=True)
+            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, pi_tool(name, args, None), partial=True)
         return [chat_pb2.ChatMessage(type=_AGENT, text=f"{name} {json.dumps(args, default=str)[:2000]}",
                                      structure=_struct({"kind": "tool_start", "tool": name, "tool_call_id": ident,
                                                         "args": args}))]
@@ -446,7 +363,7 @@ class _TurnView(ClineView):
         if name == "bash":
             self.show(f"output {ident}", ui_pb2.COMMAND_OUTPUT_SAY, output, partial=partial)
         else:
-            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, cline_tool(name, args, output), partial=partial)
+            self.show(f"tool {ident}", ui_pb2.TOOL_SAY, pi_tool(name, args, output), partial=partial)
 
     def _tool_end(self, m: dict[str, Any]) -> list[Piece]:
         ident = _str(m.get("toolCallId"))

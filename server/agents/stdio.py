@@ -1,5 +1,7 @@
-"""Agent programs on stdio: what every hosted-agent protocol shares (pi's RPC mode in
-uibus.agents.rpc; the Agent Client Protocol is meant to be the next module on it).
+"""Agent programs on stdio: the process part every hosted-agent protocol shares (pi's RPC mode in
+uibus.agents.rpc, the Agent Client Protocol in uibus.agents.acp). The session part — requests
+matched to replies, the turn loop, the agent's dialogs — is uibus.agents.turns (and
+uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
 
 * `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
   from the agents file only, never from a request; the program must exist then), `cwd`, `env`
@@ -7,13 +9,15 @@ uibus.agents.rpc; the Agent Client Protocol is meant to be the next module on it
   stopping, a turn and a line.
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
-* `AgentProcess`: one running program in its own process group. Its stdout is read as JSON lines
-  split on `\\n` only (a trailing `\\r` stripped; U+2028/U+2029 are characters inside JSON strings,
-  not line ends), each object handed to `on_message`; an unparsable line is one rate-limited log
+* `AgentProcess`: one running program in its own process group, owned with `async with`. Its
+  stdout is read as JSON lines split on `\\n` only (a trailing `\\r` stripped; U+2028/U+2029 are
+  characters inside JSON strings, not line ends), each object handed to `on_message`; an
+  unparsable line (nested too deep for the parser included) is one rate-limited log
   line; a line over `max_line_bytes` stops the process; stderr goes to the log, rate-limited and
   cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
   Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
-  nothing it started survives it; if uibus itself dies, the agent's stdin closes and an agent in
+  nothing it started survives it, and the group is killed on every close (a cancelled one too);
+  if uibus itself dies, the agent's stdin closes and an agent in
   these protocols exits at the end of its input.
 """
 
@@ -32,8 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from uibus.agents import AgentError, AgentSession, AgentSpec, Backend, SessionUi, check_options, option, seconds
+from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, SessionUi, check_options, option, seconds
+from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
+from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents.stdio")
 
@@ -42,16 +48,6 @@ OPTIONS = frozenset({"command", "cwd", "env", "idle_seconds", "max_processes", "
 MAX_LINE_BYTES = 16 * 1024 * 1024  # pi's agent_end carries every message of the run
 STDERR_LINE_CHARS = 2000
 LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, with the count skipped
-
-
-def text(value: Any) -> str:
-    """A string the agent sent, made safe for protobuf (a lone surrogate cannot be encoded)."""
-    out = value if isinstance(value, str) else "" if value is None else str(value)
-    try:
-        out.encode()
-    except UnicodeEncodeError:
-        out = out.encode("utf-8", "replace").decode()
-    return out
 
 
 class RateLog:
@@ -129,10 +125,9 @@ def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> 
     return found
 
 
-class StdioBackend(Backend):
+class StdioBackend(SessionBackend):
     """A backend whose agents are processes, one per agent session (`session` builds one)."""
 
-    lives_across_turns = True
     extra_options: frozenset[str] = frozenset()  # a protocol's own options, beside OPTIONS
 
     def __init__(self, spec: AgentSpec) -> None:
@@ -163,53 +158,8 @@ class StdioBackend(Backend):
         self.processes -= 1
 
 
-class StdioSession(AgentSession):
-    """An agent session whose agent is one AgentProcess; a protocol module adds its messages.
-
-    Subclasses implement `on_message` (one JSON object from the agent), `on_exit` (the process is
-    gone: end every wait on it) and `tasks` (what they started that closing must cancel)."""
-
-    logger = log
-
-    def __init__(self, backend: StdioBackend, ui: SessionUi) -> None:
-        self.backend = backend
-        self.options = backend.options
-        self.ui = ui
-        self.idle_seconds = backend.options.idle_seconds
-        self.process = AgentProcess(backend, ui, self.on_message, self.on_exit, self.logger)
-        self.log = self.process.log
-        self._closed = False
-
-    @property
-    def alive(self) -> bool:
-        return self.process.alive
-
-    def on_message(self, message: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def on_exit(self, why: str) -> None:
-        raise NotImplementedError
-
-    def tasks(self) -> list[asyncio.Task[Any]]:
-        return []
-
-    async def aclose(self) -> None:
-        """Stops the process, then cancels what the session started; counted out exactly once."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            await self.process.aclose()
-            tasks = self.tasks()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        finally:
-            self.backend.released()
-
-
 class AgentProcess:
-    """One agent program on stdio (see the module docstring)."""
+    """One agent program on stdio (see the module docstring). `async with` starts it and stops it."""
 
     def __init__(self, backend: StdioBackend, ui: SessionUi, on_message: Callable[[dict[str, Any]], None],
                  on_exit: Callable[[str], None], logger: logging.Logger) -> None:
@@ -220,11 +170,18 @@ class AgentProcess:
         self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = ""  # why it is gone; "" while it runs
-        self._tasks: list[asyncio.Task[None]] = []
+        self._readers = Tasks(f"agent {backend.spec.name} process")
 
     @property
     def alive(self) -> bool:
         return not self.gone and self.proc is not None and self.proc.returncode is None
+
+    async def __aenter__(self) -> AgentProcess:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     async def start(self) -> None:
         o = self.options
@@ -238,8 +195,8 @@ class AgentProcess:
                              f"{exc.strerror or exc}") from exc
         self.backend.started += 1
         log.info("agent process started", extra={"fields": {**self.log.where, "pid": self.proc.pid}})
-        spawn = asyncio.get_running_loop().create_task
-        self._tasks = [spawn(self._read(), name="agent stdout"), spawn(self._stderr(), name="agent stderr")]
+        self._readers.spawn(self._read(), name="agent stdout")
+        self._readers.spawn(self._stderr(), name="agent stderr")
 
     def send(self, message: dict[str, Any]) -> None:
         """Writes one JSON line (buffered by the transport; `drain` waits for the pipe)."""
@@ -295,7 +252,7 @@ class AgentProcess:
             return None
         try:
             message = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep for the parser
             self.log.warn("unparsable", "agent line is not JSON; ignored", error=str(exc),
                           line=text(line[:200].decode(errors="replace")))
             return None
@@ -332,28 +289,30 @@ class AgentProcess:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     async def aclose(self) -> None:
-        """Stops it (input closed, SIGTERM, SIGKILL after stop_timeout, the group killed last) and
-        waits for its readers; safe to call more than once."""
+        """Stops it (input closed, SIGTERM, SIGKILL after stop_timeout) and waits for its readers;
+        the group is killed last whatever happened, a cancel of the caller included (which then
+        propagates); safe to call more than once."""
         proc = self.proc
-        if proc is not None:
-            if proc.returncode is None:
+        try:
+            if proc is not None and proc.returncode is None:
                 self._lost("the agent session was closed")
                 with contextlib.suppress(Exception):
                     if proc.stdin is not None:
                         proc.stdin.close()
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGTERM)
-                try:
+                with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.options.stop_timeout):
                         await proc.wait()
-                except TimeoutError:
-                    self.kill()
-                    await proc.wait()
+        finally:
             self.kill()  # whatever it started in its group goes with it
-            log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
-                                                                 "code": proc.returncode}})
-        self._lost("the agent session was closed")
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            self._lost("the agent session was closed")
+            try:
+                if proc is not None:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.options.stop_timeout):
+                            await proc.wait()
+                    log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
+                                                                         "code": proc.returncode}})
+            finally:
+                await self._readers.aclose()

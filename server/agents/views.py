@@ -1,5 +1,6 @@
 """What a hosted agent's work looks like to uibus's UIs, whatever protocol it speaks (pi's RPC mode,
-ACP): the pieces for MAXIMAL callers and the Cline messages of the session's webviews.
+ACP): the pieces for MAXIMAL callers and the Cline messages of the session's webviews, and the
+ClineSayTool JSON (what Cline's webview renders a tool call with) for each protocol's tool calls.
 
 `ClineView` keeps the messages one turn is growing (by a name the protocol chooses: "thinking", a
 tool call's id), republishes each at most every PARTIAL_INTERVAL_S while it grows (a reply's
@@ -16,18 +17,17 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from uibus.agents import SessionUi
-from uibus.agents.stdio import text
+from uibus.dialog_limits import safe_text as text
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 PARTIAL_INTERVAL_S = 0.05  # a growing Cline message is republished at most this often
 AGENT, TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TOOL_RESULT
-
-
-def cut(value: Any, limit: int) -> str:
-    """An agent's text within a limit: what the agent asks is shown, cut (and marked), rather than
-    refused (a refused dialog would block its tool)."""
-    out = text(value)
-    return out if len(out) <= limit else out[:limit - 1] + "…"
+# pi's tools as Cline's ClineSayTool names them (webview-ui renders these).
+PI_TOOLS = {"read": "readFile", "write": "newFileCreated", "edit": "editedExistingFile", "ls": "listFilesTopLevel",
+            "find": "searchFiles", "grep": "searchFiles"}
+# ACP tool kinds as ClineSayTool names them (execute is a command of its own).
+ACP_TOOLS = {"read": "readFile", "edit": "editedExistingFile", "delete": "editedExistingFile",
+             "move": "editedExistingFile", "search": "searchFiles", "fetch": "webFetch"}
 
 
 def struct(value: dict[str, Any]) -> struct_pb2.Struct:
@@ -75,3 +75,36 @@ class ClineView:
         for ts, say, body, _ in list(self._growing.values()):
             self.ui.say(body, say, ts=ts)
         self._growing.clear()
+
+
+def pi_tool(name: str, args: dict[str, Any], output: str | None) -> str:
+    """Cline's ClineSayTool JSON for one of a pi agent's tool calls (`output` None while it runs)."""
+    tool = PI_TOOLS.get(name)
+    path = text(args.get("path", args.get("file_path", "")))
+    if tool is None:
+        body: dict[str, Any] = {"tool": name, "content": text(json.dumps(args, default=str))[:4000]}
+    else:
+        body = {"tool": tool, "path": path}
+        if name in ("find", "grep"):
+            body["regex"] = text(args.get("pattern", ""))
+        if name == "write":
+            body["content"] = text(args.get("content", ""))
+        elif name == "edit":
+            body["diff"] = f"-{text(args.get('oldText', ''))}\n+{text(args.get('newText', ''))}"
+        elif output is not None:
+            body["content"] = output
+    return json.dumps(body)
+
+
+def acp_tool(call: dict[str, Any]) -> str:
+    """Cline's ClineSayTool JSON for an ACP tool call (what its `tool_call`/`tool_call_update`
+    notifications told so far: title, kind, status, locations, output)."""
+    locations = call.get("locations") if isinstance(call.get("locations"), list) else []
+    path = next((text(loc.get("path")) for loc in locations if isinstance(loc, dict)), "")
+    tool = ACP_TOOLS.get(call["kind"], text(call["kind"]))
+    body: dict[str, Any] = {"tool": tool, "path": path or text(call["title"])}
+    if call["output"]:
+        body["diff" if call["kind"] == "edit" else "content"] = call["output"]
+    if call["status"] == "failed":
+        body["error"] = True
+    return json.dumps(body)

@@ -1,7 +1,7 @@
 """Agents that live across turns: one `AgentSession` per (uibus session, agent), owned here.
 
 The chat engine asks `AgentSessions.use` for the agent of a turn. The first turn of a (session,
-agent) opens it (`Backend.open_session` then `start`), later turns reuse it, one at a time: a
+agent) opens it (`SessionBackend.open_session` then `start`), later turns reuse it, one at a time: a
 second turn waits for the first rather than being slipped into the agent's run (pi's `followUp`),
 because one agent run can only be streamed to one caller — a follow-up's events would arrive on the
 first caller's stream and its own stream would see nothing it could tell apart. Waiting keeps every
@@ -12,7 +12,9 @@ An agent session is closed, exactly once and with errors collected, when
 * it was idle (no turn running or waiting) for its `idle_seconds`,
 * its uibus session was evicted (retention, `max-sessions`; on any replica): each live agent keeps a
   marker key in the session store, and a session whose marker is gone was deleted,
-* the server shuts down (`aclose`, in reverse of nothing: every one of them, concurrently),
+* the server shuts down (`aclose`: every one of them, concurrently; a cancel of the shutdown
+  itself cuts each close short — each still kills its process group — and propagates, as a plain
+  CancelledError, once all of them are closed; failures are collected),
 * it died (`alive` false): the next turn opens a new one.
 
 A caller that named no session (`keep=False`) gets an agent of its own for the turn, closed with it:
@@ -32,12 +34,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from uibus.agents import AgentError, AgentSession, Backend, Dialog
+from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
+from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 
@@ -111,7 +114,7 @@ class AgentSessions:
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
         self._one_shot = 0  # agent sessions of callers that named no session, open now
         self._stopping = 0  # agent sessions being closed now (their processes still stopping)
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = Tasks("agent sessions sweep")
         self._closing = False
         self.closed_idle = 0
         self.closed_evicted = 0
@@ -133,19 +136,48 @@ class AgentSessions:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Closes every agent session (concurrently: each may wait for its process to stop)."""
+        """Closes every agent session, concurrently (each may wait for its process to stop).
+
+        Never raises a group holding a cancel: a cancel of the caller cancels the closes (each
+        still kills its process group) and is re-raised, plain, once every one has ended (their
+        failures logged); otherwise failures are raised, one alone, several as an ExceptionGroup."""
         self._closing = True
-        sweeper, self._sweeper = self._sweeper, None
-        if sweeper is not None:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+        cancelled = False
+        try:
+            await self._sweeper.aclose()
+        except asyncio.CancelledError:
+            cancelled = True
         live, self._live = list(self._live.items()), {}
-        results = await asyncio.gather(*(self._close(key, entry.agent, "shutdown") for key, entry in live),
-                                       return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        closing = Tasks("closing agent sessions", quiet=True)
+        tasks = [closing.spawn(self._close(key, entry.agent, "shutdown"), name="close agent session")
+                 for key, entry in live]
+        if tasks:
+            if cancelled:
+                await self._cut_short(closing)
+            else:
+                try:
+                    await asyncio.wait(tasks)
+                except asyncio.CancelledError:
+                    cancelled = True
+                    await self._cut_short(closing)
+        errors = [e for e in (t.exception() for t in tasks if t.done() and not t.cancelled())
+                  if isinstance(e, Exception)]
+        if cancelled:
+            for error in errors:  # the cancel goes first: these are not raised, so they are logged
+                log.error("closing an agent session failed",
+                          extra={"fields": {"error": f"{type(error).__name__}: {error}"}})
+            raise asyncio.CancelledError
+        if len(errors) == 1:
+            raise errors[0]
         if errors:
-            raise BaseExceptionGroup("closing agent sessions", errors)
+            raise ExceptionGroup("closing agent sessions", errors)
+
+    @staticmethod
+    async def _cut_short(closing: Tasks) -> None:
+        """Cancels the closes still running and waits for them (each kills its process at once);
+        a further cancel of the caller is the one already being propagated."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing.aclose(patience=5.0)
 
     async def _close(self, key: tuple[str, str], agent: AgentSession, why: str) -> None:
         self._stopping += 1
@@ -159,8 +191,8 @@ class AgentSessions:
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
-        if self._sweeper is None and not self._closing:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever(), name="agent sessions")
+        if not self._sweeper and not self._closing and not self._sweeper.closed:
+            self._sweeper.spawn(self._sweep_forever(), name="agent sessions")
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -199,10 +231,8 @@ class AgentSessions:
 
     # ---- turns ----
 
-    async def _open(self, session: str, name: str, backend: Backend) -> AgentSession | None:
+    async def _open(self, session: str, backend: SessionBackend) -> AgentSession:
         agent = backend.open_session(SessionBound(session, self.dialogs, self.feed, self))
-        if agent is None:
-            return None
         try:
             await agent.start()
         except BaseException:
@@ -211,20 +241,17 @@ class AgentSessions:
         return agent
 
     @asynccontextmanager
-    async def use(self, session: str, name: str, backend: Backend, *,
-                  keep: bool = True) -> AsyncIterator[AgentSession | None]:
-        """The agent session for one turn of `name` in `session`, held for the turn; None for a
-        stateless backend. Raises AgentError when the agent cannot start (the turn's answer) and the
-        backend's ResourceExhausted when it may not (the call's status)."""
+    async def use(self, session: str, name: str, backend: SessionBackend, *,
+                  keep: bool = True) -> AsyncIterator[AgentSession]:
+        """The agent session for one turn of `name` in `session`, held for the turn. Raises
+        AgentError when the agent cannot start (the turn's answer) and the backend's
+        ResourceExhausted when it may not (the call's status)."""
         if self._closing:
             raise AgentError("the server is shutting down")
         if not keep:
             self._one_shot += 1
             try:
-                agent = await self._open(session, name, backend)
-                if agent is None:
-                    yield None
-                    return
+                agent = await self._open(session, backend)
                 try:
                     yield agent
                 finally:
@@ -240,10 +267,7 @@ class AgentSessions:
                 async with opening:  # two first turns at once start one agent
                     entry = self._live.get(key)
                     if entry is None:
-                        agent = await self._open(session, name, backend)
-                        if agent is None:
-                            yield None
-                            return
+                        agent = await self._open(session, backend)
                         try:  # the marker first: a sweep must never find a live agent without one
                             await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                         except BaseException:
@@ -262,7 +286,7 @@ class AgentSessions:
                     self.closed_dead += 1
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
-                    entry.agent = await self._open(session, name, backend) or old
+                    entry.agent = await self._open(session, backend)
                 yield entry.agent
         finally:
             entry.users -= 1

@@ -30,7 +30,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from uibus.agents import AgentError, AgentSpec, Backend, Final, Turn
+from uibus.agents import AgentError, AgentSpec, Backend, Final, SessionBackend, Turn
 from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
@@ -267,7 +267,7 @@ class Chat:
                     metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD})
         held = AsyncExitStack()  # the agent session of the turn (if the backend has them), held for it
         source, error = backend.stream, ""
-        if backend.lives_across_turns:  # a limit (max_processes) raises here: the call's status, nothing kept
+        if isinstance(backend, SessionBackend):  # a limit (max_processes) raises here: the call's status, nothing kept
             try:
                 live = await held.enter_async_context(self.sessions.use(session, agent, backend, keep=keep))
             except AgentError as exc:  # could not start: the answer says why

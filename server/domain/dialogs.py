@@ -32,9 +32,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from uibus import dialog_limits as checks
 from uibus import kinds
 from uibus.bus import LIVE, Bus, Live
-from uibus.domain import dialog_checks as checks
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.domain.dialog_sharing import SharedDialogs
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable

@@ -38,8 +38,8 @@ from google.protobuf import json_format
 
 from uibus.bus import LIVE
 from uibus.calls import text_metadata
+from uibus.dialog_limits import MAX_TIMEOUT_MS
 from uibus.domain.core import Core
-from uibus.domain.dialog_checks import MAX_TIMEOUT_MS
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2

@@ -1,17 +1,28 @@
 """A deliberately broken agent for the rpc backend's fault tests (tests/test_pi_agent.py): it speaks
 just enough of pi's RPC mode to start (answers get_state) and then misbehaves as the prompt says:
 
-* `garbage`: writes unparsable lines, a JSON array, an unknown event type and an unknown UI method,
-  then a proper short run (`agent_start`, one text delta, `agent_end`);
+* `garbage`: writes unparsable lines (one nested too deep to parse), a JSON array, an unknown
+  event type and an unknown UI method, then a proper short run (`agent_start`, one text delta, `agent_end`);
 * `long`: writes one line over any sane bound;
 * `refuse`: answers the prompt `success: false`;
 * `stderr`: floods stderr, then a proper run;
 * `hang`: accepts the prompt and never runs it (nor answers `abort`).
+With RPC_STUBBORN=1 in its environment it ignores SIGTERM and the end of its input, and starts a
+child (`sleep`) in its process group: only a kill of the whole group stops them.
 It is a test double for the fault paths only; the agent uibus is tested with is the real pi.
 """
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
+
+STUBBORN = os.environ.get("RPC_STUBBORN") == "1"
+if STUBBORN:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "120"])
 
 
 def out(obj: object) -> None:
@@ -39,6 +50,7 @@ for line in sys.stdin:
         if text == "garbage":
             for _ in range(50):
                 sys.stdout.write("this is not json\n")
+            sys.stdout.write("[" * 100_000 + "]" * 100_000 + "\n")  # deeper than the parser recurses
             sys.stdout.write("[1, 2, 3]\n\n")
             out({"type": "surprise_event", "x": 1})
             out({"type": "extension_ui_request", "id": "u1", "method": "hologram"})
@@ -55,3 +67,6 @@ for line in sys.stdin:
             run("survived stderr")
         else:
             run(f"echo: {text}")
+
+if STUBBORN:
+    time.sleep(120)

@@ -1,13 +1,23 @@
-"""Validation of extension-UI requests and answers: each check returns why a request cannot be
-shown (a message for INVALID_ARGUMENT) or None.
+"""The extension-UI limits, in one place for everyone who makes or relays a dialog: how long a
+title, a message, an option list may be, how far off a timeout.
 
 The limits are generous for real dialogs and small enough that one request cannot make every
-UI of a session render megabytes of options or lines.
+UI of a session render megabytes of options or lines. Two ways to meet them, one per kind of caller:
+
+* `check_*`: a client's request beyond a limit is refused — each check returns why it cannot be
+  shown (a message for INVALID_ARGUMENT) or None (the domain's `Dialogs`, the MCP server);
+* `fit_*`: a hosted agent's request is fitted — cut (and marked) rather than refused, since a
+  refused dialog would block the agent's tool until it gives up (pi's extension UI, ACP's
+  permission requests).
+
+It sits on the lowest floor (it knows only the protos) so the domain and the agents share it
+without either importing the other.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
@@ -115,3 +125,56 @@ def check_title(r: pb.SetTitleRequest) -> str | None:
 
 def check_editor_text(r: pb.SetEditorTextRequest) -> str | None:
     return _too_long("text", r.text, MAX_LONG_TEXT)
+
+
+# ---- fitting what an agent asks into the limits ----
+
+
+def safe_text(value: Any) -> str:
+    """A string a peer sent, made safe for protobuf (a lone surrogate cannot be encoded)."""
+    out = value if isinstance(value, str) else "" if value is None else str(value)
+    try:
+        out.encode()
+    except UnicodeEncodeError:
+        out = out.encode("utf-8", "replace").decode()
+    return out
+
+
+def fit_text(value: Any, limit: int = MAX_TEXT) -> str:
+    """`value` as text within `limit` characters: cut, the cut marked with an ellipsis."""
+    out = safe_text(value)
+    return out if len(out) <= limit else out[:limit - 1] + "…"
+
+
+def fit_title(value: Any, fallback: str, limit: int = MAX_TITLE) -> str:
+    """A dialog title within the limit; a blank one becomes `fallback` (a dialog needs a title:
+    naming what asks is better than refusing it)."""
+    title = fit_text(value, limit)
+    return title if title.strip() else fit_text(fallback, limit)
+
+
+def fit_options(values: Any, option_limit: int = MAX_OPTION) -> list[str]:
+    """A select's options: each cut to `option_limit`, at most MAX_OPTIONS of them (not a list: none)."""
+    if not isinstance(values, list):
+        return []
+    return [fit_text(v, option_limit) for v in values[:MAX_OPTIONS]]
+
+
+def fit_lines(values: Any) -> list[str]:
+    """A widget's lines: each cut to MAX_LINE, at most MAX_LINES of them (not a list: none)."""
+    if not isinstance(values, list):
+        return []
+    return [fit_text(v, MAX_LINE) for v in values[:MAX_LINES]]
+
+
+def fit_key(value: Any) -> str:
+    """A status or widget key within MAX_KEY."""
+    return fit_text(value, MAX_KEY)
+
+
+def fit_timeout_ms(value: Any) -> int | None:
+    """A dialog timeout in ms, or None when it is not a positive number within a day (beyond that
+    the dialog is shown without one and the agent keeps its own)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_TIMEOUT_MS:
+        return int(value)
+    return None
