@@ -5,9 +5,9 @@ a `CallContext`; this module only translates framing. A body that cannot be unfr
 or is over the size limit, goes to the handler as a `Rejected` request, so the pipeline answers it
 exactly as it answers the native server. Response messages are framed and flushed as they are
 produced; the status goes in a trailer frame, or in the headers when nothing was sent
-(trailers-only, so an empty stream or an early error needs no body). A `grpc-timeout` becomes a
-deadline, and a client that goes away cancels the handler so its `finally` (e.g. the bus
-unsubscribe) runs at once.
+(trailers-only, so an empty stream or an early error needs no body). A `grpc-timeout` becomes the
+call's deadline; the driver (uibus.calls.drive) enforces it and cancels the handler of a client
+that goes away, so its `finally` (e.g. the bus unsubscribe) runs at once.
 """
 
 from __future__ import annotations

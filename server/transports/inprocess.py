@@ -149,8 +149,8 @@ class _Stream(_Method):
     def __call__(self, request: Any, *, timeout: float | None = None,
                  metadata: Sequence[tuple[str, str | bytes]] | None = None) -> AsyncIterator[Any]:
         """The responses, pulled by the caller straight from the driver (no generator of our own
-        in between: one hop less per message); a failure to start is raised when iterated, as a
-        network channel raises it."""
+        in between, so no hop per message more than before); a failure to start is raised when
+        iterated, as a network channel raises it."""
         try:
             handler, ctx = self._channel._start(self._method, metadata, timeout)
             prepared = self._request(handler, request)
