@@ -28,11 +28,12 @@ import grpc
 import grpc.aio
 import httpx
 import pytest
+from websockets.asyncio.client import connect as ws_connect
 
 from tests.conftest import start_app, wait_for
 from tests.webclient import call, frame
 from uibus.app import App
-from uibus.installers import INSTALLERS
+from uibus.installers import CODEBOLT, INSTALLERS
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.wiring import Installer, Setup
@@ -305,3 +306,19 @@ async def test_unencodable_reply_is_internal_everywhere(web: App, probe: Probe) 
         await web.channel().unary_unary(PROBE + "Connectivity")(b"")
     assert err.value.code() == grpc.StatusCode.INTERNAL
     assert probe.finished == [("Connectivity", False)] * 3
+
+
+# ---- owned tasks ----------------------------------------------------------------------------------
+
+async def test_codebolt_shutdown_leaves_no_task_behind(web: App) -> None:
+    """The closings the CodeBolt gateway's shutdown hook starts belong to the gateway, whose
+    teardown joins them: once the app has closed, none of its connection tasks runs."""
+    async with ws_connect(f"ws://127.0.0.1:{web.http_port}/agent-to-app?session=own") as ws:
+        await ws.send(json.dumps({"type": "chatEvent", "action": "waitforReply", "requestId": "w1",
+                                  "message": {"text": "?"}}))
+        await wait_for(lambda: web[CODEBOLT].pending() == 1, what="the wait is in flight")
+        await web.aclose(grace=1.0)
+        reply = json.loads(await asyncio.wait_for(ws.recv(), 3))
+        assert reply["requestId"] == "w1" and reply["success"] is False
+    left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("uibus-codebolt")]
+    assert left == [] and web[CODEBOLT].count() == 0

@@ -179,11 +179,18 @@ def drain_first(app: ASGIApp, limit: int) -> ASGIApp:
             return
         body = _Body(receive, limit)
 
-        async def answer(message: Message) -> None:
+        def answer(message: Message) -> Awaitable[None]:
+            # A plain function handing back the server's own awaitable: no coroutine of ours per
+            # message of a stream, only before the answer starts.
             if not body.done and message["type"] == "http.response.start":
-                await body.drain()
-            await send(message)
+                return _drained_then(body, send, message)
+            return send(message)
 
         await app(scope, body.receive, answer)
 
     return drained
+
+
+async def _drained_then(body: _Body, send: Send, message: Message) -> None:
+    await body.drain()
+    await send(message)
