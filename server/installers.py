@@ -74,6 +74,7 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
     setup.on_shutdown(gateway.shutdown)
     setup.provide(CODEBOLT, gateway)
     yield
+    await gateway.aclose()  # joins the closings its shutdown hook started
 
 
 @asynccontextmanager

@@ -31,6 +31,7 @@ from uibus.errors import InvalidArgument, ResourceExhausted, UibusError, Unavail
 from uibus.json_input import dump_json
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
+from uibus.tasks import cancel_all
 
 SOURCE = "codebolt"
 MAX_TEXT = 64 * 1024
@@ -184,10 +185,7 @@ async def confirmation(ctx: Context, req: Request, sub: Subscription | None) -> 
     try:
         await asyncio.wait([t for t in (dialog, feedback) if t is not None], return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for task in (dialog, feedback):
-            if task is not None and not task.done():
-                task.cancel()
-        await asyncio.gather(*(t for t in (dialog, feedback) if t is not None), return_exceptions=True)
+        await cancel_all((dialog, feedback))  # the one that lost; a cancel of ours still propagates
     if feedback is not None and not feedback.cancelled() and feedback.exception() is None:
         user = feedback.result()
         return Reply(True, {"feedback": user["text"], "ts": user["ts"]}, reply_type="feedbackResponse",

@@ -40,6 +40,7 @@ from uibus.codebolt.protocol import Request
 from uibus.domain.core import Core
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
 from uibus.session import session_of
+from uibus.tasks import Tasks, cancel_all
 
 log = logging.getLogger("uibus.codebolt")
 
@@ -89,7 +90,7 @@ class Gateway:
         self.max_waits = max_waits
         self.connections: set[AgentConnection] = set()
         self.closing = False
-        self._closers: set[asyncio.Task[None]] = set()
+        self._closers = Tasks("codebolt-shutdown")  # joined by `aclose`, the installer's teardown
         self.handlers: Mapping[str, grpc.RpcMethodHandler] = {m: wrap(m, h) for m, h in self.methods().items()}
 
     def methods(self) -> dict[str, grpc.RpcMethodHandler]:
@@ -163,9 +164,18 @@ class Gateway:
         """Shutdown hook: no new connections; every socket closes once its waits have answered."""
         self.closing = True
         for conn in list(self.connections):
-            closer = asyncio.ensure_future(conn.shutdown())
-            self._closers.add(closer)
-            closer.add_done_callback(self._closers.discard)
+            if not self._closers.closed:
+                self._closers.spawn(conn.shutdown(), name="uibus-codebolt-close")
+
+    async def aclose(self) -> None:
+        """Teardown: the closings `shutdown` started end (each is bounded by SHUTDOWN_WAIT_S and one
+        socket close); whatever still runs after that, and every connection left open, is cancelled."""
+        self.closing = True
+        if self._closers:
+            await asyncio.wait(list(self._closers), timeout=SHUTDOWN_WAIT_S + 1.0)
+        await self._closers.aclose()
+        for conn in list(self.connections):
+            await conn.close()
 
 
 class AgentConnection:
@@ -178,14 +188,14 @@ class AgentConnection:
         self._send = send
         self._close_socket = close
         self._send_lock = asyncio.Lock()
-        self.waits: set[asyncio.Task[None]] = set()
+        self.waits = Tasks("codebolt-waits")  # waitforReply / confirmationRequest in flight
         self.user_subs: set[Subscription] = set()  # of the waits that a user message answers
         self.answered: deque[int] = deque(maxlen=USER_QUEUE)  # ts of user messages a wait took
         self._pusher: asyncio.Task[None] | None = None
         self.closed = False
 
     def follow_user(self, sub: Subscription) -> None:
-        self._pusher = asyncio.ensure_future(self._push_user_messages(sub))
+        self._pusher = asyncio.ensure_future(self._push_user_messages(sub))  # stopped by `close`
 
     async def _push_user_messages(self, sub: Subscription) -> None:
         """Sends each user message that no wait of this connection takes as `messageResponse`.
@@ -232,6 +242,9 @@ class AgentConnection:
         if wait is None:
             await self._call(method, req, req)
             return
+        if self.waits.closed:  # the connection is closing (uibus shuts down): no new waits
+            await self._call(method, Rejected(Unavailable("uibus is shutting down")), req)
+            return
         if len(self.waits) >= gateway.max_waits:
             refused = Rejected(ResourceExhausted(f"this connection already has {len(self.waits)} requests waiting "
                                                  f"for a user (limit {gateway.max_waits})"))
@@ -244,15 +257,13 @@ class AgentConnection:
             except (Unavailable, ResourceExhausted) as exc:  # shutting down; too many streams
                 await self._call(method, Rejected(exc), req)
                 return
-        task = asyncio.ensure_future(self._call(method, req, req, sub))
-        self.waits.add(task)
+        task = self.waits.spawn(self._call(method, req, req, sub), name="uibus-codebolt-wait")
         if sub is not None:
             self.user_subs.add(sub)
         task.add_done_callback(self._waited(sub))
 
     def _waited(self, sub: Subscription | None) -> Callable[[asyncio.Task[None]], None]:
-        def done(task: asyncio.Task[None]) -> None:
-            self.waits.discard(task)
+        def done(_task: asyncio.Task[None]) -> None:
             if sub is not None:
                 self.user_subs.discard(sub)
                 self.gateway.core.bus.unsubscribe(sub)
@@ -305,24 +316,16 @@ class AgentConnection:
     async def close(self) -> None:
         """The socket is gone: cancel every wait and forget the connection, before returning."""
         self.closed = True
-        waits = list(self.waits)
-        if self._pusher is not None:
-            waits.append(self._pusher)
-        for task in waits:
-            task.cancel()
         try:
-            if waits:
-                await asyncio.gather(*waits, return_exceptions=True)
+            await cancel_all([*self.waits, self._pusher], patience=5.0, what="codebolt connection")
+            await self.waits.aclose()  # none is left; no new one may start
         finally:  # counted until its waits are really gone, so stats never under-report
             self.gateway.connections.discard(self)
 
     async def shutdown(self) -> None:
         """Lets the waits answer (the bus and the dialogs are closed by now), then closes."""
-        waits = list(self.waits)
-        if waits:
-            _, late = await asyncio.wait(waits, timeout=SHUTDOWN_WAIT_S)
-            for task in late:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
+        if self.waits:
+            await asyncio.wait(list(self.waits), timeout=SHUTDOWN_WAIT_S)
+        await self.waits.aclose()  # the late ones are cancelled
         with contextlib.suppress(Exception):
             await self._close_socket()

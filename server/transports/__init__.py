@@ -3,7 +3,9 @@ HTTP port (with the webview page, health and metrics), the CodeBolt WebSocket, a
 channels.
 
 Every one of them runs the very same pipeline-wrapped handlers the gRPC server runs (looked up in
-the app's registry) with a `uibus.calls.CallContext`, and only translates framing: statuses,
-tokens, store outages, failures and metrics are the pipeline's, so a request gets the same answer
-whichever way it arrives.
+the app's registry) with a `uibus.calls.CallContext`, driven by the one driver `uibus.calls.drive`
+(deadlines, disconnects, done callbacks), and only translates framing (a `uibus.calls.Sink`):
+statuses, tokens, store outages, failures and metrics are the pipeline's, so a request gets the
+same answer whichever way it arrives. A new transport is a framing module (its Sink) plus its
+`drive(...)` line, and a route or mount on the HTTP port.
 """

@@ -5,17 +5,15 @@ a `CallContext`; this module only translates framing. A body that cannot be unfr
 or is over the size limit, goes to the handler as a `Rejected` request, so the pipeline answers it
 exactly as it answers the native server. Response messages are framed and flushed as they are
 produced; the status goes in a trailer frame, or in the headers when nothing was sent
-(trailers-only, so an empty stream or an early error needs no body). A `grpc-timeout` becomes a
-deadline, and a client that goes away cancels the handler so its `finally` (e.g. the bus
-unsubscribe) runs at once.
+(trailers-only, so an empty stream or an early error needs no body). A `grpc-timeout` becomes the
+call's deadline; the driver (uibus.calls.drive) enforces it and cancels the handler of a client
+that goes away, so its `finally` (e.g. the bus unsubscribe) runs at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
-import contextlib
 import re
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,7 +22,7 @@ from urllib.parse import quote
 
 import grpc
 
-from uibus.calls import CallContext, Metadata, Rejected, decode, responses
+from uibus.calls import CallContext, Metadata, Rejected, decode, drive
 from uibus.errors import InvalidArgument
 from uibus.transports.asgi import (
     BodyTooLarge,
@@ -34,12 +32,11 @@ from uibus.transports.asgi import (
     Scope,
     Send,
     read_body,
-    until_disconnect,
+    wait_disconnect,
 )
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
 _TRAILER_FLAG = 0x80
-_END = object()
 HEADERS_AFTER = 0.05  # seconds a stream may take to produce or end before its headers go out
 _HEADER = struct.Struct(">BI")
 _TIMEOUT = re.compile(r"(\d{1,8})([HMSmun])")
@@ -141,21 +138,27 @@ def _status_headers(code: grpc.StatusCode, details: str) -> Headers:
 
 
 class _Response:
-    """One gRPC-Web response: headers once, then frames, then the trailers."""
+    """One gRPC-Web response (the call's `Sink`): headers once, then frames, then the trailers."""
 
-    __slots__ = ("content_type", "ctx", "send", "started", "text")
+    __slots__ = ("content_type", "ctx", "encode", "headers_after", "send", "started", "text")
 
-    def __init__(self, send: Send, text: bool, ctx: CallContext) -> None:
+    def __init__(self, send: Send, text: bool, ctx: CallContext, handler: grpc.RpcMethodHandler | None = None) -> None:
         self.send = send
         self.text = text
         self.ctx = ctx
         self.started = False
         self.content_type = b"application/grpc-web-text+proto" if text else b"application/grpc-web+proto"
+        self.encode = handler.response_serializer if handler is not None else None
+        streaming = handler is not None and handler.response_streaming
+        self.headers_after = HEADERS_AFTER if streaming else None
 
-    async def start(self, extra: Headers = ()) -> None:  # type: ignore[assignment]
+    async def start(self) -> None:
         """Sends the response headers, once: when the handler sends its metadata, when the first
         message goes out, or early for a stream that is slow to start (then metadata sent later
         cannot go out any more, and is dropped rather than failing the call)."""
+        await self._open(())
+
+    async def _open(self, extra: Headers) -> None:
         if self.started:
             return
         self.started = True
@@ -170,13 +173,13 @@ class _Response:
     async def message(self, payload: bytes) -> None:
         if not self.ctx.initial_metadata_sent:  # from the first message on, as in grpc.aio
             self.ctx.initial_metadata_sent = True
-            await self.start()
+            await self._open(())
         await self.send({"type": "http.response.body", "body": self._frame(0, payload), "more_body": True})
 
-    async def finish(self, code: grpc.StatusCode, details: str) -> None:
-        status = _status_headers(code, details) + _meta_headers(self.ctx.trailing)
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        status = _status_headers(code, details) + _meta_headers(trailing)
         if not self.started:  # trailers-only: the status travels in the headers
-            await self.start(status)
+            await self._open(status)
             await self.send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         block = b"".join(k + b": " + v + b"\r\n" for k, v in status)
@@ -196,18 +199,13 @@ class GrpcWeb:
         text = content_type.startswith("application/grpc-web-text")
         metadata = metadata_of(scope)
         ctx = CallContext(metadata, peer_of(scope), "grpc-web")
-        resp = _Response(send, text, ctx)
-
-        async def refuse(code: grpc.StatusCode, details: str) -> None:
-            ctx.finish()
-            await resp.finish(code, details)
-
-        if scope["method"] != "POST":
-            await refuse(grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")
+        if scope["method"] != "POST":  # refusals run no handler: nothing to finish but the answer
+            await _Response(send, text, ctx).finish(
+                grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")
             return
         handler = self.lookup(path, metadata)
         if handler is None:
-            await refuse(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
+            await _Response(send, text, ctx).finish(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}")
             return
         try:
             timeout = parse_timeout(next((v for k, v in scope["headers"] if k == b"grpc-timeout"), b"").decode())
@@ -221,14 +219,7 @@ class GrpcWeb:
             except BodyTooLarge as exc:
                 request = Rejected(exc)
         ctx.set_timeout(timeout)
-        ctx.on_initial_metadata = resp.start
-
-        abandoned = True
-        try:
-            abandoned = await until_disconnect(self._run(handler, request, ctx, resp, timeout), receive)
-        finally:
-            if abandoned:  # the browser aborted, or the server task itself is being cancelled
-                ctx.finish(cancelled=True)
+        await drive(handler, request, ctx, _Response(send, text, ctx, handler), gone=lambda: wait_disconnect(receive))
 
     @staticmethod
     def _request(handler: grpc.RpcMethodHandler, body: bytes, text: bool) -> Any:
@@ -244,47 +235,6 @@ class GrpcWeb:
         if len(requests) != 1:
             return Rejected(InvalidArgument(f"a unary request needs exactly one message, got {len(requests)}"))
         return requests[0]
-
-    async def _run(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
-                   resp: _Response, timeout: float | None) -> None:
-        serialize = handler.response_serializer
-        try:
-            async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
-                    message = await self._first(stream, resp) if handler.response_streaming else \
-                        await anext(stream, _END)
-                    while message is not _END:
-                        await resp.message(serialize(message) if serialize else message)
-                        message = await anext(stream, _END)
-        except TimeoutError:
-            ctx.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-            ctx.set_details("Deadline Exceeded")
-            ctx.finish(cancelled=True)
-        except Exception as exc:  # serializer failure: the handler produced a wrong type
-            ctx.set_code(grpc.StatusCode.INTERNAL)
-            ctx.set_details(f"could not serialize the response: {exc}")
-        code, details = ctx.status()
-        await resp.finish(code, details)
-        ctx.finish()
-
-    @staticmethod
-    async def _first(stream: AsyncIterator[Any], resp: _Response) -> Any:
-        """The first message of a stream; headers go out if it does not come at once.
-
-        A stream that ends or fails straight away still gets a trailers-only response, while a
-        live subscription that waits for events tells the client at once that it is open.
-        """
-        first = asyncio.ensure_future(anext(stream, _END))
-        try:
-            done, _ = await asyncio.wait((first,), timeout=HEADERS_AFTER)
-            if not done and not resp.started:
-                await resp.start()
-            return await first
-        finally:
-            if not first.done():  # cancelled meanwhile: the generator must be idle before aclose
-                first.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await first
 
 
 async def _aiter(items: list[Any]) -> AsyncIterator[Any]:

@@ -276,6 +276,9 @@ class HttpServer:
         if self._task is None:
             return
         self.server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError, OSError):
-            await self._task
+        # The server task ends by itself now; only a cancel of our caller may cut the wait short
+        # (and propagates). An OSError it ended with was reported when it happened.
+        await asyncio.wait((self._task,))
+        if not self._task.cancelled() and not isinstance(self._task.exception(), OSError | None):
+            self._task.result()
 

@@ -11,19 +11,18 @@ way: services call the domain core.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from uibus.calls import CallContext, Metadata, responses
+from uibus.calls import CallContext, Metadata, drive, stream
 
 Lookup = Callable[[str, Sequence[tuple[str, str | bytes]]], grpc.RpcMethodHandler | None]
 Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None
+_NONE = object()
 
 
 def _error(code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> grpc.aio.AioRpcError:
@@ -105,49 +104,61 @@ class _Method:
                     yield one(message)
         return many()
 
-    def _response(self, handler: grpc.RpcMethodHandler, message: Any) -> Any:
+    def _encoder(self, handler: grpc.RpcMethodHandler) -> Callable[[Any], Any] | None:
+        """A response message as the caller gets it: serialized and decoded again, as over a wire."""
         encode = handler.response_serializer
-        data = encode(message) if encode is not None else message
-        return self._deserialize(data) if self._deserialize is not None else data
+        decode = self._deserialize
+        if encode is None or decode is None:
+            return encode or decode
+        return lambda message: decode(encode(message))
+
+
+class _Answer:
+    """The call's `Sink`: the reply is kept (unary), and a failed status is raised as a network
+    channel raises it."""
+
+    headers_after = None
+
+    def __init__(self, encode: Callable[[Any], Any] | None) -> None:
+        self.encode = encode
+        self.reply: Any = _NONE
+
+    async def start(self) -> None:
+        pass  # nothing goes out before a message
+
+    async def message(self, data: Any) -> None:
+        self.reply = data
+
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        if code != grpc.StatusCode.OK:
+            raise _error(code, details, trailing)
 
 
 class _Unary(_Method):
     async def __call__(self, request: Any, *, timeout: float | None = None,
-                      metadata: Sequence[tuple[str, str | bytes]] | None = None) -> Any:
+                       metadata: Sequence[tuple[str, str | bytes]] | None = None) -> Any:
         handler, ctx = self._channel._start(self._method, metadata, timeout)
-        reply = None
-        cancelled = True
-        try:
-            async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(responses(handler, self._request(handler, request), ctx)) as stream:
-                    async for message in stream:
-                        reply = message
-            cancelled = False
-        except TimeoutError:
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        finally:
-            ctx.finish(cancelled=cancelled)
-        code, details = ctx.status()
-        if code != grpc.StatusCode.OK or reply is None:
-            raise _error(code if code != grpc.StatusCode.OK else grpc.StatusCode.INTERNAL, details, ctx.trailing)
-        return self._response(handler, reply)
+        answer = _Answer(self._encoder(handler))
+        await drive(handler, self._request(handler, request), ctx, answer)
+        if answer.reply is _NONE:
+            raise _error(grpc.StatusCode.INTERNAL, "the handler returned no response message", ctx.trailing)
+        return answer.reply
 
 
 class _Stream(_Method):
-    async def __call__(self, request: Any, *, timeout: float | None = None,
-                       metadata: Sequence[tuple[str, str | bytes]] | None = None) -> AsyncIterator[Any]:
-        handler, ctx = self._channel._start(self._method, metadata, timeout)
-        cancelled = True
+    def __call__(self, request: Any, *, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str | bytes]] | None = None) -> AsyncIterator[Any]:
+        """The responses, pulled by the caller straight from the driver (no generator of our own
+        in between, so no hop per message more than before); a failure to start is raised when
+        iterated, as a network channel raises it."""
         try:
-            async with asyncio.timeout(timeout):
-                async with contextlib.aclosing(responses(handler, self._request(handler, request), ctx)) as stream:
-                    async for message in stream:
-                        yield self._response(handler, message)
-            cancelled = False
-        except TimeoutError:
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-        finally:
-            ctx.finish(cancelled=cancelled)
-        code, details = ctx.status()
-        if code != grpc.StatusCode.OK:
-            raise _error(code, details, ctx.trailing)
+            handler, ctx = self._channel._start(self._method, metadata, timeout)
+            prepared = self._request(handler, request)
+        except Exception as exc:
+            return _raising(exc)
+        return stream(handler, prepared, ctx, _Answer(self._encoder(handler)))
+
+
+async def _raising(exc: Exception) -> AsyncIterator[Any]:
+    raise exc
+    yield  # an async generator, like a call's stream

@@ -25,12 +25,13 @@ from typing import Any
 
 import grpc
 
-from uibus.calls import CallContext, Rejected, responses, unary
+from uibus.calls import CallContext, Metadata, Outcome, Rejected, drive, unary
 from uibus.errors import UibusError
 from uibus.json_input import PoisonedJson, check_json, dump_json_bytes, load_json
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, ProtocolError
 from uibus.mcp.server import Call, McpServer, Reply
+from uibus.tasks import cancel_and_wait
 from uibus.transports.asgi import (
     CHALLENGE,
     BodyTooLarge,
@@ -44,7 +45,7 @@ from uibus.transports.asgi import (
     read_body,
     refuse,
     respond,
-    until_disconnect,
+    wait_disconnect,
 )
 from uibus.transports.grpcweb import metadata_of, peer_of
 
@@ -149,34 +150,17 @@ class McpHttp:
         streamable = (message is not None and message.method == "tools/call" and message.is_request
                       and "text/event-stream" in header(scope, b"accept"))
         call = Call(message or Message(None), session_id, streamable)
-        exchange = _Exchange(send, ident, streamable, self.keepalive_s)
+        exchange = _Exchange(send, ident, streamable, self.keepalive_s, call,
+                             request.error if isinstance(request, Rejected) else None)
         ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
-        ctx.on_initial_metadata = exchange.open_stream
-
-        completed = False
-
-        async def run() -> None:
-            nonlocal completed
-            with self.server.tracking(session_id, ident):
-                reply: Reply | None = None
-                async with contextlib.aclosing(responses(handler, request if message is None else call, ctx)) as out:
-                    async for item in out:
-                        if isinstance(item, Reply):
-                            reply = item
-                        else:
-                            await exchange.event(item)
-                await exchange.finish(ctx, reply, call, request.error if isinstance(request, Rejected) else None)
-            completed = True
-
         try:
-            abandoned = await until_disconnect(run(), receive)
-            if not abandoned and not exchange.done:  # cancelled by the client's notifications/cancelled
+            outcome = await drive(handler, request if message is None else call, ctx, exchange,
+                                  gone=lambda: wait_disconnect(receive),
+                                  within=lambda: self.server.tracking(session_id, ident))
+            if outcome is Outcome.CANCELLED and not exchange.done:  # by the client's notifications/cancelled
                 await exchange.cancelled()
         finally:
-            try:
-                await exchange.close()
-            finally:  # the call's done callbacks run however the exchange ended (shutdown included)
-                ctx.finish(cancelled=not completed)
+            await exchange.close()
 
     # ---- DELETE: end a session -----------------------------------------------------------------
 
@@ -197,19 +181,27 @@ class McpHttp:
 
 
 class _Exchange:
-    """The answer to one POST: a JSON body, or an event stream opened when the call is admitted."""
+    """The answer to one POST (the call's `Sink`): a JSON body, or an event stream opened when the
+    call is admitted (the handler sends its initial metadata then)."""
 
-    def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float) -> None:
+    encode = None
+    headers_after = None
+
+    def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float, call: Call,
+                 rejection: UibusError | None) -> None:
         self.send = send
         self.ident = ident
         self.streamable = streamable
         self.keepalive_s = keepalive_s
+        self.call = call
+        self.rejection = rejection  # why the transport could not read the input, if it could not
+        self.reply: Reply | None = None
         self.streaming = False
         self.done = False
         self._lock = asyncio.Lock()
         self._keepalive: asyncio.Task[None] | None = None
 
-    async def open_stream(self) -> None:
+    async def start(self) -> None:
         """The call was admitted and is about to wait: start the event stream (when the client takes one)."""
         if not self.streamable or self.streaming:
             return
@@ -231,16 +223,23 @@ class _Exchange:
                 except Exception:  # the client went away: the call's own task learns it and ends
                     return
 
+    async def message(self, item: Reply | dict[str, Any]) -> None:
+        """The method's result, or a notification for the client on the way to it."""
+        if isinstance(item, Reply):
+            self.reply = item
+        else:
+            await self.event(item)
+
     async def event(self, message: dict[str, Any]) -> None:
         """A notification for the client: sent on the stream; without one there is no way to send it."""
         if self.streaming:
             async with self._lock:
                 await self.send({"type": "http.response.body", "body": _sse(message), "more_body": True})
 
-    async def finish(self, ctx: CallContext, reply: Reply | None, call: Call, rejection: UibusError | None) -> None:
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
         """The response: the result, 202 for a notification, or the error (`rejection`: why the
         transport could not read the input, which the pipeline answered unless it refused the token)."""
-        code, details = ctx.status()
+        reply, call, rejection = self.reply, self.call, self.rejection
         if code == grpc.StatusCode.OK and reply is None and call.message.is_request:
             code, details = grpc.StatusCode.INTERNAL, "the method gave no result"
         if code == grpc.StatusCode.OK:
@@ -279,10 +278,7 @@ class _Exchange:
 
     async def close(self) -> None:
         self.done = True
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._keepalive
+        await cancel_and_wait(self._keepalive)
 
 
 async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, rejection: UibusError | None) -> None:

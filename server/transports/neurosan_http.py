@@ -15,7 +15,6 @@ without a token like /healthz: it is the same for everyone and reveals only mess
 
 from __future__ import annotations
 
-import contextlib
 import re
 from typing import Any
 
@@ -23,7 +22,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
-from uibus.calls import CallContext, Rejected, decode, responses
+from uibus.calls import CallContext, Metadata, Rejected, Sink, decode, drive
 from uibus.json_input import dump_json_bytes, load_json
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.proto_check import enum_spellings
@@ -38,7 +37,7 @@ from uibus.transports.asgi import (
     read_body,
     respond,
     respond_json,
-    until_disconnect,
+    wait_disconnect,
     wrong_method,
 )
 from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
@@ -120,53 +119,75 @@ class NeuroSanHttp:
                              f"body (a {request_type.__name__} in proto3 JSON)")
 
         ctx = CallContext(metadata, peer_of(scope), "http")
-        if handler.response_streaming:
-            abandoned = await until_disconnect(self._stream(handler, request, ctx, send), receive)
-        else:
-            abandoned = await until_disconnect(self._unary(handler, request, ctx, send), receive)
-        ctx.finish(cancelled=abandoned)
+        sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)
+        await drive(handler, request, ctx, sink, gone=lambda: wait_disconnect(receive))
 
-    async def _unary(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
-                     send: Send) -> None:
-        reply = None
-        async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
-            async for message in stream:
-                reply = message
-        code, details = ctx.status()
-        if code != grpc.StatusCode.OK or reply is None:
-            await respond_json(send, http_status(code), error_body(code, details))
+
+class _Json:
+    """A unary answer: the reply as one JSON body, or the failure at its HTTP status."""
+
+    headers_after = None
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.data: bytes | None = None
+
+    @staticmethod
+    def encode(message: ProtoMessage) -> bytes:
+        return to_json(message).encode()
+
+    async def start(self) -> None:
+        pass  # the status line waits for the reply
+
+    async def message(self, data: bytes) -> None:
+        self.data = data
+
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        if code != grpc.StatusCode.OK or self.data is None:
+            await respond_json(self.send, http_status(code), error_body(code, details))
             return
-        data = to_json(reply).encode()
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-        await send({"type": "http.response.body", "body": data})
+        await self.send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(self.data)).encode())]})
+        await self.send({"type": "http.response.body", "body": self.data})
 
-    async def _stream(self, handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
-                      send: Send) -> None:
-        """One JSON line per response, flushed as produced.
 
-        The status line waits for the first message, so a call that fails before replying gets a
-        proper HTTP error; a failure after that can only be reported in-band, as a last
-        `{"error": …}` line.
-        """
-        started = False
-        async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
-            async for message in stream:
-                if not started:
-                    started = True
-                    await send({"type": "http.response.start", "status": 200, "headers": [
-                        (b"content-type", b"application/json-lines"), (b"cache-control", b"no-cache"),
-                        (b"x-accel-buffering", b"no")]})
-                await send({"type": "http.response.body", "body": to_json(message).encode() + b"\n",
-                            "more_body": True})
-        code, details = ctx.status()
-        if not started:
+class _Lines:
+    """A stream: one JSON line per response, flushed as produced.
+
+    The status line waits for the first message, so a call that fails before replying gets a
+    proper HTTP error; a failure after that can only be reported in-band, as a last
+    `{"error": …}` line.
+    """
+
+    headers_after = None
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    @staticmethod
+    def encode(message: ProtoMessage) -> bytes:
+        return to_json(message).encode() + b"\n"
+
+    async def start(self) -> None:
+        pass  # the status line waits for the first message
+
+    async def message(self, data: bytes) -> None:
+        if not self.started:
+            self.started = True
+            await self.send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", b"application/json-lines"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]})
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata) -> None:
+        if not self.started:
             if code == grpc.StatusCode.OK:
-                await send({"type": "http.response.start", "status": 200,
-                            "headers": [(b"content-type", b"application/json-lines")]})
-                await send({"type": "http.response.body", "body": b""})
+                await self.send({"type": "http.response.start", "status": 200,
+                                 "headers": [(b"content-type", b"application/json-lines")]})
+                await self.send({"type": "http.response.body", "body": b""})
             else:
-                await respond_json(send, http_status(code), error_body(code, details))
+                await respond_json(self.send, http_status(code), error_body(code, details))
             return
         tail = b"" if code == grpc.StatusCode.OK else dump_json_bytes(error_body(code, details)) + b"\n"
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        await self.send({"type": "http.response.body", "body": tail, "more_body": False})

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
-from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, header, refuse, respond
+from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, drain_first, header, refuse, respond
 from uibus.transports.browser import BrowserGuard, BrowserPolicy
 from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
@@ -102,5 +102,7 @@ _LOGIN_HEADERS = [CHALLENGE, (b"cache-control", b"no-store")]
 
 
 def build(routes: Routes, policy: BrowserPolicy) -> ASGIApp:
-    """The routes behind the policy: the one place every request to the HTTP port enters."""
-    return BrowserGuard(routes, policy, routes.metrics.refused)
+    """The routes behind the policy: the one place every request to the HTTP port enters. No answer
+    (a route's, a mount's or the policy's refusal) starts before the request body has arrived
+    (`drain_first`: else the connection's close can reset the answer away)."""
+    return drain_first(BrowserGuard(routes, policy, routes.metrics.refused), routes.grpc_web.max_body)

@@ -1,5 +1,5 @@
-"""Calls that do not arrive as native gRPC: the context they run with, and the loop that drives a
-method handler of any shape to its messages and status.
+"""The context a call that does not arrive as native gRPC runs with, and how a transport hands the
+pipeline a request it could not read.
 
 Every transport other than the grpc.aio server (gRPC-Web, the neuro-san HTTP API, the CodeBolt
 WebSocket, in-process channels) runs the very same pipeline-wrapped handlers with a `CallContext`,
@@ -12,10 +12,8 @@ decides what that costs the caller.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -24,7 +22,6 @@ import grpc.aio
 from uibus.errors import InvalidArgument, UibusError
 
 Metadata = tuple[tuple[str, str | bytes], ...]
-_DONE = object()
 
 
 class Rejected:
@@ -197,78 +194,3 @@ class CallContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
         callbacks, self._callbacks = self._callbacks, []
         for cb in callbacks:
             cb(self)
-
-
-async def responses(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext) -> AsyncIterator[Any]:
-    """Yields the handler's response messages; the final status is left on `ctx`.
-
-    `request` is a message (or `Rejected`), or an async iterator of them for client-streaming
-    methods. The handler must come from the pipeline (the app's registry), which turns every
-    failure into an abort, so nothing but `Aborted` and cancellation can come out of it.
-    Cancellation propagates; the caller must `aclose()` this generator (use
-    `contextlib.aclosing`) so the handler's own `finally` runs at once.
-    """
-    try:
-        if handler.response_streaming:
-            behavior = handler.stream_stream if handler.request_streaming else handler.unary_stream
-            result = behavior(request, ctx)
-            if hasattr(result, "__aiter__"):
-                async with contextlib.aclosing(result):
-                    async for message in result:
-                        yield message
-            else:
-                async for message in _written(result, ctx):
-                    yield message
-        else:
-            behavior = handler.stream_unary if handler.request_streaming else handler.unary_unary
-            message = await behavior(request, ctx)
-            if ctx.status()[0] == grpc.StatusCode.OK:
-                if message is None:
-                    ctx.set_code(grpc.StatusCode.INTERNAL)
-                    ctx.set_details("the handler returned no response message")
-                else:
-                    yield message
-    except Aborted:
-        pass
-
-
-async def _written(coro: Any, ctx: CallContext) -> AsyncIterator[Any]:
-    """Messages of a handler that streams with `await context.write(msg)`."""
-    queue: asyncio.Queue[Any] = asyncio.Queue()  # unbounded: a sentinel must never block
-    ctx.writes = queue
-
-    async def run() -> None:
-        try:
-            if inspect.isawaitable(coro):
-                await coro
-        finally:
-            queue.put_nowait(_DONE)
-
-    task = asyncio.ensure_future(run())
-    try:
-        while (message := await queue.get()) is not _DONE:
-            yield message
-        await task  # re-raises the handler's Aborted, if any
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Aborted):
-                await task
-
-
-async def unary(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext) -> Any:
-    """The reply of a unary-response handler, or None with the failure's status on `ctx`.
-
-    The call is marked finished (done callbacks run) however it ends; cancelling the awaiting
-    task cancels the handler at once, exactly as a client that goes away would.
-    """
-    reply = None
-    cancelled = True
-    try:
-        async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
-            async for message in stream:
-                reply = message
-        cancelled = False
-    finally:
-        ctx.finish(cancelled=cancelled)
-    return reply
