@@ -39,7 +39,8 @@ from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
-from uibus.store import SqliteStore, Store
+from uibus.sqlite_store import SqliteStore
+from uibus.store import Store
 from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
 from uibus.transports.mcp_http import PATH as MCP_PATH

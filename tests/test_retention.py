@@ -30,7 +30,8 @@ from uibus.domain.history import HISTORY_KEY
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
 from uibus.redis_store import EMPTY_TAG
-from uibus.store import SqliteStore, Store
+from uibus.sqlite_store import SqliteStore
+from uibus.store import Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 

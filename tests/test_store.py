@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
-from uibus.store import SqliteStore, Store
+from uibus.sqlite_store import SqliteStore
+from uibus.store import Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 

@@ -32,7 +32,7 @@ from uibus.clients.connection import Connection
 from uibus.errors import ConfigError, StoreFull
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.store import SqliteStore
+from uibus.sqlite_store import SqliteStore
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
