@@ -79,7 +79,7 @@ def decode(data: bytes) -> Envelope:
     head, _, payload = data.partition(b"\n")
     try:
         fields = json.loads(head)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nesting built to exhaust the stack
         raise BadEnvelope(f"header is not JSON: {exc}") from exc
     if type(fields) is not list or len(fields) != 6:
         raise BadEnvelope("header is not a list of six")
@@ -87,7 +87,11 @@ def decode(data: bytes) -> Envelope:
     if not (type(origin) is str and type(session) is str and type(kind) is str and type(type_name) is str
             and (target is None or type(target) is str)):
         raise BadEnvelope("a header field has the wrong type")
-    return Envelope(origin, session, kind, target, _hashable(key), type_name, payload)
+    try:
+        key = _hashable(key)
+    except RecursionError as exc:
+        raise BadEnvelope("key nested too deep") from exc
+    return Envelope(origin, session, kind, target, key, type_name, payload)
 
 
 def _hashable(key: Any) -> Hashable:
@@ -103,7 +107,7 @@ def decode_presence(payload: bytes) -> list[tuple[str, str, int]]:
     """The `(session, kind, count)` entries of an announcement; BadEnvelope when malformed."""
     try:
         entries = json.loads(payload)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         raise BadEnvelope(f"presence is not JSON: {exc}") from exc
     if type(entries) is not list:
         raise BadEnvelope("presence is not a list")
@@ -129,7 +133,7 @@ class Items:
             if envelope.type == JSON_ITEM:
                 return json.loads(envelope.payload)
             return self._message_class(envelope.type).FromString(envelope.payload)
-        except (ValueError, TypeError, KeyError, DecodeError) as exc:
+        except (ValueError, TypeError, KeyError, DecodeError, RecursionError) as exc:
             raise BadEnvelope(f"payload of {envelope.type or 'JSON'} not readable: {exc}") from exc
 
     def _message_class(self, full_name: str) -> type[Message]:
