@@ -10,6 +10,8 @@ last two with the sender's shard count in the session field.
 Its own module because both ends must agree on it byte for byte, and because everything read here
 comes from another process: `decode` checks the shape and every field's type, so a malformed or
 hostile envelope is one `BadEnvelope` (counted by the bus), never an exception in a listener.
+Plain `json.loads`, not uibus.json_input: what a replica sends was read through that at the door
+already, and this path runs per event on every replica, so one parse is all it pays.
 """
 
 from __future__ import annotations

@@ -260,10 +260,7 @@ class Links:
         self._links.pop(link.name, None)
         link.fail_all()
         link.want.clear()
-        link.retired = True
-        if link.task is not None:
-            link.task.cancel()
-        self.command(link.aclose())
+        self.command(link.aclose())  # cancels its listener, closes its client
 
     def command(self, work: Coroutine[Any, Any, Any]) -> None:
         """Runs a short Redis command in a task of its own (a cancel landing inside a redis-py command
