@@ -70,8 +70,10 @@ class Shards:
 
     def by_channel(self, channel: str) -> tuple[int, Shard] | None:
         n = self._by_channel.get(channel)
-        st = self._shards.get(n) if n is not None else None
-        return (n, st) if n is not None and st is not None else None  # type: ignore[return-value]
+        if n is None:
+            return None
+        st = self._shards.get(n)
+        return None if st is None else (n, st)
 
     @property
     def subscribed(self) -> int:
