@@ -8,7 +8,8 @@ The parts, each its own module so each can be read (and tested) alone:
 * `shards`: which shard channels this replica listens to, and for how long;
 * `presence`: subscriber counts of other replicas, hellos;
 * `bus`: the facade composing them, a `uibus.bus.Bus` whose topics span the replicas;
-* `store`, `index_single`, `index_cluster`, `scripts`: the session store and its two index layouts.
+* `store`, `keys`, `index_single`, `index_cluster`, `scripts`: the session store, its key names,
+  its two index strategies (one chosen at construction) and its Lua scripts.
 """
 
 from uibus.redis.bus import ReplicatedBus, ReplicationStats, shard_of
