@@ -39,7 +39,8 @@ from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
-from uibus.store import SqliteStore, Store
+from uibus.sqlite_store import SqliteStore
+from uibus.store import Store
 from uibus.tasks import cancel_and_wait
 from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
@@ -60,7 +61,7 @@ def open_store(config: Config) -> Store:
     sessions for the configured idle TTL and up to the configured number."""
     ttl_s, max_sessions = config.session_ttl_seconds, config.max_sessions
     if config.redis_url:
-        from uibus.redis_store import RedisStore
+        from uibus.redis import RedisStore
 
         return RedisStore(config.redis_url, ttl_s=ttl_s, max_sessions=max_sessions, cluster=config.redis_cluster)
     return SqliteStore(config.store, ttl_s=ttl_s, max_sessions=max_sessions)
@@ -69,7 +70,7 @@ def open_store(config: Config) -> Store:
 def make_bus(config: Config) -> Bus:
     """In-process bus, or with a Redis URL one that spans every replica sharing that Redis."""
     if config.redis_url:
-        from uibus.redis_bus import ReplicatedBus
+        from uibus.redis import ReplicatedBus
 
         return ReplicatedBus(config.redis_url, config.queue_size, config.max_streams_per_session,
                              mailbox_bytes=config.mailbox_bytes, mailboxes_bytes=config.mailboxes_bytes,

@@ -20,7 +20,7 @@ ROOTS = {"uibus": REPO / "server", "uibus.clients": REPO / "clients"}
 # Layers, lowest first: a module may import its own layer and the ones below it, never above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis",
-              "uibus.redis_bus", "uibus.redis_conn", "uibus.store", "uibus.sqlite_store", "uibus.redis_store",
+              "uibus.store", "uibus.sqlite_store",
               "uibus.session", "uibus.webview", "uibus.pb", "uibus.worker_table", "uibus.proto_schema",
               "uibus.tasks", "uibus.dialog_limits")),
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain

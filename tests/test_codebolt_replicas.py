@@ -20,7 +20,7 @@ from uibus.config import Config
 from uibus.installers import CODEBOLT
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc
-from uibus.redis_bus import ReplicatedBus
+from uibus.redis import ReplicatedBus
 from uibus.transports.codebolt_ws import PATH
 
 __all__ = ["redis_server"]

@@ -29,8 +29,7 @@ from uibus.config import Config
 from uibus.domain.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
-from uibus.redis_bus import ReplicatedBus, shard_of
-from uibus.redis_store import RedisStore
+from uibus.redis import RedisStore, ReplicatedBus, shard_of
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 

@@ -22,7 +22,7 @@ from uibus.clients.connection import Connection
 from uibus.installers import INSTALLERS
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.store import SqliteStore
+from uibus.sqlite_store import SqliteStore
 from uibus.wiring import Installer, Setup
 
 EMPTY_REQ = common_pb2.EmptyRequest()

@@ -33,7 +33,7 @@ from tests.webclient import call
 from uibus.app import App
 from uibus.config import Config
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.store import SqliteStore
+from uibus.sqlite_store import SqliteStore
 
 __all__ = ["redis_server"]
 

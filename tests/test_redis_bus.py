@@ -18,7 +18,7 @@ from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, r
 from uibus.bus import Subscription
 from uibus.kinds import Kind
 from uibus.pb.cline import common_pb2, ui_pb2
-from uibus.redis_bus import ReplicatedBus
+from uibus.redis import ReplicatedBus
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
@@ -230,7 +230,7 @@ async def test_what_the_buffer_cannot_hold_is_dropped_and_counted(redis_server: 
         await wait_for(lambda: not bus.connected, timeout=5, what="the outage noticed")
         for i in range(100):  # ~70 bytes each: the byte bound holds the newest ~50
             bus.publish("s", K, common_pb2.String(value=f"event-{i:04d}"))
-        assert 0 < bus.stats.dropped < 100 and bus._outbox_bytes <= 4096
+        assert 0 < bus.stats.dropped < 100 and bus._outbox.bytes <= 4096
         await asyncio.sleep(0.6)
         await asyncio.get_running_loop().run_in_executor(None, redis_server.start)
         await wait_for(lambda: bus.connected, timeout=10, what="back on redis")
@@ -266,7 +266,7 @@ async def test_a_subscriber_back_right_as_its_shard_is_left_is_heard(
         await b.ready("churn")
         b.unsubscribe(first)
         n = next(iter(b._shards))
-        b._drop_shard(n)  # what the linger's timer does
+        b._shards.drop(n)  # what the linger's timer does
         again = b.subscribe("churn", K)  # no await in between: the UNSUBSCRIBE is still in flight
         start = time.monotonic()
         await b.ready("churn")

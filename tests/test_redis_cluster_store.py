@@ -22,7 +22,7 @@ from tests.redisproc import (
     redis_cluster_clean,
     redis_sentinel,
 )
-from uibus.redis_store import INDEX_SHARDS, RedisStore
+from uibus.redis import INDEX_SHARDS, RedisStore
 from uibus.store import StoreUnavailable
 
 __all__ = ["fresh_redis_cluster", "redis_cluster", "redis_cluster_clean", "redis_sentinel"]

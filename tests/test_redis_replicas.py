@@ -23,7 +23,7 @@ from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis_bus import ReplicatedBus
+from uibus.redis import ReplicatedBus
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
@@ -90,7 +90,7 @@ async def single_replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIt
 
 async def test_uses_redis_for_store_and_bus(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
-    from uibus.redis_store import RedisStore
+    from uibus.redis import RedisStore
 
     assert isinstance(a.app.store, RedisStore) and isinstance(b.app.store, RedisStore)
     assert a.bus.replica_id != b.bus.replica_id

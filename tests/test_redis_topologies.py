@@ -28,8 +28,7 @@ from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis_bus import ReplicatedBus, shard_of
-from uibus.redis_store import RedisStore
+from uibus.redis import RedisStore, ReplicatedBus, shard_of
 
 __all__ = ["fresh_redis_cluster", "redis_cluster", "redis_cluster_clean", "redis_sentinel"]
 
@@ -196,7 +195,7 @@ async def test_a_write_failover_waits_only_a_round_trip_for_replicas_that_kept_l
     try:
         listening = b.subscribe(on_first, kinds.ADD_TO_INPUT)
         await b.ready(on_first)
-        await wait_for(lambda: a._seen.get(b.replica_id, 0) > 0, timeout=5, what="A heard B's hello")
+        await wait_for(lambda: a._presence.seen.get(b.replica_id, 0) > 0, timeout=5, what="A heard B's hello")
         victim = cluster.master_of(f"uibus:bus:{{{shard_of(elsewhere, 256)}}}")
         cluster.kill_node(victim)
         a.publish(elsewhere, kinds.ADD_TO_INPUT, common_pb2.String(value="buffered"))

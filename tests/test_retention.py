@@ -29,8 +29,9 @@ from uibus.domain.feed import THEME_KEY
 from uibus.domain.history import HISTORY_KEY
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis_store import EMPTY_TAG
-from uibus.store import SqliteStore, Store
+from uibus.redis import EMPTY_TAG
+from uibus.sqlite_store import SqliteStore
+from uibus.store import Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 
@@ -59,7 +60,7 @@ def redis_backend(request: pytest.FixtureRequest, config: Config) -> Config:
 
 def open_store(cfg: Config, **retention: Any) -> Store:
     if cfg.redis_url:
-        from uibus.redis_store import RedisStore
+        from uibus.redis import RedisStore
 
         return RedisStore(cfg.redis_url, cluster=cfg.redis_cluster, **retention)
     return SqliteStore(cfg.store, **retention)

@@ -32,7 +32,7 @@ from uibus.clients.connection import Connection
 from uibus.errors import ConfigError, StoreFull
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.store import SqliteStore
+from uibus.sqlite_store import SqliteStore
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -330,7 +330,7 @@ async def test_redis_out_of_memory_is_store_full_until_it_has_room(tmp_path: Pat
     require_binary("redis-server")
     from redis.asyncio import Redis
 
-    from uibus.redis_store import RedisStore
+    from uibus.redis import RedisStore
 
     redis = RedisProcess(tmp_path)
     admin = Redis.from_url(redis.url)
@@ -364,7 +364,7 @@ async def test_redis_refusing_writes_is_unavailable_until_it_takes_them(tmp_path
     from redis.asyncio import Redis
 
     from uibus.errors import StoreUnavailable
-    from uibus.redis_store import RedisStore
+    from uibus.redis import RedisStore
 
     redis = RedisProcess(tmp_path)
     admin = Redis.from_url(redis.url)

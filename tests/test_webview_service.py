@@ -126,7 +126,7 @@ async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
     """The newest 200 by ts are kept, each in its latest state, in the session store: a finished
     message under RECENT_KEY, one still growing under RECENT_PARTIAL_KEY (so streaming rewrites
     only the small key); a message that finishes moves from the second to the first."""
-    from uibus.domain.feed import MAX_RECENT, RECENT_KEY, RECENT_PARTIAL_KEY, RecentMessages
+    from uibus.domain.recent import MAX_RECENT, RECENT_KEY, RECENT_PARTIAL_KEY, RecentMessages
 
     session = "bound"
     host = connect(session=session).host
@@ -150,7 +150,7 @@ async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
 
 
 async def test_recent_messages_are_bounded_in_bytes(app, connect) -> None:
-    from uibus.domain.feed import MAX_RECENT_BYTES, RECENT_KEY
+    from uibus.domain.recent import MAX_RECENT_BYTES, RECENT_KEY
 
     session = "big"
     host = connect(session=session).host
@@ -209,7 +209,7 @@ async def test_published_between_subscribing_and_reading_is_replayed_once(app) -
 async def test_recent_messages_are_written_without_being_asked(app, connect) -> None:
     """Write-behind: a burst of states is written at once, then at most every RECENT_WRITE_S, and
     the latest state of each message reaches the store on its own (no flush)."""
-    from uibus.domain.feed import RECENT_WRITE_S, RecentMessages
+    from uibus.domain.recent import RECENT_WRITE_S, RecentMessages
 
     session = "behind"
     host = connect(session=session).host

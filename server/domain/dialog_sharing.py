@@ -69,7 +69,7 @@ class SharedDialogs:
         self.bus = bus
         self.store = store
         self.replica: str = getattr(bus, "replica_id", "")
-        # bus.announced(origin, session, kind) -> bool | None (uibus.redis_bus.ReplicatedBus)
+        # bus.announced(origin, session, kind) -> bool | None (uibus.redis.ReplicatedBus)
         self._announced: Callable[[str, str, kinds.Kind], bool | None] | None = getattr(bus, "announced", None)
         self._tasks = Tasks("shared dialog writes")
         self._retry: dict[tuple[str, str], None] = {}  # (session, dialog id) whose delete failed, in order

@@ -19,7 +19,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ClusterDownError, TryAgainError
+from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -29,6 +29,10 @@ from uibus.errors import ConfigError
 # error. (MasterNotFoundError is a ConnectionError: the sentinels know no master right now.)
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError,
                                                   ClusterDownError, TryAgainError, MasterNotFoundError)
+
+# What redis-py's cluster client raises, with no reply of Redis, while it finds no node for a slot
+# (a master is gone and no replica took over yet) or cannot reach any node to learn the slots.
+CLUSTER_OUTAGE: tuple[type[BaseException], ...] = (SlotNotCoveredError, ClusterError)
 
 CONNECT_TIMEOUT_S = 1.0
 COMMAND_TIMEOUT_S = 2.0

@@ -1,0 +1,222 @@
+"""The session store on Redis, so several replicas share one state (SPEC.md §4): one server,
+a master set behind sentinels (both: `make_client` hands out a plain client) or a Redis Cluster.
+
+Layout, for a session `s` (percent-quoted so it contains no ':' or braces):
+  `uibus:{s}:kv`          hash: store key -> JSON value
+  `uibus:{s}:list:<key>`  list of JSON values, oldest first, trimmed to the newest `max_len`
+  `uibus:{s}:lists`       hash: list key -> byte total of that list (every list of the session)
+The `{s}` braces are a Redis Cluster hash tag: all keys of one session live in one slot. No
+operation uses KEYS or SCAN: eviction finds a session's lists in its `lists` hash.
+
+Which sessions exist and how long each was idle is the session index, kept by one of two
+strategies chosen once, at construction: `SingleIndex` (uibus.redis.index_single: one sorted set,
+each write and its stamp one script) for one server or a sentinel-followed master, `ClusterIndex`
+(uibus.redis.index_cluster: sharded sorted sets, a write then its stamp, an eviction lock) for a
+Redis Cluster, where one script may touch one slot only. Reads (get, scan, items) need no index
+and are the same on both; the Lua scripts are in uibus.redis.scripts.
+
+Faults are classified in `guard`, the one place: unreachable (a cluster with a slot range
+without a master too), loading, read-only or unable to persist is StoreUnavailable, out of memory
+(maxmemory with noeviction) StoreFull; both mark the store unhealthy until `probe` (PING and a
+tiny SET; on a cluster CLUSTER INFO on every master too) passes again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    BusyLoadingError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+)
+
+from uibus.errors import StoreFull, StoreUnavailable
+from uibus.redis.conn import CLUSTER_OUTAGE, OUTAGE_ERRORS, SlotMap, make_client
+from uibus.redis.index_cluster import EMPTY_TAG, ClusterIndex
+from uibus.redis.index_single import SingleIndex
+from uibus.redis.keys import Keys, dumps
+from uibus.store import Store
+
+log = logging.getLogger("uibus.store")
+
+_GLOB_SPECIAL = str.maketrans({c: "\\" + c for c in "*?[]\\"})
+
+# Replies of a Redis that is up but refuses commands for a while (unavailable, not our bug), in words.
+_REFUSING = {"LOADING": "loading its data", "READONLY": "a read-only replica", "MISCONF": "cannot persist to disk",
+             "MASTERDOWN": "its primary is down", "TRYAGAIN": "cluster busy", "CLUSTERDOWN": "cluster down"}
+# After "out of memory", the store counts as recovered only below this share of maxmemory: a Redis
+# at its limit takes a tiny SET but refuses the next real write, and health must not flap with it.
+FULL_RECOVERED_BELOW = 0.95
+# One wording for every "out of memory" (Redis words it differently inside a MULTI, with key names).
+OUT_OF_MEMORY = "session store is full: Redis out of memory (used memory > maxmemory)"
+
+
+def short(exc: BaseException) -> str:
+    """Redis's message without the script it came from (a digest and line number say nothing)."""
+    return str(exc).split(" script: ", 1)[0].rstrip(".") or type(exc).__name__
+
+
+class RedisStore(Store):
+    """Same semantics as SqliteStore; one client (and its pool) for the life of the store. The
+    writes that stamp the session index go to the index strategy (`_sessions`)."""
+
+    def __init__(self, url: str, namespace: str = "uibus", *, ttl_s: float = 0, max_sessions: int = 0,
+                 sweep_s: float | None = None, cluster: bool = False) -> None:
+        """`cluster`: `url` names a node of a Redis Cluster, and the cluster's layout
+        (uibus.redis.index_cluster) is used; else one server (or the master behind the sentinels
+        of a `redis+sentinel://` URL) with the single index."""
+        super().__init__(ttl_s=ttl_s, max_sessions=max_sessions, sweep_s=sweep_s)
+        self.url = url
+        self.namespace = namespace
+        self.cluster = cluster
+        self.redis: Any = make_client(url, f"{namespace}-store", cluster=cluster)
+        self.keys = Keys(namespace, EMPTY_TAG if cluster else "")
+        self._full = False  # Redis refused a write for memory: the probe also wants room below the limit
+        self._slots = SlotMap(self.redis) if isinstance(self.redis, RedisCluster) else None
+        # The session index, chosen once: every write that stamps a session goes through it.
+        self._sessions: SingleIndex | ClusterIndex = ClusterIndex(self) if cluster else SingleIndex(self)
+
+    async def _ready(self) -> None:
+        """On a cluster, the first learning of the slots, once (uibus.redis.conn.SlotMap: several
+        first commands at once race). Later relearning (after MOVED or a dead node) is the client's
+        own business."""
+        if self._slots is not None and not self._slots.learned:
+            with self.guard():
+                await self._slots.learn()
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Re-raises what an unreachable or refusing Redis raises as StoreUnavailable (gRPC
+        UNAVAILABLE) and "out of memory" as StoreFull (RESOURCE_EXHAUSTED), each noted for health;
+        any other error (a bug of ours) goes on as it is."""
+        try:
+            yield
+        except OutOfMemoryError as exc:
+            self._full = True
+            raise self._failed("oom", StoreFull(OUT_OF_MEMORY)) from exc
+        except OUTAGE_ERRORS as exc:
+            raise self._failed("unreachable", StoreUnavailable(
+                f"session store unavailable: Redis unreachable ({short(exc)})")) from exc
+        except CLUSTER_OUTAGE as exc:
+            raise self._failed("unreachable", StoreUnavailable(
+                f"session store unavailable: Redis Cluster has no master for a slot ({short(exc)})")) from exc
+        except RedisClusterException as exc:  # no node reachable to learn the slots from; else our bug
+            if "connect" not in str(exc):
+                raise
+            raise self._failed("unreachable", StoreUnavailable(
+                f"session store unavailable: Redis Cluster unreachable ({short(exc)})")) from exc
+        except ResponseError as exc:  # inside a MULTI Redis adds key names to the text: only its code is shown
+            text = str(exc)
+            code = ("LOADING" if isinstance(exc, BusyLoadingError) else "READONLY" if isinstance(exc, ReadOnlyError)
+                    else next((c for c in _REFUSING if c in text), None))
+            if code is None:
+                raise
+            raise self._failed("refusing", StoreUnavailable(
+                f"session store unavailable: Redis refuses commands ({_REFUSING[code]})")) from exc
+
+    async def probe(self) -> None:
+        """PING, then a tiny SET that expires by itself: a Redis out of memory answers PING but
+        refuses the SET, and that must keep the store unhealthy (on a cluster the index strategy
+        checks every master). After "out of memory", also used_memory below FULL_RECOVERED_BELOW
+        of maxmemory (when INFO is allowed)."""
+        await self._ready()
+        with self.guard():
+            await self.redis.ping()
+            await self._sessions.probe()
+            if self._full:
+                try:
+                    memories = await self._sessions.memory()
+                except ResponseError:  # INFO refused (an ACL): the SET above is all we can tell
+                    memories = []
+                for memory in memories:
+                    used, limit = int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0))
+                    if limit and used > limit * FULL_RECOVERED_BELOW:
+                        raise self._failed("oom", StoreFull(OUT_OF_MEMORY))
+                self._full = False
+
+    # ---- the operations -----------------------------------------------------------------------
+
+    async def sweep(self) -> int:
+        await self._ready()
+        return await self._sessions.sweep()
+
+    async def get(self, session: str, key: str) -> Any | None:
+        await self._ready()
+        with self.guard():
+            raw = await self.redis.hget(self.keys.kv(session), key)
+            return json.loads(raw) if raw is not None else None
+
+    async def put(self, session: str, key: str, value: Any | None) -> None:
+        await self._ready()
+        await self._sessions.put(session, key, b"" if value is None else dumps(value))
+
+    async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
+        """Optimistic transaction (`watched`), the session's stamp by the index strategy."""
+        await self._ready()
+        return await self._sessions.update(session, key, change)
+
+    async def watched(self, session: str, key: str, change: Callable[[Any | None], Any | None],
+                      stamp: Callable[[Any, bool], None]) -> tuple[Any | None, list[Any]]:
+        """WATCH the session's hash, read, MULTI/EXEC the write with what `stamp(pipe, create)`
+        queues after it; when another writer (any replica) changed the hash meanwhile, EXEC fails
+        and it is redone on the fresh value. Redis decides who wins, so no write is lost across
+        replicas. Returns the value written and EXEC's replies."""
+        name = self.keys.kv(session)
+        result: list[Any] = [None]
+
+        async def attempt(pipe: Any) -> None:
+            raw = await pipe.hget(name, key)
+            value = result[0] = change(json.loads(raw) if raw is not None else None)
+            pipe.multi()
+            if value is None:
+                pipe.hdel(name, key)
+            else:
+                pipe.hset(name, key, dumps(value))
+            stamp(pipe, value is not None)
+
+        with self.guard():
+            replies = await self.redis.transaction(attempt, name)
+        return result[0], replies
+
+    async def scan(self, session: str, prefix: str) -> dict[str, Any]:
+        """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""
+        await self._ready()
+        with self.guard():
+            pattern = prefix.translate(_GLOB_SPECIAL) + "*"
+            found: dict[str, Any] = {}
+            async for field, raw in self.redis.hscan_iter(self.keys.kv(session), match=pattern, count=500):
+                name = field.decode()
+                if name.startswith(prefix):  # MATCH is a glob; the prefix test is the contract
+                    found[name] = json.loads(raw)
+            return dict(sorted(found.items()))
+
+    async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
+        """One script (push, both bounds, the byte total, the stamp), so readers never see the
+        list over its bounds and concurrent appends never lose a byte of the total. (On a
+        cluster the stamp follows, see ClusterIndex.)"""
+        await self._ready()
+        await self._sessions.append(session, key, dumps(value), max_len, max_bytes)
+
+    async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
+        await self._ready()
+        with self.guard():
+            start = -last if last > 0 else 0
+            return [json.loads(v) for v in await self.redis.lrange(self.keys.list(session, key), start, -1)]
+
+    async def close(self) -> None:
+        """Never raises (shutdown must end with 0): a client that fails to close is one log line."""
+        await super().close()
+        try:
+            await self.redis.aclose()
+        except Exception as exc:
+            log.warning("session store (Redis) not closed cleanly", extra={"fields": {"error": short(exc)}})
