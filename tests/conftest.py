@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
+from tests.support import http_client
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -178,6 +180,30 @@ async def web(web_config: Config, installers: Sequence[Installer]) -> AsyncItera
 async def web_connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
     async with connections(web) as open_:
         yield open_
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for absolute URLs (10 s timeout)."""
+    async with http_client() as client:
+        yield client
+
+
+@pytest.fixture
+async def web_http(web: App) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client on `web`'s HTTP port: paths alone will do."""
+    async with http_client(web) as client:
+        yield client
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port something else listens on (as another server would)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
 
 
 # The loop the in-process servers of the tests run on: the one `uibus serve` runs on by default

@@ -11,11 +11,10 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import scrape_by_name
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -28,12 +27,6 @@ __all__ = ["redis_server"]
 
 EVENTS = 150  # per session
 SESSIONS = 3  # per replica
-
-
-async def scrape(app: App) -> dict[str, float]:
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://127.0.0.1:{app.http_port}/metrics")).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def bus_of(app: App) -> ReplicatedBus:
@@ -89,7 +82,7 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
                 streams[name] = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())
                 await streams[name].initial_metadata()  # headers: live on every replica
         publishers: dict[tuple[int, str], Connection] = {}
-        before = [await scrape(app) for app in apps]
+        before = [await scrape_by_name(app) for app in apps]
         needed = [0] * len(apps)
         home = {name: i for i, names in enumerate(sessions) for name in names}
         sent = {name: [f"{name}/{k}" for k in range(EVENTS)] for name in home}
@@ -109,7 +102,7 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
 
         got = dict(zip(home, await asyncio.gather(*(read(n) for n in home)), strict=True))
         assert got == sent  # every event delivered, in order per publisher... and here per session
-        after = [await scrape(app) for app in apps]
+        after = [await scrape_by_name(app) for app in apps]
         ratios = []
         for i in range(len(apps)):
             received = after[i]["uibus_replication_received_total"] - before[i]["uibus_replication_received_total"]
@@ -145,7 +138,7 @@ async def test_a_shard_is_followed_while_subscribed_then_left_after_its_linger(
         try:
             first = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())
             await first.initial_metadata()
-            assert (await scrape(b))["uibus_replication_shards_subscribed"] == 1
+            assert (await scrape_by_name(b))["uibus_replication_shards_subscribed"] == 1
             first.cancel()
             await wait_for(lambda: bus.count() == 0, what="stream gone")
             second = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())  # within the linger: no resubscribe
@@ -158,7 +151,7 @@ async def test_a_shard_is_followed_while_subscribed_then_left_after_its_linger(
             await wait_for(lambda: bus.count() == 0, what="stream gone")
             await wait_for(lambda: bus.shards_subscribed == 0 and not bus._shards, timeout=3,
                            what="the shard left after the linger")
-            assert (await scrape(b))["uibus_replication_shards_subscribed"] == 0
+            assert (await scrape_by_name(b))["uibus_replication_shards_subscribed"] == 0
         finally:
             await conn.close()
 

@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Reader, next_message, require, wait_for
+from tests.support import ext
 from uibus import kinds
 from uibus.app import App
-from uibus.clients.connection import Connection
 from uibus.codebolt import protocol
 from uibus.installers import CODEBOLT
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
-from uibus.pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
 
 HERE = REPO / "tests" / "codeboltjs"
@@ -75,10 +75,6 @@ def test_every_frame_gets_the_reply_its_function_waits_for(row: dict[str, Any]) 
     for w in row["waits"]:  # and whatever else the library compares is echoed from the frame
         for name, arg in w["match"].items():
             assert fields.get(name) == frame.get(name, arg), (row["call"], name)
-
-
-def ext(conn: Connection) -> extension_ui_pb2_grpc.ExtensionUiServiceStub:
-    return extension_ui_pb2_grpc.ExtensionUiServiceStub(conn.channel)
 
 
 async def test_the_real_library_never_hangs(web: App, web_connect: Any, tmp_path: Path) -> None:
