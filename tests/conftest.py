@@ -36,6 +36,13 @@ from uibus.wiring import Installer
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The per-test timeout's timer (tests/watchdog.py): fails a hung test, asyncio's loop or uvloop,
+    # with every thread's and task's stack; pytest-timeout keeps reading the settings.
+    if not config.pluginmanager.has_plugin("tests.watchdog"):
+        config.pluginmanager.import_plugin("tests.watchdog")
+
+
 def require(what: str, ok: bool) -> None:
     """Skips when `what` is missing here, but fails under UIBUS_REQUIRE_ALL (CI)."""
     if ok:
