@@ -23,7 +23,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.support import http_client
+from tests.support import NEEDS, http_client, needs
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -43,8 +43,40 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.import_plugin("tests.watchdog")
 
 
-def require(what: str, ok: bool) -> None:
-    """Skips when `what` is missing here, but fails under UIBUS_REQUIRE_ALL (CI)."""
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The markers of what a test needs (pyproject.toml's list): from the fixtures it uses (marked
+    with tests.support.needs), and `slow` for a test allowed more than the default timeout."""
+    default = float(config.getini("timeout") or 0)
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        for marker in sorted({m for fixturedefs in defs for d in fixturedefs for m in getattr(d.func, NEEDS, ())}):
+            item.add_marker(marker)
+        timeout = item.get_closest_marker("timeout")
+        if default and timeout is not None and timeout.args and float(timeout.args[0]) > default:
+            item.add_marker("slow")
+
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def require(what: str, ok: bool, marker: str | None = None) -> None:
+    """Skips when `what` is missing here, but fails under UIBUS_REQUIRE_ALL (CI). With `marker`
+    (what `what` is, of pyproject.toml's markers), the running test must carry it, present or
+    not, so that `pytest -m` slices select every test that needs it."""
+    if marker is not None and _running and _running[-1].get_closest_marker(marker) is None:
+        pytest.fail(f"{_running[-1].nodeid} needs {what} but is not marked `{marker}`: add "
+                    f"@pytest.mark.{marker}, or tests.support.needs({marker!r}) on the fixture that needs it")
     if ok:
         return
     if os.environ.get("UIBUS_REQUIRE_ALL") == "1":
@@ -52,9 +84,15 @@ def require(what: str, ok: bool) -> None:
     pytest.skip(f"{what} is not available on this machine")
 
 
+CHROMIUM = "/usr/bin/chromium"
+# The programs behind pyproject.toml's markers; require_binary checks the test carries the marker.
+BINARY_MARKERS = {"redis-server": "redis", "redis-cli": "redis", CHROMIUM: "browser", "node": "node", "npm": "node",
+                  "docker": "docker", "dockerd": "docker", "docker-compose": "docker"}
+
+
 def require_binary(name: str) -> str:
     path = shutil.which(name) or (name if os.path.exists(name) else None)
-    require(name, path is not None)
+    require(name, path is not None, BINARY_MARKERS.get(name))
     return path  # type: ignore[return-value]
 
 
@@ -64,19 +102,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 
 
 @pytest.fixture
+@needs("browser")
 async def browser() -> AsyncIterator[Any]:
     """Debian's headless Chromium, driven by Python playwright (the tests' pages run in it)."""
     require_binary(CHROMIUM)
     try:
         from playwright.async_api import async_playwright
     except ImportError:
-        require("python playwright", False)
+        require("python playwright", False, "browser")
     async with async_playwright() as pw:
         b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:

@@ -143,7 +143,7 @@ def _need(ok: bool, what: str) -> None:
         raise SystemExit(f"dockerenv: {what} is missing")
     from tests.conftest import require
 
-    require(what, False)
+    require(what, False, "docker")
 
 
 def prepare() -> None:

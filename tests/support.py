@@ -1,5 +1,6 @@
 """Helpers many test modules share, defined once: /metrics over real HTTP, an HTTP client on an
-app, the ExtensionUiService stub on a connection, a child process's clean environment.
+app, the ExtensionUiService stub on a connection, a child process's clean environment, and the
+marker a fixture gives the tests that use it.
 
 Plain functions only; the fixtures built on them (`http`, `web_http`, `taken_port`) are in
 conftest.py, where pytest finds them.
@@ -8,9 +9,10 @@ conftest.py, where pytest finds them.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +20,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
+
+F = TypeVar("F", bound=Callable[..., object])
+NEEDS = "__uibus_needs__"
+
+
+def needs(*markers: str) -> Callable[[F], F]:
+    """Under @pytest.fixture: every test that uses the fixture (directly or through another one)
+    gets these markers (redis, browser, docker, node; see pyproject.toml), so `pytest -m` selects it."""
+    def mark(fixture: F) -> F:
+        setattr(fixture, NEEDS, frozenset(markers))
+        return fixture
+    return mark
+
 
 # Where /metrics is read: an App (with its metrics or operator token, as Prometheus would be given),
 # an HTTP port on loopback, or a client whose base URL is the app's HTTP port.

@@ -45,13 +45,15 @@ def on_redis(request: pytest.FixtureRequest, config: Config, kind: str) -> Confi
     return replace(config, redis_url=server.url)
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def backend(request: pytest.FixtureRequest, config: Config) -> Config:
     """The test config on one backend: its SQLite file, a real redis-server of its own, or the cluster."""
     return config if request.param == "sqlite" else on_redis(request, config, request.param)
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+@pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def redis_backend(request: pytest.FixtureRequest, config: Config) -> Config:
     return on_redis(request, config, request.param)
 

@@ -297,12 +297,13 @@ async def test_headers_received_means_subscribed_on_host_requests_and_extension_
         await wait_for(lambda: app.bus.count(session="live3") == 0, what="streams gone")
 
 
+@pytest.mark.node
 async def test_headers_received_means_subscribed_for_a_grpc_js_client(app):
     """grpc-js (Cline's own stack) waits for the call's 'metadata' event, then publishes: 100 rounds,
     every publish reaches the stream (tests/grpcjs/live.js, the pinned @grpc/grpc-js)."""
     node = require_binary("node")
     here = REPO / "tests" / "grpcjs"
-    require("the pinned @grpc/grpc-js (bash .ci/setup)", (here / "node_modules" / "@grpc" / "grpc-js").is_dir())
+    require("the pinned @grpc/grpc-js (bash .ci/setup)", (here / "node_modules" / "@grpc" / "grpc-js").is_dir(), "node")
     proc = await asyncio.create_subprocess_exec(node, str(here / "live.js"), f"127.0.0.1:{app.port}", "js", "100",
                                                 stdout=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
