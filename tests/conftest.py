@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 def pytest_configure(config: pytest.Config) -> None:
     # The per-test timeout's timer (tests/watchdog.py): fails a hung test, asyncio's loop or uvloop,
     # with every thread's and task's stack; pytest-timeout keeps reading the settings.
-    if not config.pluginmanager.has_plugin("tests.watchdog"):
+    if config.pluginmanager.has_plugin("timeout") and not config.pluginmanager.has_plugin("tests.watchdog"):
         config.pluginmanager.import_plugin("tests.watchdog")
 
 
@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The markers of what a test needs (pyproject.toml's list): from the fixtures it uses (marked
     with tests.support.needs), and `slow` for a test allowed more than the default timeout."""
-    default = float(config.getini("timeout") or 0)
+    default = float(config.getini("timeout") or 0) if config.pluginmanager.has_plugin("timeout") else 0.0
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
         defs = info.name2fixturedefs.values() if info is not None else ()
