@@ -86,9 +86,11 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
         needed = [0] * len(apps)
         home = {name: i for i, names in enumerate(sessions) for name in names}
         sent = {name: [f"{name}/{k}" for k in range(EVENTS)] for name in home}
+        route: dict[str, int] = {}  # event -> the replica it was published through
         for k in range(EVENTS):  # bounded: EVENTS rounds over every session
             for name in home:
                 via = rng.randrange(len(apps))
+                route[sent[name][k]] = via
                 if via != home[name]:
                     needed[home[name]] += 1
                 stub = publishers.get((via, name))
@@ -101,7 +103,14 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
             return [(await asyncio.wait_for(streams[name].read(), 5)).value for _ in range(EVENTS)]
 
         got = dict(zip(home, await asyncio.gather(*(read(n) for n in home)), strict=True))
-        assert got == sent  # every event delivered, in order per publisher... and here per session
+        # Every event delivered once, and a publisher's (one replica's) in the order it published them.
+        # Two replicas' events for one session may cross, even published one after the other: the
+        # publish returns once the event is in its replica's outbox for Redis, and one published on
+        # the session's own replica is delivered there at once (~1 run in 8 here under load).
+        for name, events in sent.items():
+            assert sorted(got[name]) == sorted(events), name
+            for via in range(len(apps)):
+                assert [e for e in got[name] if route[e] == via] == [e for e in events if route[e] == via], (name, via)
         after = [await scrape_by_name(app) for app in apps]
         ratios = []
         for i in range(len(apps)):
