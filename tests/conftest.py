@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
+from tests.support import NEEDS, http_client, needs
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -34,8 +36,47 @@ from uibus.wiring import Installer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def require(what: str, ok: bool) -> None:
-    """Skips when `what` is missing here, but fails under UIBUS_REQUIRE_ALL (CI)."""
+def pytest_configure(config: pytest.Config) -> None:
+    # The per-test timeout's timer (tests/watchdog.py): fails a hung test, asyncio's loop or uvloop,
+    # with every thread's and task's stack; pytest-timeout keeps reading the settings.
+    if config.pluginmanager.has_plugin("timeout") and not config.pluginmanager.has_plugin("tests.watchdog"):
+        config.pluginmanager.import_plugin("tests.watchdog")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by them
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The markers of what a test needs (pyproject.toml's list): from the fixtures it uses (marked
+    with tests.support.needs), and `slow` for a test allowed more than the default timeout."""
+    default = float(config.getini("timeout") or 0) if config.pluginmanager.has_plugin("timeout") else 0.0
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        for marker in sorted({m for fixturedefs in defs for d in fixturedefs for m in getattr(d.func, NEEDS, ())}):
+            item.add_marker(marker)
+        timeout = item.get_closest_marker("timeout")
+        if default and timeout is not None and timeout.args and float(timeout.args[0]) > default:
+            item.add_marker("slow")
+
+
+_running: list[pytest.Item] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
+
+
+def require(what: str, ok: bool, marker: str | None = None) -> None:
+    """Skips when `what` is missing here, but fails under UIBUS_REQUIRE_ALL (CI). With `marker`
+    (what `what` is, of pyproject.toml's markers), the running test must carry it, present or
+    not, so that `pytest -m` slices select every test that needs it."""
+    if marker is not None and _running and _running[-1].get_closest_marker(marker) is None:
+        pytest.fail(f"{_running[-1].nodeid} needs {what} but is not marked `{marker}`: add "
+                    f"@pytest.mark.{marker}, or tests.support.needs({marker!r}) on the fixture that needs it")
     if ok:
         return
     if os.environ.get("UIBUS_REQUIRE_ALL") == "1":
@@ -43,9 +84,15 @@ def require(what: str, ok: bool) -> None:
     pytest.skip(f"{what} is not available on this machine")
 
 
+CHROMIUM = "/usr/bin/chromium"
+# The programs behind pyproject.toml's markers; require_binary checks the test carries the marker.
+BINARY_MARKERS = {"redis-server": "redis", "redis-cli": "redis", CHROMIUM: "browser", "node": "node", "npm": "node",
+                  "docker": "docker", "dockerd": "docker", "docker-compose": "docker"}
+
+
 def require_binary(name: str) -> str:
     path = shutil.which(name) or (name if os.path.exists(name) else None)
-    require(name, path is not None)
+    require(name, path is not None, BINARY_MARKERS.get(name))
     return path  # type: ignore[return-value]
 
 
@@ -55,19 +102,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]
 
 
 @pytest.fixture
+@needs("browser")
 async def browser() -> AsyncIterator[Any]:
     """Debian's headless Chromium, driven by Python playwright (the tests' pages run in it)."""
     require_binary(CHROMIUM)
     try:
         from playwright.async_api import async_playwright
     except ImportError:
-        require("python playwright", False)
+        require("python playwright", False, "browser")
     async with async_playwright() as pw:
         b = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -178,6 +225,30 @@ async def web(web_config: Config, installers: Sequence[Installer]) -> AsyncItera
 async def web_connect(web: App) -> AsyncIterator[Callable[..., Connection]]:
     async with connections(web) as open_:
         yield open_
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client for absolute URLs (10 s timeout)."""
+    async with http_client() as client:
+        yield client
+
+
+@pytest.fixture
+async def web_http(web: App) -> AsyncIterator[httpx.AsyncClient]:
+    """An HTTP client on `web`'s HTTP port: paths alone will do."""
+    async with http_client(web) as client:
+        yield client
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port something else listens on (as another server would)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
 
 
 # The loop the in-process servers of the tests run on: the one `uibus serve` runs on by default

@@ -14,20 +14,25 @@ has Debian's packages but reaches no image registry.
 
 `python3 tests/dockerenv.py --prepare` (stdlib only) does all of that ahead of the tests: `.ci/setup
 --system` runs it beside its own installs, so the minutes of debootstrap and image builds overlap
-the downloads instead of adding to the test run. Its dockerd stays up for the tests (found at
-SOCKET); the tests then find everything built and only check that it is current.
+the downloads instead of adding to the test run. A dockerd it starts stays up for the tests (found
+at SOCKET; its pid in STARTED) until `python3 tests/dockerenv.py --stop`, which `.ci/test` runs
+when it ends, passed or failed; the tests then find everything built and only check that it is
+current.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SOCKET = Path("/tmp/uibus-dockerd/docker.sock")  # where a dockerd started here listens
+STATE = Path(os.environ.get("UIBUS_DOCKERD_DIR") or "/tmp/uibus-dockerd")  # a dockerd started here: its files
+SOCKET = STATE / "docker.sock"  # where it listens
+STARTED = STATE / "started-by-prepare.pid"  # the dockerd `--prepare` started, which `--stop` stops
 
 CACHE = Path(os.environ.get("UIBUS_DOCKER_CACHE")
              or ("/var/cache/uibus-tests" if os.geteuid() == 0 else Path.home() / ".cache" / "uibus-tests"))
@@ -143,22 +148,63 @@ def _need(ok: bool, what: str) -> None:
         raise SystemExit(f"dockerenv: {what} is missing")
     from tests.conftest import require
 
-    require(what, False)
+    require(what, False, "docker")
 
 
 def prepare() -> None:
-    """Engine up, stand-ins and the uibus image built: what the tests need, ahead of them."""
+    """Engine up, stand-ins and the uibus image built: what the tests need, ahead of them. The
+    engine stays up after this process; when it started one, its pid is kept for `stop_prepared`."""
     docker = Docker()
-    docker.start()
+    try:
+        docker.start()
+    finally:  # even when it started but never answered: `--stop` ends it
+        if docker._daemon is not None:
+            STARTED.write_text(f"{docker._daemon.pid}\n")
     docker.standins()
     docker.build_uibus()
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a parent that does not reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def stop_prepared(patience: float = 30.0) -> str:
+    """Stops the dockerd that `prepare` started (and only that one: the pid must still be a dockerd
+    on SOCKET), SIGTERM first (it stops its containerd and containers), SIGKILL after `patience`."""
+    try:
+        pid = int(STARTED.read_text())
+    except (FileNotFoundError, ValueError):
+        return "dockerenv: no dockerd of --prepare's to stop"
+    STARTED.unlink()
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except FileNotFoundError:
+        return f"dockerenv: dockerd {pid} had already ended"
+    if f"--host=unix://{SOCKET}".encode() not in argv:
+        return f"dockerenv: pid {pid} is no longer the dockerd --prepare started; left alone"
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + patience
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        return f"dockerenv: dockerd {pid} did not stop within {patience:g} s of SIGTERM: killed"
+    return f"dockerenv: dockerd {pid} stopped"
 
 
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:] == ["--stop"]:
+        print(stop_prepared())
+        raise SystemExit(0)
     if sys.argv[1:] != ["--prepare"]:
-        raise SystemExit("usage: python3 tests/dockerenv.py --prepare")
+        raise SystemExit("usage: python3 tests/dockerenv.py --prepare | --stop")
     started = time.monotonic()
     prepare()
     print(f"dockerenv: engine, stand-ins and {IMAGE} ready in {time.monotonic() - started:.0f} s")

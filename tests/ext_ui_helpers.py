@@ -6,16 +6,11 @@ import asyncio
 from typing import Any
 
 from tests.conftest import wait_for
+from tests.support import ext
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
-
-
-def ext(conn: Connection) -> extension_ui_pb2_grpc.ExtensionUiServiceStub:
-    """The ExtensionUiService stub on `conn`'s channel (which carries the session metadata)."""
-    return extension_ui_pb2_grpc.ExtensionUiServiceStub(conn.channel)
 
 
 async def open_uis(app: App, conn: Connection, n: int, session: str = "default") -> list[Any]:

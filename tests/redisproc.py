@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import free_port, require_binary
+from tests.support import needs
 
 
 class RedisProcess:
@@ -54,6 +55,7 @@ class RedisProcess:
 
 
 @pytest.fixture
+@needs("redis")
 def redis_server(tmp_path: Path) -> Iterator[RedisProcess]:
     server = RedisProcess(tmp_path)
     try:
@@ -240,6 +242,7 @@ _SHARED_CLUSTER: list[RedisClusterProcess] = []
 
 
 @pytest.fixture(scope="session")
+@needs("redis")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcess]:
     """One cluster for the whole session (creating one takes seconds). Modules that import this
     fixture each get a fixture definition of their own, so the cluster is kept module-global and
@@ -255,6 +258,7 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 
 @pytest.fixture
+@needs("redis")
 def redis_cluster_clean(redis_cluster: RedisClusterProcess) -> RedisClusterProcess:
     """The shared cluster, emptied for this test (and checked to still be whole)."""
     if redis_cluster._settled() is None:
@@ -264,6 +268,7 @@ def redis_cluster_clean(redis_cluster: RedisClusterProcess) -> RedisClusterProce
 
 
 @pytest.fixture
+@needs("redis")
 def fresh_redis_cluster(tmp_path: Path) -> Iterator[RedisClusterProcess]:
     """A cluster of this test's own, which it may break."""
     cluster = RedisClusterProcess(tmp_path / "cluster")
@@ -398,6 +403,7 @@ class RedisSentinelProcess:
 
 
 @pytest.fixture
+@needs("redis")
 def redis_sentinel(tmp_path: Path) -> Iterator[RedisSentinelProcess]:
     sentinel = RedisSentinelProcess(tmp_path / "sentinel")
     try:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.redisproc import redis_cluster, redis_cluster_clean, redis_server
+from tests.support import needs
 
 __all__ = ["RedisTarget", "redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
@@ -24,6 +25,7 @@ class RedisTarget:
 
 
 @pytest.fixture(params=["single", "cluster"])
+@needs("redis")
 def redis_target(request: pytest.FixtureRequest) -> RedisTarget:
     if request.param == "single":
         return RedisTarget(request.getfixturevalue("redis_server").url, False)

@@ -33,7 +33,7 @@ from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.node]
 ACP_DIR = REPO / "tests" / "acp"
 FIXTURE = ACP_DIR / "fixture-agent.mjs"
 AGENT_MSG, TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_TOOL_RESULT
@@ -55,7 +55,8 @@ def fixture_log(tmp_path: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture
 async def acp_app(config: Config, tmp_path: Path) -> AsyncIterator[App]:
-    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir())
+    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
+            "node")
     async with hosting(config, tmp_path, [fixture_agent(tmp_path)], http_port=free_port()) as app:
         yield app
 
@@ -220,7 +221,7 @@ def claude_agent(tmp_path: Path, model: ScriptedModel, **options: Any) -> dict[s
 
 @pytest.fixture
 async def claude(config: Config, tmp_path: Path) -> AsyncIterator[tuple[App, ScriptedModel]]:
-    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists())
+    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
     async with claude_model() as model, \
             hosting(config, tmp_path, [claude_agent(tmp_path, model)], http_port=free_port()) as app:
         yield app, model
@@ -359,7 +360,7 @@ def test_the_example_acp_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/acp-agents.toml as the README gives it, claude-code-acp found on PATH (as after `npm i -g`)."""
     from uibus.agents.config import load_agents
 
-    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists())
+    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PATH", f"{CLAUDE_ACP.parent}{os.pathsep}{os.environ['PATH']}")
     table = load_agents(str(REPO / "examples" / "acp-agents.toml"))
@@ -403,7 +404,7 @@ def codex_agent(tmp_path: Path, model: ScriptedModel) -> dict[str, Any]:
 
 
 async def test_gemini_cli_answers_and_a_shell_permission_is_rejected_at_a_ui(config: Config, tmp_path: Path) -> None:
-    require("Gemini CLI (npm ci --prefix tests/acp)", GEMINI.exists())
+    require("Gemini CLI (npm ci --prefix tests/acp)", GEMINI.exists(), "node")
     victim = tmp_path / "work" / "build"
     victim.mkdir(parents=True)
     async with gemini_model() as model, \
@@ -425,7 +426,7 @@ async def test_gemini_cli_answers_and_a_shell_permission_is_rejected_at_a_ui(con
 
 
 async def test_codex_answers_and_a_command_permission_is_rejected_at_a_ui(config: Config, tmp_path: Path) -> None:
-    require("codex-acp with its linux-x64 binary (npm ci --prefix tests/acp)", CODEX.exists())
+    require("codex-acp with its linux-x64 binary (npm ci --prefix tests/acp)", CODEX.exists(), "node")
     victim = tmp_path / "work" / "build"
     victim.mkdir(parents=True)
     async with responses_model() as model, \

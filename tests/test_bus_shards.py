@@ -11,29 +11,22 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import scrape_by_name
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis import ReplicatedBus, shard_of
+from uibus.redis_bus import ReplicatedBus, shard_of
 
 __all__ = ["redis_server"]
 
 EVENTS = 150  # per session
 SESSIONS = 3  # per replica
-
-
-async def scrape(app: App) -> dict[str, float]:
-    async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://127.0.0.1:{app.http_port}/metrics")).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def bus_of(app: App) -> ReplicatedBus:
@@ -89,14 +82,15 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
                 streams[name] = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())
                 await streams[name].initial_metadata()  # headers: live on every replica
         publishers: dict[tuple[int, str], Connection] = {}
-        before = [await scrape(app) for app in apps]
+        before = [await scrape_by_name(app) for app in apps]
         needed = [0] * len(apps)
         home = {name: i for i, names in enumerate(sessions) for name in names}
         sent = {name: [f"{name}/{k}" for k in range(EVENTS)] for name in home}
-        via_of: dict[str, int] = {}  # event -> the replica it was published through
+        route: dict[str, int] = {}  # event -> the replica it was published through
         for k in range(EVENTS):  # bounded: EVENTS rounds over every session
             for name in home:
-                via = via_of[sent[name][k]] = rng.randrange(len(apps))
+                via = rng.randrange(len(apps))
+                route[sent[name][k]] = via
                 if via != home[name]:
                     needed[home[name]] += 1
                 stub = publishers.get((via, name))
@@ -109,15 +103,15 @@ async def fan_in(apps: list[App], shards: int) -> list[float]:
             return [(await asyncio.wait_for(streams[name].read(), 5)).value for _ in range(EVENTS)]
 
         got = dict(zip(home, await asyncio.gather(*(read(n) for n in home)), strict=True))
-        # Every event delivered once, in order per publisher. Not in order across publishers: an
-        # event published on the session's own replica is delivered at once, so it can overtake
-        # the one published just before through another replica, still crossing Redis.
-        assert {n: sorted(v) for n, v in got.items()} == {n: sorted(v) for n, v in sent.items()}
-        for name, events in got.items():
+        # Every event delivered once, and a publisher's (one replica's) in the order it published them.
+        # Two replicas' events for one session may cross, even published one after the other: the
+        # publish returns once the event is in its replica's outbox for Redis, and one published on
+        # the session's own replica is delivered there at once (~1 run in 8 here under load).
+        for name, events in sent.items():
+            assert sorted(got[name]) == sorted(events), name
             for via in range(len(apps)):
-                mine = [e for e in events if via_of[e] == via]
-                assert mine == [e for e in sent[name] if via_of[e] == via], (name, via)
-        after = [await scrape(app) for app in apps]
+                assert [e for e in got[name] if route[e] == via] == [e for e in events if route[e] == via], (name, via)
+        after = [await scrape_by_name(app) for app in apps]
         ratios = []
         for i in range(len(apps)):
             received = after[i]["uibus_replication_received_total"] - before[i]["uibus_replication_received_total"]
@@ -148,12 +142,12 @@ async def test_a_shard_is_followed_while_subscribed_then_left_after_its_linger(
         redis_server: RedisProcess, tmp_path: Path) -> None:
     async with replicas(redis_server.url, tmp_path, 2, 256) as (a, b):
         bus = bus_of(b)
-        bus._shards.linger_s = 0.3  # the test's churn window
+        bus._linger_s = 0.3  # the test's churn window
         conn = Connection(f"127.0.0.1:{b.port}", session="lingering")
         try:
             first = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())
             await first.initial_metadata()
-            assert (await scrape(b))["uibus_replication_shards_subscribed"] == 1
+            assert (await scrape_by_name(b))["uibus_replication_shards_subscribed"] == 1
             first.cancel()
             await wait_for(lambda: bus.count() == 0, what="stream gone")
             second = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())  # within the linger: no resubscribe
@@ -166,7 +160,7 @@ async def test_a_shard_is_followed_while_subscribed_then_left_after_its_linger(
             await wait_for(lambda: bus.count() == 0, what="stream gone")
             await wait_for(lambda: bus.shards_subscribed == 0 and not bus._shards, timeout=3,
                            what="the shard left after the linger")
-            assert (await scrape(b))["uibus_replication_shards_subscribed"] == 0
+            assert (await scrape_by_name(b))["uibus_replication_shards_subscribed"] == 0
         finally:
             await conn.close()
 

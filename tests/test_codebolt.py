@@ -20,6 +20,7 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import REPO, Reader, free_port, next_message, wait_for
+from tests.support import ext
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -29,7 +30,7 @@ from uibus.kinds import CHAT_MESSAGE
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
-from uibus.pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
 from uibus.transports.codebolt_ws import PATH
 
@@ -79,10 +80,6 @@ async def agent(app: App) -> AsyncIterator[Callable[..., Any]]:
 
 def codebolt(conn: Connection) -> codebolt_pb2_grpc.CodeBoltServiceStub:
     return codebolt_pb2_grpc.CodeBoltServiceStub(conn.channel)
-
-
-def ext(conn: Connection) -> extension_ui_pb2_grpc.ExtensionUiServiceStub:
-    return extension_ui_pb2_grpc.ExtensionUiServiceStub(conn.channel)
 
 
 async def pending(conn: Connection) -> int:

@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 
 from tests.conftest import REPO, Reader, next_message, require, wait_for
+from tests.support import ext
 from uibus import kinds
 from uibus.app import App
-from uibus.clients.connection import Connection
 from uibus.codebolt import protocol
 from uibus.installers import CODEBOLT
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
-from uibus.pb.uibus.v1 import codebolt_pb2_grpc, extension_ui_pb2_grpc
+from uibus.pb.uibus.v1 import codebolt_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
 
 HERE = REPO / "tests" / "codeboltjs"
@@ -42,8 +42,8 @@ ROWS = [r for r in TABLE["calls"] if r["kind"] != "listener"]
 
 def _node() -> str:
     node = shutil.which("node")
-    require("node", node is not None)
-    require("the pinned codeboltjs (bash .ci/setup)", (HERE / "node_modules/@codebolt/codeboltjs").is_dir())
+    require("node", node is not None, "node")
+    require("the pinned codeboltjs (bash .ci/setup)", (HERE / "node_modules/@codebolt/codeboltjs").is_dir(), "node")
     assert node is not None
     return node
 
@@ -52,6 +52,7 @@ def _served(row: dict[str, Any]) -> bool:
     return bool(row["sends"]) and protocol.parse(json.dumps(row["sends"][0])).family in protocol.SERVED_FAMILIES
 
 
+@pytest.mark.node
 async def test_table_is_what_the_installed_library_does() -> None:
     proc = await asyncio.create_subprocess_exec(_node(), "extract.js", cwd=HERE, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.DEVNULL)
@@ -77,10 +78,7 @@ def test_every_frame_gets_the_reply_its_function_waits_for(row: dict[str, Any]) 
             assert fields.get(name) == frame.get(name, arg), (row["call"], name)
 
 
-def ext(conn: Connection) -> extension_ui_pb2_grpc.ExtensionUiServiceStub:
-    return extension_ui_pb2_grpc.ExtensionUiServiceStub(conn.channel)
-
-
+@pytest.mark.node
 async def test_the_real_library_never_hangs(web: App, web_connect: Any, tmp_path: Path) -> None:
     node = _node()
     app = web

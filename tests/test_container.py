@@ -29,7 +29,7 @@ from tests.webclient import call
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.docker]
 
 
 @pytest.fixture(scope="module")

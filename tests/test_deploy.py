@@ -2,7 +2,8 @@
 native gRPC on the port uibus serves, the server binds every interface, every UIBUS_* setting is
 a real config field with a value `uibus serve` accepts, and the compose front reaches both replicas.
 Also: the manifests as `kubectl kustomize` renders them (PDB and HPA on the Deployment), the Ingress
-example, the Redis Cluster and Sentinel overlays (their settings, no single-node Redis), the image's
+example, the Redis Cluster and Sentinel overlays (their settings, no single-node Redis; each taken by
+plain `kubectl kustomize` / `apply -k`, no load-restrictor flag anywhere), the image's
 pinned base, lock file, version label and health check (run for real against a live app), one
 compose build tagged with the package version, and nginx's `http2 on;`."""
 
@@ -27,6 +28,8 @@ from uibus.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
+BASE = K8S / "base"
+OVERLAYS = K8S / "overlays"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 IMAGE = f"uibus:{VERSION}"
 
@@ -36,7 +39,7 @@ def _docs(path: Path) -> list[dict[str, Any]]:
 
 
 def _k8s() -> list[dict[str, Any]]:
-    return [d for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml" for d in _docs(p)]
+    return [d for p in sorted(BASE.glob("*.yaml")) if p.name != "kustomization.yaml" for d in _docs(p)]
 
 
 def _one(kind: str, name: str) -> dict[str, Any]:
@@ -61,8 +64,8 @@ def _check_env_names(env: dict[str, Any]) -> None:
 
 
 def test_kustomization_lists_every_manifest() -> None:
-    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
-    assert listed == {p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"}
+    listed = set(yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in BASE.glob("*.yaml") if p.name != "kustomization.yaml"}
 
 
 def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,7 +90,7 @@ def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch
     ref_ = secrets["UIBUS_AUTH_TOKEN"]
     assert ref_.get("optional") is not True  # a missing Secret stops the pod, naming it
     create = f'kubectl create secret generic {ref_["name"]} --from-literal={ref_["key"]}="$(openssl rand -hex 32)"'
-    assert create in (K8S / "uibus.yaml").read_text() and create in (REPO / "README.md").read_text()
+    assert create in (BASE / "uibus.yaml").read_text() and create in (REPO / "README.md").read_text()
     with pytest.raises(ValueError, match="not a loopback address"):
         _config_from_env(cm["data"], monkeypatch)  # the ConfigMap alone: refused, as the pod would be
     cfg = _config_from_env({**cm["data"], "UIBUS_AUTH_TOKEN": "from-the-secret"}, monkeypatch)
@@ -164,7 +167,7 @@ def test_k8s_manifests_validate_against_kubernetes_schemas(version: str) -> None
     import kubernetes_validate
 
     kubectl = require_binary("kubectl")
-    built = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, check=True, timeout=60)
+    built = subprocess.run([kubectl, "kustomize", str(BASE)], capture_output=True, text=True, check=True, timeout=60)
     docs = [d for d in yaml.safe_load_all(built.stdout) if d]
     docs += [d for p in sorted((K8S / "examples").glob("*.yaml")) for d in _docs(p)]
     assert len(docs) >= 8
@@ -234,7 +237,7 @@ async def test_dockerfile_healthcheck_asks_the_port_in_uibus_port(app: App) -> N
 
 def _kustomize() -> list[dict[str, Any]]:
     kubectl = require_binary("kubectl")
-    out = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([kubectl, "kustomize", str(BASE)], capture_output=True, text=True, timeout=60, check=True)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -304,7 +307,7 @@ def test_redis_runs_locked_down() -> None:
 
 
 def test_tokens_file_example_names_a_real_setting() -> None:
-    text = (K8S / "uibus.yaml").read_text()
+    text = (BASE / "uibus.yaml").read_text()
     assert "UIBUS_TOKENS_FILE" in text and "UIBUS_AUTH_TOKEN" in text
     _check_env_names({"UIBUS_TOKENS_FILE": "", "UIBUS_AUTH_TOKEN": ""})
 
@@ -331,12 +334,12 @@ REDIS_OVERLAYS = {
 
 
 def _kustomize_overlay(name: str) -> list[dict[str, Any]]:
-    """The overlay as its header says to render it. It names the base's files rather than the base
-    (kustomize refuses `../..` as a base from inside that folder: a cycle), and files outside its
-    own folder need the load restrictor off."""
+    """The overlay as its header says to apply it: plain `kubectl kustomize` (what `kubectl apply
+    -k` renders), with kustomize's default load restrictor: every file an overlay names is in its
+    own folder or is a base (deploy/k8s/base) beside it."""
     kubectl = require_binary("kubectl")
-    out = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone",
-                          str(K8S / "examples" / name)], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([kubectl, "kustomize", str(OVERLAYS / name)], capture_output=True, text=True, timeout=60,
+                         check=True)
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -380,12 +383,23 @@ def test_redis_overlay_points_uibus_at_its_redis_and_drops_the_single_node(
             kubernetes_validate.validate(doc, version, strict=True)
 
 
-@pytest.mark.parametrize("overlay", sorted(REDIS_OVERLAYS))
-def test_redis_overlay_lists_every_base_manifest_but_redis(overlay: str) -> None:
-    """The overlay copies the base's resource list (it cannot name the base itself), so a manifest
-    added to the base, or anything the base's kustomization does besides listing resources, must
-    reach the overlay too: this fails until it does."""
-    base = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert set(base) <= {"apiVersion", "kind", "resources"}, "the overlays only copy the base's resources"
-    mine = yaml.safe_load((K8S / "examples" / overlay / "kustomization.yaml").read_text())
-    assert mine["resources"] == [f"../../{r}" for r in base["resources"] if r != "redis.yaml"]
+def test_every_overlay_is_tested_and_says_how_to_apply_it() -> None:
+    """Every overlay beside the base is one this module renders and validates (a new one fails
+    here until it is added to REDIS_OVERLAYS), takes the base as a whole (so a manifest added
+    there reaches it) and tells the operator the plain `kubectl apply -k` command."""
+    found = {p.parent.name for p in OVERLAYS.glob("*/kustomization.yaml")}
+    assert found == set(REDIS_OVERLAYS)
+    assert {p.name for p in K8S.iterdir()} == {"base", "overlays", "examples"}  # no kustomization above them
+    for name in found:
+        kustomization = OVERLAYS / name / "kustomization.yaml"
+        assert yaml.safe_load(kustomization.read_text())["resources"] == ["../../base"], name
+        assert f"kubectl apply -k deploy/k8s/overlays/{name}\n" in kustomization.read_text(), name
+
+
+def test_no_doc_needs_the_load_restrictor_flag() -> None:
+    """The layout lets kustomize take every overlay as it is; no doc may still tell users to
+    switch its file-loading restriction off."""
+    docs = [REPO / "README.md", REPO / "Dockerfile", REPO / "docker-compose.yml", *sorted(REPO.glob("*/README.md")),
+            *sorted(p for p in (REPO / "deploy").rglob("*") if p.is_file())]
+    said = [str(p.relative_to(REPO)) for p in docs if re.search(r"load.restrictor|LoadRestrictions", p.read_text())]
+    assert not said, f"these still mention kustomize's load restrictor: {said}"

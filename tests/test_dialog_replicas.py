@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Reader, free_port, start_app, wait_for
 from tests.redisproc import RedisProcess
 from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
+from tests.support import scrape_by_name
 from tests.test_redis_replicas import Replica as BaseReplica
 from tests.test_redis_replicas import two_replicas
 from uibus import kinds
@@ -273,19 +272,12 @@ async def test_entries_of_a_dead_replica_are_not_replayed(redis_server: RedisPro
         await store.close()
 
 
-async def scrape(port: int) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-        r = await client.get("/metrics")
-    assert r.status_code == 200
-    return {s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples}
-
-
 async def test_replication_counters_on_metrics(replicas: tuple[Replica, Replica], tmp_path: Path) -> None:
     a, b = replicas
     ui = await b.ui("m")
     await a.ext("m").Notify(pb.NotifyRequest(message="across"))
     assert (await ui.next()).request.notify.message == "across"
-    on_a, on_b = await scrape(a.app.http_port), await scrape(b.app.http_port)
+    on_a, on_b = await scrape_by_name(a.app.http_port), await scrape_by_name(b.app.http_port)
     for samples in (on_a, on_b):
         assert samples["uibus_replication_connected"] == 1
         for name in ("sent", "received", "dropped", "bad", "unwanted", "unreplicable", "outages"):
@@ -307,6 +299,6 @@ async def test_replication_counters_on_metrics(replicas: tuple[Replica, Replica]
 
     alone = await start_app(Config(host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / "one.db")))
     try:  # without Redis there is nothing to count
-        assert not [name for name in await scrape(alone.http_port) if name.startswith("uibus_replication_")]
+        assert not [name for name in await scrape_by_name(alone.http_port) if name.startswith("uibus_replication_")]
     finally:
         await alone.aclose(grace=0.5)

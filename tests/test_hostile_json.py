@@ -47,12 +47,6 @@ def no_escapes(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     assert not bad, [f"{r.name}: {r.getMessage()}" for r in bad]
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as client:
-        yield client
-
-
 def base(app: App) -> str:
     return f"http://127.0.0.1:{app.http_port}"
 

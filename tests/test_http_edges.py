@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 
 import httpx
@@ -288,14 +288,6 @@ async def test_deeply_nested_http_api_body_is_400(web: App) -> None:
 
 
 # ---- bind failure -----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def taken_port() -> Iterator[int]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        yield sock.getsockname()[1]
 
 
 async def test_taken_http_port_fails_the_start_with_oserror(config: Config, taken_port: int) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from referencing.jsonschema import DRAFT202012
 
 from tests.conftest import free_port, running
 from uibus import session
-from uibus.app import App
 from uibus.config import Config
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, mime_data_pb2
 from uibus.proto_schema import SchemaBook, standalone
@@ -86,12 +84,6 @@ def assert_valid(validator: Draft202012Validator, instance: Any) -> None:
 
 # --- over real HTTP ------------------------------------------------------------------------------
 
-@pytest.fixture
-async def http(web: App) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client:
-        yield client
-
-
 async def chat_lines(http: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str]) -> list[dict]:
     async with http.stream("POST", f"/api/v1/{AGENT}/streaming_chat", json=body, headers=headers) as resp:
         assert resp.status_code == 200, await resp.aread()
@@ -99,27 +91,27 @@ async def chat_lines(http: httpx.AsyncClient, body: dict[str, Any], headers: dic
         return [json.loads(line) async for line in resp.aiter_lines() if line.strip()]
 
 
-async def test_every_answer_matches_the_document(http: httpx.AsyncClient) -> None:
-    resp = await http.get("/api/v1/docs")
+async def test_every_answer_matches_the_document(web_http: httpx.AsyncClient) -> None:
+    resp = await web_http.get("/api/v1/docs")
     assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
     doc = resp.json()
     validate_openapi(doc)
     assert doc["openapi"] == "3.1.0" and doc["info"]["title"] == "uibus — neuro-san HTTP API"
     assert resp.content == openapi.document_json()  # built once, served as cached
 
-    listed = (await http.get("/api/v1/list")).json()
+    listed = (await web_http.get("/api/v1/list")).json()
     assert AGENT in [a["agent_name"] for a in listed["agents"]]
     assert_valid(response_schema(doc, "/api/v1/list", "get", 200), listed)
     for endpoint in ("function", "connectivity"):
-        r = await http.get(f"/api/v1/{AGENT}/{endpoint}")
+        r = await web_http.get(f"/api/v1/{AGENT}/{endpoint}")
         assert r.status_code == 200
         assert_valid(response_schema(doc, f"/api/v1/{{agent_name}}/{endpoint}", "get", 200), r.json())
 
     chat = "/api/v1/{agent_name}/streaming_chat"
     lines_schema = response_schema(doc, chat, "post", 200, "application/json-lines")
     headers = {"x-uibus-session": "openapi", "user_id": "u1", "request_id": "r1"}
-    minimal = await chat_lines(http, {"user_message": {"type": "HUMAN", "text": "hi"}}, headers)
-    maximal = await chat_lines(http, {
+    minimal = await chat_lines(web_http, {"user_message": {"type": "HUMAN", "text": "hi"}}, headers)
+    maximal = await chat_lines(web_http, {
         "user_message": {"type": "HUMAN", "text": "again"},
         "chat_context": minimal[-1]["response"]["chat_context"],
         "chat_filter": {"chat_filter_type": "MAXIMAL"}, "sly_data": {"chunks": 3, "delay_ms": 0, "a": [1, None]},
@@ -140,7 +132,7 @@ async def test_every_answer_matches_the_document(http: httpx.AsyncClient) -> Non
     ]
     for method, url, path, body, status in errors:
         content = body if isinstance(body, bytes) else None
-        r = await http.request(method.upper(), url, content=content, json=None if content is not None else body)
+        r = await web_http.request(method.upper(), url, content=content, json=None if content is not None else body)
         assert r.status_code == status, (url, r.status_code, r.text)
         assert_valid(response_schema(doc, path, method, status), r.json())
 

@@ -13,7 +13,6 @@ building in place would regenerate `server/pb/`, which this test session imports
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import signal
@@ -33,6 +32,7 @@ from packaging.utils import NormalizedName, canonicalize_name
 from packaging.version import Version
 
 from tests.conftest import REPO, free_port
+from tests.support import clean_env
 
 # Bounds for each step (generous: a cold pip cache downloads the build env and the dependencies).
 BUILD_TIMEOUT = 300
@@ -46,13 +46,6 @@ FORBIDDEN_TOP = {"server", "clients", "uibus_pb", "cline", "neuro_san"}
 
 # One bound for the whole test (~45 s warm): above the suite's default 180 s, for a cold pip cache.
 pytestmark = pytest.mark.timeout(420)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    """The environment without this test session's venv or import path leaking into children."""
-    env = {k: v for k, v in os.environ.items() if k not in {"VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"}}
-    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PYTHONUNBUFFERED="1", **extra)
-    return env
 
 
 def run(cmd: list[str], timeout: float, **kw: object) -> str:

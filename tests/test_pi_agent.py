@@ -27,6 +27,7 @@ from tests.conftest import REPO, chat_on_page, free_port, require, shots, start_
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Model, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import needs
 from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
@@ -41,8 +42,9 @@ AGENT_MSG, TOOL_RESULT = chat_pb2.ChatMessage.AGENT, chat_pb2.ChatMessage.AGENT_
 
 
 @pytest.fixture
+@needs("node")
 async def model() -> AsyncIterator[Model]:
-    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists())
+    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
     async with scripted_model() as m:
         yield m
 
@@ -522,6 +524,7 @@ async def test_a_pi_dialog_answered_by_a_click_on_the_page(config: Config, model
 
 
 
+@pytest.mark.node  # pi, on PATH from tests/pi: a command not found fails the start
 async def test_the_example_config_loads_and_its_echo_agent_asks_at_a_ui(config: Config,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """examples/pi-agent.toml as the README gives it (pi found on PATH, as after `npm i -g`), and its

@@ -25,7 +25,7 @@ from tests.conftest import REPO, require
 PI = REPO / "tests" / "pi" / "node_modules" / ".bin" / "pi"
 EXTENSION = REPO / "tests" / "pi" / "ui-tour.ts"
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.node]
 
 
 class Pi:
@@ -48,7 +48,7 @@ class Pi:
 
 @pytest.fixture
 async def pi(tmp_path: Path) -> Any:
-    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists())
+    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
     home = tmp_path / "home"
     home.mkdir()
     proc = await asyncio.create_subprocess_exec(

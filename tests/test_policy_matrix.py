@@ -29,6 +29,7 @@ from websockets.exceptions import InvalidStatus
 
 from tests.conftest import free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import scrape_text
 from tests.webclient import call
 from uibus.app import App
 from uibus.config import Config
@@ -191,16 +192,6 @@ def rpc_count(app: App, method: str, code: str, transport: str) -> float:
     return 0.0
 
 
-async def scrape(app: App) -> str:
-    """/metrics over real HTTP, as Prometheus reads it (with the app's metrics or operator token)."""
-    token = app.config.metrics_token or app.config.auth_token
-    async with httpx.AsyncClient(timeout=10) as http:
-        r = await http.get(f"http://127.0.0.1:{app.http_port}/metrics",
-                           headers={"authorization": f"Bearer {token}"} if token else {})
-    assert r.status_code == 200
-    return r.text
-
-
 @pytest.fixture
 def matrix_config(tmp_path: Path) -> Config:
     return Config(host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / "m.db"), grace_seconds=1.0)
@@ -226,7 +217,7 @@ async def check(app: App, transport: str, outcome: Outcome, code: str) -> None:
     # grpc.aio sends an aborted call's status before the handler's `finally` has run: wait a moment.
     await wait_for(lambda: rpc_count(app, outcome.method, code, LABELS[transport]) == 1, timeout=2,
                    what=f"{transport} counted once as {code}")
-    page = await scrape(app)  # the same series, as served on /metrics
+    page = await scrape_text(app)  # the same series, as served on /metrics
     assert (f'uibus_rpc_duration_seconds_count{{code="{code}",method="{outcome.method}",'
             f'transport="{LABELS[transport]}"}} 1.0') in page
 

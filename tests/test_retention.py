@@ -15,13 +15,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.chatkit import answer
 from tests.conftest import free_port, start_app
 from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
+from tests.support import scrape
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -47,13 +46,15 @@ def on_redis(request: pytest.FixtureRequest, config: Config, kind: str) -> Confi
     return replace(config, redis_url=server.url)
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def backend(request: pytest.FixtureRequest, config: Config) -> Config:
     """The test config on one backend: its SQLite file, a real redis-server of its own, or the cluster."""
     return config if request.param == "sqlite" else on_redis(request, config, request.param)
 
 
-@pytest.fixture(params=["redis", "redis-cluster"])
+@pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def redis_backend(request: pytest.FixtureRequest, config: Config) -> Config:
     return on_redis(request, config, request.param)
 
@@ -103,15 +104,6 @@ async def sessions_holding_data(cfg: Config) -> set[str]:
     finally:
         for client in nodes:
             await client.aclose()
-
-
-async def scrape(app: App) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The app's /metrics over HTTP, as {(sample name, labels): value}."""
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=10) as client:
-        r = await client.get("/metrics")
-    assert r.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
 
 
 def evicted(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], reason: str) -> float:

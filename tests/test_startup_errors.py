@@ -8,14 +8,13 @@ the list of start-up errors and their exact wording.
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.support import clean_env
 
 UIBUS = str(Path(sys.executable).parent / "uibus")
 # Flags every case gets, unless it sets that flag or its env var itself.
@@ -115,26 +114,8 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def taken_port() -> Iterator[int]:
-    """A port something else listens on (as another server would)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
 def env_name(flag: str) -> str:
     return "UIBUS_" + flag[2:].replace("-", "_").upper()
-
-
-def clean_env(tmp: Path, extra: dict[str, str]) -> dict[str, str]:
-    """The caller's environment without its UIBUS_* settings, plus `extra`: each case sees only its own."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UIBUS_")}
-    env["XDG_STATE_HOME"] = str(tmp / "state")
-    env.update(extra)
-    return env
 
 
 def serve(args: list[str], env: dict[str, str], *, script: bool = False) -> subprocess.CompletedProcess[str]:
@@ -163,15 +144,15 @@ def test_a_bad_setting_is_one_line(tmp_path: Path, taken_port: int, args: list[s
 
     base = [part for flag, value in BASE.items() if flag not in args and env_name(flag) not in env
             for part in (flag, fill(value))]
-    proc = serve([*base, *(fill(a) for a in args)], clean_env(tmp_path, {k: fill(v) for k, v in env.items()}))
+    proc = serve([*base, *(fill(a) for a in args)], clean_env(tmp_path, **{k: fill(v) for k, v in env.items()}))
     assert proc.returncode == code, proc.stderr
     assert_one_line(proc.stderr, fill(expected))
     assert not (tmp_path / "missing").exists()  # an explicit --store never creates directories
 
 
 def test_help_survives_a_bad_env_var_and_hides_secrets(tmp_path: Path) -> None:
-    env = clean_env(tmp_path, {"UIBUS_PORT": "abc", "UIBUS_AUTH_TOKEN": "s3cret-value",
-                               "UIBUS_REDIS_URL": "redis://:redis-pass@db:6379/0"})
+    env = clean_env(tmp_path, UIBUS_PORT="abc", UIBUS_AUTH_TOKEN="s3cret-value",
+                    UIBUS_REDIS_URL="redis://:redis-pass@db:6379/0")
     proc = serve(["--help"], env, script=True)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     out = " ".join(proc.stdout.split())  # argparse wraps the help text
@@ -183,7 +164,7 @@ def test_help_survives_a_bad_env_var_and_hides_secrets(tmp_path: Path) -> None:
 
 
 def test_an_unknown_flag_shows_the_serve_usage(tmp_path: Path) -> None:
-    proc = serve(["--no-such-flag"], clean_env(tmp_path, {}), script=True)
+    proc = serve(["--no-such-flag"], clean_env(tmp_path), script=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("usage: uibus serve ")
     assert proc.stderr.splitlines()[-1] == "uibus serve: error: unrecognized arguments: --no-such-flag"
@@ -194,7 +175,7 @@ def test_the_default_store_directory_is_still_created(tmp_path: Path) -> None:
     (here the start then fails on the agents file, after the store opened)."""
     (tmp_path / "shape.json").write_text(AGENTS_FILES["shape.json"])
     proc = serve(["--host", "127.0.0.1", "--port", "0", "--http-port", "0", "--agents", str(tmp_path / "shape.json")],
-                 clean_env(tmp_path, {}))
+                 clean_env(tmp_path))
     assert proc.returncode == 2
     assert_one_line(proc.stderr, f"uibus serve: --agents: {tmp_path}/shape.json: `agents` must be a non-empty list")
     assert (tmp_path / "state" / "uibus").is_dir()

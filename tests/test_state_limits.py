@@ -21,6 +21,7 @@ import pytest
 from tests.chatkit import MAXIMAL, Agent, answer, request
 from tests.conftest import REPO, require, require_binary, running, subscriber, wait_for
 from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
+from tests.support import scrape_text
 from tests.webclient import call
 from uibus import kinds
 from uibus.clients.connection import Connection
@@ -38,13 +39,6 @@ EMPTY = common_pb2.EmptyRequest()
 
 def big_text(i: int) -> str:
     return f"turn {i}: " + "x" * BIG
-
-
-async def scrape(port: int) -> str:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-        r = await client.get("/metrics")
-        assert r.status_code == 200
-        return r.text
 
 
 def sample(text: str, name: str, **labels: str) -> float:
@@ -74,7 +68,7 @@ async def test_eight_700kb_turns_then_hi_all_answer_and_the_stored_context_stays
         assert messages[-2].text == "hi"
         history = await app.core.history.read("big")  # bounded in bytes too, newest kept
         assert history[-2]["text"] == "hi" and history[-4]["text"].startswith("turn 7: ")
-        metrics = await scrape(app.http_port)
+        metrics = await scrape_text(app.http_port)
         assert sample(metrics, "uibus_chat_context_dropped_messages_total") > 0
 
 
@@ -303,12 +297,13 @@ async def test_headers_received_means_subscribed_on_host_requests_and_extension_
         await wait_for(lambda: app.bus.count(session="live3") == 0, what="streams gone")
 
 
+@pytest.mark.node
 async def test_headers_received_means_subscribed_for_a_grpc_js_client(app):
     """grpc-js (Cline's own stack) waits for the call's 'metadata' event, then publishes: 100 rounds,
     every publish reaches the stream (tests/grpcjs/live.js, the pinned @grpc/grpc-js)."""
     node = require_binary("node")
     here = REPO / "tests" / "grpcjs"
-    require("the pinned @grpc/grpc-js (bash .ci/setup)", (here / "node_modules" / "@grpc" / "grpc-js").is_dir())
+    require("the pinned @grpc/grpc-js (bash .ci/setup)", (here / "node_modules" / "@grpc" / "grpc-js").is_dir(), "node")
     proc = await asyncio.create_subprocess_exec(node, str(here / "live.js"), f"127.0.0.1:{app.port}", "js", "100",
                                                 stdout=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)

@@ -17,7 +17,8 @@ __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 Opener = Callable[[], Store]
 
 
-@pytest.fixture(params=["sqlite", "redis", "redis-cluster"])
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.redis),
+                        pytest.param("redis-cluster", marks=pytest.mark.redis)])
 def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     """Opens a store on the same backing data each time it is called (to check reopening)."""
     if request.param == "sqlite":

@@ -290,6 +290,7 @@ async def test_pages_damaged_while_running_are_unavailable_until_repaired(tmp_pa
 
 # ---- Redis: down at start, up, down, up ------------------------------------------------------
 
+@pytest.mark.redis
 async def test_redis_down_at_start_is_not_serving_until_it_answers(tmp_path: Path) -> None:
     require_binary("redis-server")
     redis = RedisProcess(tmp_path)
@@ -324,6 +325,7 @@ async def test_redis_down_at_start_is_not_serving_until_it_answers(tmp_path: Pat
         redis.kill()
 
 
+@pytest.mark.redis
 async def test_redis_out_of_memory_is_store_full_until_it_has_room(tmp_path: Path) -> None:
     """maxmemory with noeviction: writes fail StoreFull (RESOURCE_EXHAUSTED), the store is unhealthy
     (its probe's SET is refused too) until Redis has room again."""
@@ -357,6 +359,7 @@ async def test_redis_out_of_memory_is_store_full_until_it_has_room(tmp_path: Pat
         redis.kill()
 
 
+@pytest.mark.redis
 async def test_redis_refusing_writes_is_unavailable_until_it_takes_them(tmp_path: Path) -> None:
     """A Redis turned into a replica (a failover gone wrong) answers READONLY: UNAVAILABLE with
     words, not INTERNAL; the store is unhealthy until it is a primary again."""

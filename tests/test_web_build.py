@@ -11,16 +11,20 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, require, require_binary
 
 WEB = REPO / "web"
 PAGE = REPO / "server" / "static" / "index.html"
 
 
+@pytest.mark.node
 def test_committed_page_is_the_build_of_its_sources(tmp_path: Path) -> None:
     npm = require_binary("npm")
     require("web/'s packages (bash .ci/setup, or `cd web && npm ci`)",
-            (WEB / "node_modules" / "esbuild").is_dir() and (WEB / "node_modules" / "@bufbuild" / "buf").is_dir())
+            (WEB / "node_modules" / "esbuild").is_dir() and (WEB / "node_modules" / "@bufbuild" / "buf").is_dir(),
+            "node")
     out = tmp_path / "index.html"
     done = subprocess.run([npm, "run", "build"], cwd=WEB, env={**os.environ, "UIBUS_PAGE_OUT": str(out)},
                           capture_output=True, text=True, timeout=300)

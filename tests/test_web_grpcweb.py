@@ -88,12 +88,6 @@ def installers() -> tuple[Installer, ...]:
     return EDGE_INSTALLERS
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=10) as client:
-        yield client
-
-
 def url(app: App, path: str) -> str:
     return f"http://127.0.0.1:{app.http_port}{path}"
 

@@ -8,9 +8,9 @@ from dataclasses import replace
 import grpc
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_for
+from tests.support import scrape
 from tests.webclient import call_stream
 from uibus import kinds
 from uibus.app import App
@@ -23,16 +23,6 @@ from uibus.pb.uibus.v1 import host_pb2
 @pytest.fixture
 def web_config(web_config: Config) -> Config:
     return replace(web_config, queue_size=2)
-
-
-async def scrape(client: httpx.AsyncClient) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    r = await client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out = {}
-    for family in text_string_to_metric_families(r.text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def get(samples: dict, name: str, **labels: str) -> float:

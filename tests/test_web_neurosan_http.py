@@ -7,23 +7,15 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import httpx
-import pytest
 
 from tests.conftest import free_port
 from uibus.app import App
 from uibus.config import Config
 
 AGENT = "hello_world"  # the built-in local agent
-
-
-@pytest.fixture
-async def http(web: App) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{web.http_port}", timeout=10) as client:
-        yield client
 
 
 async def chat(http: httpx.AsyncClient, body: dict, session: str = "default") -> tuple[list[dict], list[float], float]:
@@ -40,21 +32,21 @@ async def chat(http: httpx.AsyncClient, body: dict, session: str = "default") ->
     return lines, arrivals, time.monotonic()
 
 
-async def test_list_function_connectivity(http: httpx.AsyncClient) -> None:
-    listed = (await http.get("/api/v1/list")).json()
+async def test_list_function_connectivity(web_http: httpx.AsyncClient) -> None:
+    listed = (await web_http.get("/api/v1/list")).json()
     names = [a["agent_name"] for a in listed["agents"]]  # proto field names, not camelCase
     assert AGENT in names
-    fn = await http.get(f"/api/v1/{AGENT}/function")
+    fn = await web_http.get(f"/api/v1/{AGENT}/function")
     assert fn.status_code == 200 and "function" in fn.json()
-    conn = await http.get(f"/api/v1/{AGENT}/connectivity")
+    conn = await web_http.get(f"/api/v1/{AGENT}/connectivity")
     assert conn.status_code == 200 and isinstance(conn.json(), dict)
 
 
-async def test_streams_lines_as_produced(http: httpx.AsyncClient) -> None:
+async def test_streams_lines_as_produced(web_http: httpx.AsyncClient) -> None:
     body = {"user_message": {"type": "HUMAN", "text": "stream please"},
             "chat_filter": {"chat_filter_type": "MAXIMAL"}, "sly_data": {"chunks": 5, "delay_ms": 150}}
     start = time.monotonic()
-    lines, arrivals, end = await chat(http, body, session="stream")
+    lines, arrivals, end = await chat(web_http, body, session="stream")
     print(f"\nline arrivals after request (ms): {[round((a - start) * 1000) for a in arrivals]}, "
           f"complete at {round((end - start) * 1000)} ms")
     assert len(lines) >= 3
@@ -64,31 +56,31 @@ async def test_streams_lines_as_produced(http: httpx.AsyncClient) -> None:
     assert "chat_context" in final
 
 
-async def test_multi_turn_context_through_http(http: httpx.AsyncClient) -> None:
-    first, _, _ = await chat(http, {"user_message": {"text": "my name is Ada"}}, session="turns")
+async def test_multi_turn_context_through_http(web_http: httpx.AsyncClient) -> None:
+    first, _, _ = await chat(web_http, {"user_message": {"text": "my name is Ada"}}, session="turns")
     assert len(first) == 1  # MINIMAL (default): only the final answer
-    second, _, _ = await chat(http, {"user_message": {"text": "what is my name?"}}, session="turns")
+    second, _, _ = await chat(web_http, {"user_message": {"text": "what is my name?"}}, session="turns")
     assert "my name is Ada" in second[-1]["response"]["text"]  # session store carried the context
     # a client that sends the chat_context (as neuro-san clients do) continues it in any session
     ctx = second[-1]["response"]["chat_context"]
-    third, _, _ = await chat(http, {"user_message": {"text": "third"}, "chat_context": ctx}, session="other")
+    third, _, _ = await chat(web_http, {"user_message": {"text": "third"}, "chat_context": ctx}, session="other")
     assert "what is my name?" in third[-1]["response"]["text"]
 
 
-async def test_errors(http: httpx.AsyncClient) -> None:
-    r = await http.get("/api/v1/no_such_agent/function")
+async def test_errors(web_http: httpx.AsyncClient) -> None:
+    r = await web_http.get("/api/v1/no_such_agent/function")
     assert r.status_code == 404 and "error" in r.json()
-    r = await http.post("/api/v1/no_such_agent/streaming_chat", json={"user_message": {"text": "hi"}})
+    r = await web_http.post("/api/v1/no_such_agent/streaming_chat", json={"user_message": {"text": "hi"}})
     assert r.status_code == 404 and "error" in r.json()
-    r = await http.post(f"/api/v1/{AGENT}/streaming_chat", content=b"{not json")
+    r = await web_http.post(f"/api/v1/{AGENT}/streaming_chat", content=b"{not json")
     assert r.status_code == 400 and "ChatRequest" in r.json()["error"]
-    r = await http.post(f"/api/v1/{AGENT}/streaming_chat", json={"no_such_field": 1})
+    r = await web_http.post(f"/api/v1/{AGENT}/streaming_chat", json={"no_such_field": 1})
     assert r.status_code == 400
-    r = await http.get(f"/api/v1/{AGENT}/streaming_chat")
+    r = await web_http.get(f"/api/v1/{AGENT}/streaming_chat")
     assert r.status_code == 405
-    r = await http.get("/api/v1/bad%20name/function")
+    r = await web_http.get("/api/v1/bad%20name/function")
     assert r.status_code in (400, 404)
-    assert (await http.get("/api/v1/list")).status_code == 200  # still serving
+    assert (await web_http.get("/api/v1/list")).status_code == 200  # still serving
 
 
 async def test_bearer_token(config: Config) -> None:
