@@ -21,7 +21,7 @@ from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis_bus import ReplicatedBus, shard_of
+from uibus.redis import ReplicatedBus, shard_of
 
 __all__ = ["redis_server"]
 
@@ -142,7 +142,7 @@ async def test_a_shard_is_followed_while_subscribed_then_left_after_its_linger(
         redis_server: RedisProcess, tmp_path: Path) -> None:
     async with replicas(redis_server.url, tmp_path, 2, 256) as (a, b):
         bus = bus_of(b)
-        bus._linger_s = 0.3  # the test's churn window
+        bus._shards.linger_s = 0.3  # the test's churn window
         conn = Connection(f"127.0.0.1:{b.port}", session="lingering")
         try:
             first = conn.ui.subscribeToAddToInput(common_pb2.EmptyRequest())
