@@ -69,15 +69,39 @@ class _Unencodable(Exception):
     pass
 
 
-def _deadline(ctx: CallContext) -> None:
-    ctx.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-    ctx.set_details(DEADLINE_DETAILS)
+def _encoded(encode: Callable[[Any], Any], message: Any) -> Any:
+    try:
+        return encode(message)
+    except Exception as exc:  # the handler produced a message of the wrong type, or one its encoder refuses
+        raise _Unencodable from exc
 
 
-def _unencodable(ctx: CallContext, exc: _Unencodable) -> None:
-    """The handler produced a message of the wrong type (or one its encoder refuses)."""
-    ctx.set_code(grpc.StatusCode.INTERNAL)
-    ctx.set_details(f"could not serialize the response: {exc.__cause__}")
+class _Ending:
+    """How the handler's run ended, as the call's status: a deadline is DEADLINE_EXCEEDED, an
+    unencodable message INTERNAL; both drivers (push and pull) map them here, once."""
+
+    __slots__ = ("ctx", "ended")
+
+    def __init__(self, ctx: CallContext) -> None:
+        self.ctx = ctx
+        self.ended = False  # the handler ended by itself (not cut short by a deadline or a cancel)
+
+    def __enter__(self) -> _Ending:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        if kind is None:
+            self.ended = True
+        elif issubclass(kind, TimeoutError):
+            self.ctx.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+            self.ctx.set_details(DEADLINE_DETAILS)
+        elif issubclass(kind, _Unencodable):
+            self.ctx.set_code(grpc.StatusCode.INTERNAL)
+            self.ctx.set_details(f"could not serialize the response: {exc.__cause__ if exc else ''}")
+            self.ended = True
+        else:
+            return False
+        return True
 
 
 async def drive(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext, sink: Sink, *,
@@ -116,12 +140,12 @@ async def drive(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext, 
 async def _answer(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext, sink: Sink,
                   within: Callable[[], AbstractContextManager[Any]] | None) -> None:
     """The call's messages into the sink, then its status; `ctx.finish` however it ends."""
-    ended = False
+    ending = _Ending(ctx)
     try:
         with within() if within is not None else contextlib.nullcontext():
             encode = sink.encode
             send = sink.message
-            try:
+            with ending:
                 async with asyncio.timeout(ctx.time_remaining()):
                     async with contextlib.aclosing(responses(handler, request, ctx)) as stream:
                         if handler.response_streaming and sink.headers_after is not None:
@@ -129,23 +153,12 @@ async def _answer(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext
                         else:
                             message = await anext(stream, _END)
                         while message is not _END:
-                            if encode is not None:
-                                try:
-                                    message = encode(message)
-                                except Exception as exc:
-                                    raise _Unencodable from exc
-                            await send(message)
+                            await send(message if encode is None else _encoded(encode, message))
                             message = await anext(stream, _END)
-                ended = True
-            except TimeoutError:
-                _deadline(ctx)
-            except _Unencodable as exc:
-                _unencodable(ctx, exc)
-                ended = True
             code, details = ctx.status()
             await sink.finish(code, details, ctx.trailing)
     finally:
-        ctx.finish(cancelled=not ended)
+        ctx.finish(cancelled=not ending.ended)
 
 
 async def _first(stream: AsyncIterator[Any], sink: Sink, after: float) -> Any:
@@ -170,28 +183,17 @@ async def stream(handler: grpc.RpcMethodHandler, request: Any, ctx: CallContext,
     may raise it). Closing the generator early is the client going away."""
     ctx.on_initial_metadata = sink.start
     encode = sink.encode
-    ended = False
+    ending = _Ending(ctx)
     try:
-        try:
+        with ending:
             async with asyncio.timeout(ctx.time_remaining()):
                 async with contextlib.aclosing(responses(handler, request, ctx)) as messages:
                     async for message in messages:
-                        if encode is not None:
-                            try:
-                                message = encode(message)
-                            except Exception as exc:
-                                raise _Unencodable from exc
-                        yield message
-            ended = True
-        except TimeoutError:
-            _deadline(ctx)
-        except _Unencodable as exc:
-            _unencodable(ctx, exc)
-            ended = True
+                        yield message if encode is None else _encoded(encode, message)
         code, details = ctx.status()
         await sink.finish(code, details, ctx.trailing)
     finally:
-        ctx.finish(cancelled=not ended)
+        ctx.finish(cancelled=not ending.ended)
 
 
 class _Reply:
