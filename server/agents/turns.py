@@ -60,17 +60,20 @@ class Requests:
         if self._waiting.get(ident) is future:
             del self._waiting[ident]
 
+    def _pending(self, ident: Any) -> asyncio.Future[Any] | None:
+        """The future still waiting for request `ident` (an agent may send any id, even unhashable)."""
+        future = self._waiting.get(ident) if isinstance(ident, Hashable) else None
+        return None if future is None or future.done() else future
+
     def resolve(self, ident: Any, result: Any) -> bool:
         """Settles request `ident` with `result`; False when no such request waits (not ours)."""
-        future = self._waiting.get(ident) if isinstance(ident, Hashable) else None
-        if future is None or future.done():
+        if (future := self._pending(ident)) is None:
             return False
         future.set_result(result)
         return True
 
     def reject(self, ident: Any, error: BaseException) -> bool:
-        future = self._waiting.get(ident) if isinstance(ident, Hashable) else None
-        if future is None or future.done():
+        if (future := self._pending(ident)) is None:
             return False
         future.set_exception(error)
         return True
