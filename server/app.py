@@ -272,6 +272,9 @@ class App:
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
         await res.enter("agent sessions", core.agent_sessions)
+        if core.ownership is not None and core.forwarding is not None:  # closed before the agent sessions
+            await res.enter("agent ownership", core.ownership)
+            await res.enter("agent turn forwarding", core.forwarding)
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("recent messages", self._flush_recent)
         gauges: Gauges = {
@@ -295,6 +298,22 @@ class App:
                                                           lambda: float(sessions.closed_evicted)),
             "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
                                                        lambda: float(sessions.closed_dead)),
+            "uibus_agent_turns_forwarded_total": (
+                "hosted agent turns carried from this replica to the replica owning the agent",
+                lambda: float(core.forwarding.forwarded if core.forwarding else 0)),
+            "uibus_agent_turns_served_total": (
+                "hosted agent turns other replicas carried here, to the agent this replica owns",
+                lambda: float(core.forwarding.served if core.forwarding else 0)),
+            "uibus_agent_turns_interrupted_total": (
+                "forwarded turns ended UNAVAILABLE because the owning replica went silent",
+                lambda: float(core.forwarding.interrupted if core.forwarding else 0)),
+            "uibus_agent_leases_taken_over_total": (
+                "agent ownership leases this replica took over from a replica whose lease had expired",
+                lambda: float(core.ownership.taken_over if core.ownership else 0)),
+            "uibus_agent_leases_fenced_total": (
+                "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
+                "their turns cut, their agent closed",
+                lambda: float(core.ownership.fenced if core.ownership else 0)),
         }
         worker = self.worker
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {

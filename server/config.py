@@ -192,6 +192,9 @@ class Config:
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
         "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
+    agent_lease_seconds: float = field(default=10.0, metadata={
+        "help": "with --redis-url: a hosted agent's owner lease expires this long after its replica stops "
+                "renewing it; then another replica takes the agent over"})
     cors_origins: str = field(default="", metadata={
         "help": "comma-separated browser origins allowed on the HTTP port besides the page's own, loopback pages "
                 "on this port and IDE webviews (`https://*.example.com` patterns work; `*` allows any page)"})
@@ -229,7 +232,7 @@ class Config:
         for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
         for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_idle_seconds",
-                     "ws_ping_timeout_seconds"):
+                     "ws_ping_timeout_seconds", "agent_lease_seconds"):
             check(getattr(self, name) > 0, name, "must be more than 0")
         for cert, key in (("tls_cert", "tls_key"), ("http_tls_cert", "http_tls_key")):
             check(bool(getattr(self, key)) or not getattr(self, cert), cert, f"needs {_flag(key)} as well")

@@ -38,7 +38,7 @@ from uibus.errors import StoreFull, StoreUnavailable
 from uibus.logs import Throttle
 from uibus.tasks import Tasks
 
-__all__ = ["Store", "StoreFull", "StoreStats", "StoreUnavailable"]
+__all__ = ["Lease", "Store", "StoreFull", "StoreStats", "StoreUnavailable"]
 
 log = logging.getLogger("uibus.store")
 
@@ -72,6 +72,20 @@ class StoreStats:
     sessions: int = -1  # sessions stored, as last seen by a write or the sweep (-1: not yet known)
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Who owns a (session, agent) now, as the store answered a `take_lease`.
+
+    `token` is the fencing token: it grows by one each time the lease changes hands (or is taken
+    again after it expired), so a write checked against it can never come from an owner that lost
+    it. `taken_from` names the owner whose lease had expired when this call took it ("" when there
+    was none, or the caller already held it)."""
+
+    owner: str
+    token: int
+    taken_from: str = ""
+
+
 class Store(abc.ABC):
     """Async interface so that a networked backend fits; values are JSON-serialisable."""
 
@@ -94,6 +108,8 @@ class Store(abc.ABC):
         self._listeners: list[Callable[[], None]] = []
         self._prober: asyncio.Task[None] | None = None
         self._failure_logs: dict[str, Throttle] = {}  # one per kind of failure
+        # The leases of a one-process store: (session, name) -> [owner, token, monotonic expiry].
+        self._leases: dict[tuple[str, str], list[Any]] = {}
 
     @abc.abstractmethod
     async def get(self, session: str, key: str) -> Any | None: ...
@@ -129,6 +145,40 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         """The list `key`, oldest first; `last` > 0 returns only the newest `last` items."""
+
+    # ---- leases: one owner of a (session, agent) at a time, with a fencing token ------------------
+    # The embedded stores serve one process, so this in-memory table is their implementation; a
+    # store shared by several processes (RedisStore) overrides all three with atomic server steps.
+
+    async def take_lease(self, session: str, name: str, owner: str, ttl_s: float) -> Lease:
+        """Takes (or renews) the lease of (`session`, `name`) for `owner` when it is free, expired
+        or already `owner`'s, for `ttl_s`; otherwise returns the live owner's lease untouched."""
+        now = time.monotonic()
+        held = self._leases.get((session, name))
+        if held is not None and held[0] != owner and held[2] > now:
+            return Lease(held[0], held[1])
+        token = held[1] if held is not None else 0
+        taken_from = ""
+        if held is None or held[0] != owner or held[2] <= now:
+            token += 1
+            taken_from = held[0] if held is not None and held[0] != owner else ""
+        self._leases[(session, name)] = [owner, token, now + ttl_s]
+        return Lease(owner, token, taken_from)
+
+    async def renew_lease(self, session: str, name: str, owner: str, token: int, ttl_s: float) -> bool:
+        """Extends the lease by `ttl_s` if `owner` still holds it with `token` and it has not
+        expired; False means it is lost (fenced): its holder must stop acting for the session."""
+        held = self._leases.get((session, name))
+        if held is None or held[0] != owner or held[1] != token or held[2] <= time.monotonic():
+            return False
+        held[2] = time.monotonic() + ttl_s
+        return True
+
+    async def drop_lease(self, session: str, name: str, owner: str, token: int) -> None:
+        """Gives the lease up (another process may take it at once) if still `owner`'s with `token`."""
+        held = self._leases.get((session, name))
+        if held is not None and held[0] == owner and held[1] == token:
+            held[2] = 0.0  # expired, its token kept: the next owner's is higher
 
     async def sweep(self) -> int:
         """Deletes the sessions idle longer than the TTL and any beyond `max_sessions`, longest

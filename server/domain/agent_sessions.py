@@ -179,7 +179,8 @@ class AgentSessions:
         with contextlib.suppress(asyncio.CancelledError):
             await closing.aclose(patience=5.0)
 
-    async def _close(self, key: tuple[str, str], agent: AgentSession, why: str) -> None:
+    async def _close(self, key: tuple[str, str], agent: AgentSession, why: str, *, marker: bool = True) -> None:
+        """`marker=False` leaves the session's live-agent marker: it is another replica's now."""
         self._stopping += 1
         try:
             await agent.aclose()
@@ -187,7 +188,8 @@ class AgentSessions:
             self._stopping -= 1
             log.info("agent session closed", extra={"fields": {"session": key[0], "agent": key[1], "why": why}})
             with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
-                await self.store.put(key[0], MARKER + key[1], None)
+                if marker:
+                    await self.store.put(key[0], MARKER + key[1], None)
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
@@ -228,6 +230,17 @@ class AgentSessions:
                 except Exception as exc:
                     log.warning("closing an agent session failed", extra={"fields": {
                         "session": key[0], "agent": key[1], "error": str(exc)}})
+
+    def is_live(self, session: str, name: str) -> bool:
+        """Whether an agent session of (`session`, `name`) is open here (uibus.domain.ownership)."""
+        return (session, name) in self._live or (session, name) in self._opening
+
+    async def drop(self, session: str, name: str, why: str) -> None:
+        """Closes the agent session of (`session`, `name`) now, if open here: its owner lost the
+        right to host it (uibus.domain.ownership fences it); its turns were cut first."""
+        entry = self._live.pop((session, name), None)
+        if entry is not None:
+            await self._close((session, name), entry.agent, why, marker=False)
 
     # ---- turns ----
 

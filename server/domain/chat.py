@@ -35,6 +35,7 @@ from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
+from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
@@ -182,6 +183,8 @@ class Chat:
         self.context_bytes = context_bytes
         self.send_limit = send_limit
         self.context_dropped = 0  # ChatContext messages dropped to keep contexts within budget
+        # With replicas: each hosted agent's turns go to its one owner (uibus.domain.turn_forwarding).
+        self.routing: TurnForwarding | None = None
         self.directory = concierge_pb2.ConciergeResponse(agents=[
             concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
             for s in agents.specs.values()])
@@ -229,10 +232,22 @@ class Chat:
         self.spec(agent)
         check_request(request)
 
-    async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
-                   metadata: Mapping[str, str] | None = None, *,
-                   keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """The ChatResponses of one turn. Bad input fails (with `check`'s errors) before anything
+    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+             metadata: Mapping[str, str] | None = None, *, keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """The ChatResponses of one turn (see `turn_here`). With replicas, a hosted agent's turn of a
+        named session runs at the one replica owning that agent, wherever it arrived (`routing`);
+        every other turn runs here."""
+        routing = self.routing
+        backend = self.agents.backends.get(agent)
+        if routing is None or not keep or not request.user_message.text or not isinstance(backend, SessionBackend):
+            return self.turn_here(session, agent, request, metadata, keep=keep)
+        forwarded = {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
+        return routing.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
+
+    async def turn_here(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                        metadata: Mapping[str, str] | None = None, *,
+                        keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """The ChatResponses of one turn run by this replica. Bad input fails (with `check`'s errors) before anything
         happens; after that an agent failure is an answer, and only a store failure or a
         cancellation ends the stream otherwise. `keep=False` (a caller that named no session): the
         stored conversation is neither continued nor written; the turn goes on from the request's

@@ -13,6 +13,8 @@ from uibus.domain.clock import TsClock
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
+from uibus.domain.ownership import Ownership
+from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.store import Store
 
 
@@ -27,6 +29,9 @@ class Core:
     chat: Chat
     dialogs: Dialogs
     agent_sessions: AgentSessions
+    # With a replicated bus: the agent leases held here and the turns carried to their owners.
+    ownership: Ownership | None = None
+    forwarding: TurnForwarding | None = None
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
@@ -35,9 +40,16 @@ class Core:
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
-        return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
-                   chat=Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
-                             send_limit=config.max_message_bytes), dialogs=dialogs, agent_sessions=sessions)
+        chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
+                    send_limit=config.max_message_bytes)
+        ownership = forwarding = None
+        replica_id = getattr(bus, "replica_id", "")
+        if bus.replicated and replica_id:  # one owner per hosted agent across replicas and workers
+            ownership = Ownership(store, sessions, replica_id, lease_s=config.agent_lease_seconds)
+            forwarding = chat.routing = TurnForwarding(
+                bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True))
+        return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
+                   dialogs=dialogs, agent_sessions=sessions, ownership=ownership, forwarding=forwarding)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

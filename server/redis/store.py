@@ -43,7 +43,8 @@ from uibus.redis.conn import CLUSTER_OUTAGE, OUTAGE_ERRORS, SlotMap, make_client
 from uibus.redis.index_cluster import EMPTY_TAG, ClusterIndex
 from uibus.redis.index_single import SingleIndex
 from uibus.redis.keys import Keys, dumps
-from uibus.store import Store
+from uibus.redis.leases import RedisLeases
+from uibus.store import Lease, Store
 
 log = logging.getLogger("uibus.store")
 
@@ -83,6 +84,7 @@ class RedisStore(Store):
         self._slots = SlotMap(self.redis) if isinstance(self.redis, RedisCluster) else None
         # The session index, chosen once: every write that stamps a session goes through it.
         self._sessions: SingleIndex | ClusterIndex = ClusterIndex(self) if cluster else SingleIndex(self)
+        self._lease_steps = RedisLeases(self.redis, self.keys)  # agent ownership (uibus.redis.leases)
 
     async def _ready(self) -> None:
         """On a cluster, the first learning of the slots, once (uibus.redis.conn.SlotMap: several
@@ -212,6 +214,23 @@ class RedisStore(Store):
         with self.guard():
             start = -last if last > 0 else 0
             return [json.loads(v) for v in await self.redis.lrange(self.keys.list(session, key), start, -1)]
+
+    # ---- leases (uibus.redis.leases): atomic on the server, shared by every replica ---------------
+
+    async def take_lease(self, session: str, name: str, owner: str, ttl_s: float) -> Lease:
+        await self._ready()
+        with self.guard():
+            return await self._lease_steps.take(session, name, owner, ttl_s)
+
+    async def renew_lease(self, session: str, name: str, owner: str, token: int, ttl_s: float) -> bool:
+        await self._ready()
+        with self.guard():
+            return await self._lease_steps.renew(session, name, owner, token, ttl_s)
+
+    async def drop_lease(self, session: str, name: str, owner: str, token: int) -> None:
+        await self._ready()
+        with self.guard():
+            await self._lease_steps.drop(session, name, owner, token)
 
     async def close(self) -> None:
         """Never raises (shutdown must end with 0): a client that fails to close is one log line."""

@@ -1,0 +1,242 @@
+"""A hosted agent's turn that arrives at a replica which does not own the agent, carried to the owner.
+
+The owner of a (session, agent) is the replica holding its lease (uibus.domain.ownership). A turn
+arriving anywhere else goes to it over the bus and is streamed back, so one agent process holds
+one conversation whatever replica or worker a client's connection landed on:
+
+* the forwarder publishes the turn (kind AGENT_TURN, targeted at the owner's id: the request as
+  bytes, the agent, the forwarded metadata) and reads the replies targeted at the turn's id (kind
+  AGENT_TURN_REPLY): "accepted", each ChatResponse in order, a heartbeat every lease_s / 4, and the
+  end (status code and message). The owner runs the turn exactly as a local one (Chat.turn_here),
+  dialogs and webview messages included: those already reach every replica's UIs.
+* The caller's cancel and deadline: the forwarder's call is cancelled (the call driver turns a
+  deadline into a cancel of the handler), and on its way out it sends the owner a cancel for the
+  turn, which cancels it there (the agent gets pi's `abort` / ACP's `session/cancel`).
+* AGENT_TURN is a presence kind, and the owner listens to a session's turns while it holds a lease
+  there. A forwarder that finds the owner not listening, or not accepting within ACCEPT_S, or told
+  "moved" (the owner lost the lease), claims again: once the old owner's lease expired it takes it
+  and runs the turn here (a takeover). All of it is bounded by twice the lease plus ACCEPT_S.
+* An owner that dies mid-turn stops beating: after `lease_s` and a quarter of silence the
+  forwarder ends the turn UNAVAILABLE, saying the conversation is kept and the turn can be sent
+  again (the next turn takes the lease over once it expired).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
+from typing import Any
+
+from uibus import kinds
+from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
+from uibus.domain.ownership import Ownership, interrupted
+from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
+from uibus.pb.neuro_san.api.grpc import agent_pb2
+from uibus.tasks import Tasks
+
+log = logging.getLogger("uibus.agents")
+
+ACCEPT_S = 2.0  # how long a forwarded turn waits for the owner to take it
+RETRY_S = 0.2  # between claims while the owner does not answer
+REPLY_QUEUE = 1 << 20  # a forwarded turn's mailbox, in events: bounded by the mailbox's bytes instead
+_UNAVAILABLE = STATUS_NUMBERS["UNAVAILABLE"]
+
+RunHere = Callable[[str, str, agent_pb2.ChatRequest, Mapping[str, str]], AsyncIterator[agent_pb2.ChatResponse]]
+
+
+class _Moved(Exception):
+    """The turn did not reach a replica that runs it: claim the owner again."""
+
+
+class TurnForwarding:
+    """Routes each hosted agent turn to its owner; serves the turns forwarded to this replica."""
+
+    def __init__(self, bus: Bus, ownership: Ownership, run_here: RunHere) -> None:
+        self.bus = bus
+        self.ownership = ownership
+        self.run_here = run_here
+        self.lease_s = ownership.lease_s
+        self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
+        self._serving = Tasks("forwarded agent turns")
+        self._turns: dict[str, asyncio.Task[None]] = {}  # turn id -> its run here, for its cancel
+        self.forwarded = 0  # turns this replica carried to their owner (accepted there)
+        self.served = 0  # turns other replicas carried here
+        self.interrupted = 0  # forwarded turns whose owner went silent
+        ownership.on_session = self._on_session
+
+    # ---- the forwarder's side ----
+
+    async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest, metadata: Mapping[str, str],
+                   check: Callable[[], None]) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """The ChatResponses of one turn of a hosted agent, run by its owner (here or elsewhere)."""
+        check()  # bad input fails where it arrived, before anything is claimed or sent
+        ownership = self.ownership
+        give_up = time.monotonic() + 2 * self.lease_s + ACCEPT_S
+        while True:
+            owner = await ownership.claim(session, agent)
+            if owner == ownership.owner_id:
+                async with ownership.running(session, agent), \
+                        aclosing(self.run_here(session, agent, request, metadata)) as replies:
+                    async for reply in replies:
+                        yield reply
+                return
+            try:
+                async with aclosing(self._forward(session, agent, owner, request, metadata)) as replies:
+                    async for reply in replies:
+                        yield reply
+                return
+            except _Moved:
+                if time.monotonic() >= give_up:
+                    raise Unavailable(f"the uibus replica hosting agent {agent!r} for this session does not answer "
+                                      "and its lease has not expired yet; the conversation is kept, send the turn "
+                                      "again shortly") from None
+                await asyncio.sleep(RETRY_S)
+
+    async def _forward(self, session: str, agent: str, owner: str, request: agent_pb2.ChatRequest,
+                       metadata: Mapping[str, str]) -> AsyncIterator[agent_pb2.ChatResponse]:
+        turn_id = uuid.uuid4().hex
+        bus = self.bus
+        await bus.ready(session)  # every replica's presence for the session known
+        if getattr(bus, "announced", lambda *a: None)(owner, session, kinds.AGENT_TURN) is False:
+            raise _Moved  # the owner does not listen (yet, or any more)
+        try:
+            sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, turn_id, maxsize=REPLY_QUEUE)
+        except (SubscriptionLimit, BusClosed) as exc:
+            raise Unavailable(f"cannot carry the turn to the replica hosting agent {agent!r}: {exc}") from exc
+        sent = ended = False
+        try:
+            sent = bus.publish(session, kinds.AGENT_TURN, {
+                "op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
+                "request": base64.b64encode(request.SerializeToString()).decode()}, target=owner) > 0
+            if not sent:
+                raise _Moved
+            replies = aiter(sub)
+            wait = ACCEPT_S
+            while True:
+                try:
+                    async with asyncio.timeout(wait):
+                        item = await anext(replies)
+                except TimeoutError:
+                    if wait == ACCEPT_S:
+                        raise _Moved from None
+                    self.interrupted += 1
+                    raise Unavailable(interrupted(agent)) from None
+                except StopAsyncIteration:
+                    raise Unavailable("the server is shutting down") from None
+                if type(item) is not dict:
+                    yield item
+                    continue
+                op = item.get("op")
+                if op == "accepted":
+                    self.forwarded += 1
+                    wait = self.lease_s * 1.25  # the owner beats every lease_s / 4
+                elif op == "end":
+                    ended = True
+                    code = item.get("code")
+                    if code:
+                        raise error_of(int(code), str(item.get("message", "")))
+                    return
+                elif op == "moved":
+                    ended = True
+                    raise _Moved
+        finally:
+            if sent and not ended:  # cancelled, timed out or closed by the caller: stop it at the owner
+                bus.publish(session, kinds.AGENT_TURN, {"op": "cancel", "id": turn_id}, target=owner)
+            bus.unsubscribe(sub)
+
+    # ---- the owner's side ----
+
+    def _on_session(self, session: str, holding: bool) -> None:
+        """Listens to `session`'s forwarded turns while this replica holds a lease there."""
+        if not holding:
+            listener = self._listeners.pop(session, None)
+            if listener is not None:
+                self.bus.unsubscribe(listener[0])  # ends _serve's loop
+            return
+        if session in self._listeners or self._serving.closed:
+            return
+        try:
+            sub = self.bus.subscribe(session, kinds.AGENT_TURN, self.ownership.owner_id)
+        except (SubscriptionLimit, BusClosed):
+            return  # turns arriving here still run; other replicas' wait for the lease instead
+        self._listeners[session] = (sub, self._serving.spawn(self._serve(session, sub), name="agent turn listener"))
+
+    async def _serve(self, session: str, sub: Subscription) -> None:
+        try:
+            async for item in sub:
+                if type(item) is not dict or type(item.get("id")) is not str:
+                    continue
+                if item.get("op") == "turn":
+                    self._turns[item["id"]] = self._serving.spawn(self._run(session, item), name="forwarded agent turn")
+                elif item.get("op") == "cancel":
+                    task = self._turns.get(item["id"])
+                    if task is not None:
+                        task.cancel()
+        except UibusError:  # the mailbox overflowed: stop listening (forwarders wait for the lease)
+            pass
+        finally:
+            listener = self._listeners.get(session)
+            if listener is not None and listener[0] is sub:
+                del self._listeners[session]
+            self.bus.unsubscribe(sub)
+
+    async def _run(self, session: str, item: dict[str, Any]) -> None:
+        turn_id, agent = item["id"], item.get("agent")
+        bus = self.bus
+
+        def reply(value: Any) -> None:
+            bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=turn_id)
+
+        beat: asyncio.Task[None] | None = None
+        try:
+            if type(agent) is not str or not self.ownership.holds(session, agent):
+                reply({"op": "moved"})
+                return
+            request = agent_pb2.ChatRequest.FromString(base64.b64decode(str(item.get("request", ""))))
+            metadata = item.get("metadata")
+            metadata = {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+            self.served += 1
+            reply({"op": "accepted"})
+            beat = self._serving.spawn(self._beat(reply), name="forwarded agent turn heartbeat")
+            async with self.ownership.running(session, agent), \
+                    aclosing(self.run_here(session, agent, request, metadata)) as replies:
+                async for response in replies:
+                    reply(response)
+            reply({"op": "end", "code": 0})
+        except asyncio.CancelledError:  # the forwarder's cancel, or shutdown: it hears why, if it still listens
+            reply({"op": "end", "code": _UNAVAILABLE, "message": interrupted(str(agent))})
+            raise
+        except UibusError as exc:
+            reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
+        except Exception as exc:  # a bug of ours: the caller gets INTERNAL, the log the traceback
+            log.error("forwarded agent turn failed", exc_info=exc)
+            reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
+        finally:
+            self._turns.pop(turn_id, None)
+            if beat is not None:
+                beat.cancel()  # joined with the other serving tasks
+
+    async def _beat(self, reply: Callable[[Any], None]) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            reply({"op": "beat"})
+
+    # ---- lifecycle ----
+
+    async def __aenter__(self) -> TurnForwarding:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stops listening and ends the turns run here for others (each tells its forwarder)."""
+        for sub, _task in list(self._listeners.values()):
+            self.bus.unsubscribe(sub)
+        self._listeners.clear()
+        await self._serving.aclose(patience=5.0)
