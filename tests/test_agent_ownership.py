@@ -25,6 +25,7 @@ import pytest
 
 from tests.chatkit import MAXIMAL, Agent, request, write_agents
 from tests.conftest import require, start_app, wait_for
+from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Reply, agent_pids, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.scripted_models import Say, claude_model
@@ -33,6 +34,7 @@ from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Lease, Store
 
 __all__ = ["redis_server"]  # the fixture
@@ -196,6 +198,28 @@ async def test_a_forwarded_turns_cancel_and_deadline_reach_the_agent(tmp_path: P
             assert started(apps, "acp") == 1
             await wait_for(lambda: b.bus.count(kinds.AGENT_TURN_REPLY) == 0 and not a.core.forwarding._turns,  # type: ignore[union-attr]
                            what="the forwarded turns' subscriptions and tasks gone")
+
+
+async def test_a_dialog_of_a_forwarded_turn_is_answered_on_a_third_replica(tmp_path: Path,
+                                                                          redis_server: RedisProcess) -> None:
+    """The turn arrives at B, runs at A (the owner), and its permission request is answered by a UI on C."""
+    need_fixture()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=3) as apps:
+        a, b, c = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="d") as on_a, \
+                Connection(f"127.0.0.1:{b.port}", session="d") as on_b, \
+                Connection(f"127.0.0.1:{c.port}", session="d") as on_c:
+            assert await final(on_a, "acp", "one") == "Turn 1: one"
+            (ui,) = await open_uis(c, on_c, 1, "d")
+            call = asyncio.ensure_future(turn_of(on_b, "acp", "tour", maximal=True))
+            asked = (await read(ui, 30)).request
+            assert asked.select.title == "rm -rf build"
+            await ext(on_c).Respond(pb.RespondRequest(id=asked.id, value="Reject"))
+            responses = await asyncio.wait_for(call, 30)
+            assert "Permission: reject." in responses[-1].response.text  # the answer given on C reached the agent on A
+            assert started(apps, "acp") == 1 and owner_of(apps, "d", "acp") is a
+            assert b.core.forwarding is not None and b.core.forwarding.forwarded == 1
+            del ui
 
 
 # ---- the owner SIGKILLed; fencing ---------------------------------------------------------------------
