@@ -652,6 +652,10 @@ async def run(s: Settings, model_port: int, model_pid: int, tmp: Path) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if "--forwarded" in args:  # a turn carried to the agent's owner replica against a local one
+        from bench import agent_forwarding
+        return agent_forwarding.main(args)
     p = argparse.ArgumentParser(prog="python -m bench.agents", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short everything: a smoke run (< 1 minute)")
     p.add_argument("--duration", type=float, help="seconds per measured window (default 8)")
@@ -665,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(collapsed stacks; needs py-spy, e.g. pip install '.[bench]')")
     p.add_argument("--cprofile", metavar="FILE", help="run uibus under cProfile, the profile written to FILE")
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    p.add_argument("--forwarded", action="store_true", help="instead: a hosted agent's turn forwarded to its "
+                   "owner replica against a local one (bench/agent_forwarding.py)")
     ns = p.parse_args(argv)
     s = Settings.quick() if ns.quick else Settings()
     if ns.duration:
