@@ -155,13 +155,13 @@ class Store(abc.ABC):
         or already `owner`'s, for `ttl_s`; otherwise returns the live owner's lease untouched."""
         now = time.monotonic()
         held = self._leases.get((session, name))
-        if held is not None and held[0] != owner and held[2] > now:
+        if held is not None and held[0] and held[0] != owner and held[2] > now:
             return Lease(held[0], held[1])
         token = held[1] if held is not None else 0
         taken_from = ""
         if held is None or held[0] != owner or held[2] <= now:
             token += 1
-            taken_from = held[0] if held is not None and held[0] != owner else ""
+            taken_from = held[0] if held is not None and held[0] != owner else ""  # "" when it was given up
         self._leases[(session, name)] = [owner, token, now + ttl_s]
         return Lease(owner, token, taken_from)
 
@@ -178,7 +178,7 @@ class Store(abc.ABC):
         """Gives the lease up (another process may take it at once) if still `owner`'s with `token`."""
         held = self._leases.get((session, name))
         if held is not None and held[0] == owner and held[1] == token:
-            held[2] = 0.0  # expired, its token kept: the next owner's is higher
+            held[0], held[2] = "", 0.0  # free, its token kept: the next owner's is higher
 
     async def sweep(self) -> int:
         """Deletes the sessions idle longer than the TTL and any beyond `max_sessions`, longest

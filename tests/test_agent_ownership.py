@@ -101,9 +101,9 @@ async def lease_contract(store: Store) -> None:
     assert not await store.renew_lease("s", "pi", "A", a.token, 0.5)
     await store.drop_lease("s", "pi", "A", a.token)  # not A's any more: nothing happens
     assert (await store.take_lease("s", "pi", "A", 0.5)).owner == "B"
-    await store.drop_lease("s", "pi", "B", b.token)  # given up: A takes it at once
+    await store.drop_lease("s", "pi", "B", b.token)  # given up: A takes it at once (a free lease, not one over)
     c = await store.take_lease("s", "pi", "A", 0.5)
-    assert c.owner == "A" and c.token > b.token
+    assert c == Lease("A", c.token) and c.token > b.token
     assert (await store.take_lease("s", "other", "B", 0.5)).owner == "B"  # one lease per (session, agent)
 
 
@@ -258,6 +258,29 @@ async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_t
             assert time.monotonic() - killed < 3 * LEASE_S + 3
             assert b.core.ownership is not None and b.core.ownership.taken_over == 1
             assert owner_of(apps, "k", "acp") is b and b.core.agent_sessions.count() == 1
+
+
+async def test_a_forwarder_killed_mid_turn_stops_the_turn_at_the_owner(
+        tmp_path: Path, redis_server: RedisProcess, spawn: Any) -> None:
+    need_fixture()
+    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
+    forwarder = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
+                      "--grace-seconds", "1")
+    await forwarder.wait_ready()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
+        (a,) = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="g") as on_a, \
+                Connection(forwarder.target, session="g") as on_forwarder:
+            assert await final(on_a, "acp", "one") == "Turn 1: one"  # A owns the agent
+            call = Agent(on_forwarder, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
+            assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
+            forwarder.proc.kill()  # it can send no cancel: its silence is what A notices
+            killed = time.monotonic()
+            await wait_for(lambda: any("cancelled" in e for e in fixture_log(tmp_path)), timeout=3 * LEASE_S,
+                           what="session/cancel at the agent, on A")
+            assert time.monotonic() - killed < LEASE_S * 1.5 + 1
+            assert await final(on_a, "acp", "two") == "Turn 3: two"  # the agent session goes on at A
+            assert a.core.forwarding is not None and not a.core.forwarding._turns
 
 
 class CutProxy:

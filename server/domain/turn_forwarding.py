@@ -18,7 +18,9 @@ one conversation whatever replica or worker a client's connection landed on:
   and runs the turn here (a takeover). All of it is bounded by twice the lease plus ACCEPT_S.
 * An owner that dies mid-turn stops beating: after `lease_s` and a quarter of silence the
   forwarder ends the turn UNAVAILABLE, saying the conversation is kept and the turn can be sent
-  again (the next turn takes the lease over once it expired).
+  again (the next turn takes the lease over once it expired). Both ways: the forwarder says
+  "alive" every lease_s / 4, and a turn whose forwarder went silent as long is cancelled at the
+  owner (the forwarder's replica died: nobody would read it, and the agent must not run on).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class TurnForwarding:
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._serving = Tasks("forwarded agent turns")
         self._turns: dict[str, asyncio.Task[None]] = {}  # turn id -> its run here, for its cancel
+        self._alive: dict[str, float] = {}  # turn id -> when its forwarder last said it still listens
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
         self.served = 0  # turns other replicas carried here
         self.interrupted = 0  # forwarded turns whose owner went silent
@@ -168,12 +171,15 @@ class TurnForwarding:
         except (SubscriptionLimit, BusClosed) as exc:
             raise Unavailable(f"cannot carry the turn to the replica hosting agent {agent!r}: {exc}") from exc
         sent = ended = False
+        alive: asyncio.Task[None] | None = None
         try:
             sent = bus.publish(session, kinds.AGENT_TURN, {
                 "op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
                 "request": base64.b64encode(request.SerializeToString()).decode()}, target=owner) > 0
             if not sent:
                 raise _Moved
+            alive = self._serving.spawn(self._beat(lambda: bus.publish(
+                session, kinds.AGENT_TURN, {"op": "alive", "id": turn_id}, target=owner)), name="forwarded turn alive")
             replies = aiter(sub)
             wait = ACCEPT_S
             while True:
@@ -206,6 +212,8 @@ class TurnForwarding:
                     ended = True
                     raise _Moved
         finally:
+            if alive is not None:
+                alive.cancel()  # joined with the other serving tasks
             if sent and not ended:  # cancelled, timed out or closed by the caller: stop it at the owner
                 bus.publish(session, kinds.AGENT_TURN, {"op": "cancel", "id": turn_id}, target=owner)
             bus.unsubscribe(sub)
@@ -238,6 +246,8 @@ class TurnForwarding:
                     task = self._turns.get(item["id"])
                     if task is not None:
                         task.cancel()
+                elif item.get("op") == "alive" and item["id"] in self._turns:
+                    self._alive[item["id"]] = time.monotonic()
         except UibusError:  # the mailbox overflowed: stop listening (forwarders wait for the lease)
             pass
         finally:
@@ -262,7 +272,18 @@ class TurnForwarding:
             metadata = {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
             self.served += 1
             reply({"op": "accepted"})
-            beat = self._serving.spawn(self._beat(reply), name="forwarded agent turn heartbeat")
+            self._alive[turn_id] = time.monotonic()
+            run = asyncio.current_task()
+            assert run is not None
+
+            def beat_once() -> None:
+                reply({"op": "beat"})
+                if time.monotonic() - self._alive.get(turn_id, 0.0) > self.lease_s * 1.25:
+                    log.warning("a forwarded turn's forwarder went silent: the turn is cancelled",
+                                extra={"fields": {"session": session, "agent": agent}})
+                    run.cancel()  # its forwarder's replica died: nobody reads the turn any more
+
+            beat = self._serving.spawn(self._beat(beat_once), name="forwarded agent turn heartbeat")
             async with self.ownership.running(session, agent), \
                     aclosing(self.run_here(session, agent, request, metadata)) as responses:
                 piece = replies.piece
@@ -279,13 +300,16 @@ class TurnForwarding:
             reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
         finally:
             self._turns.pop(turn_id, None)
+            self._alive.pop(turn_id, None)
             if beat is not None:
                 beat.cancel()  # joined with the other serving tasks
 
-    async def _beat(self, reply: Callable[[dict[str, Any]], None]) -> None:
+    async def _beat(self, once: Callable[[], None]) -> None:
+        """`once()` every lease_s / 4: the owner's heartbeat to a forwarder, and the forwarder's
+        "still listening" to the owner (a turn whose forwarder died is cancelled at the owner)."""
         while True:
             await asyncio.sleep(self.lease_s / 4)
-            reply({"op": "beat"})
+            once()
 
     # ---- lifecycle ----
 

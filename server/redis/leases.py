@@ -27,14 +27,14 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 # lease (taken or renewed) when it was free, expired or its own; else the live owner's, untouched.
 TAKE = _NOW + """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token', 'until')
-local owner, token, till = cur[1], tonumber(cur[2]) or 0, tonumber(cur[3]) or 0
-if owner and owner ~= ARGV[1] and till > now then
+local owner, token, till = cur[1] or '', tonumber(cur[2]) or 0, tonumber(cur[3]) or 0
+if owner ~= '' and owner ~= ARGV[1] and till > now then
   return {owner, token, ''}
 end
 local from = ''
-if (not owner) or owner ~= ARGV[1] or till <= now then
+if owner ~= ARGV[1] or till <= now then
   token = token + 1
-  if owner and owner ~= ARGV[1] then from = owner end
+  if owner ~= '' and owner ~= ARGV[1] then from = owner end
 end
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token, 'until', now + tonumber(ARGV[2]))
 redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) + tonumber(ARGV[3]))
@@ -52,11 +52,12 @@ redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) + tonumber(ARGV[4]))
 return 1
 """
 
-# KEYS: the lease. ARGV: owner, token. Expires it now if still the caller's (the token stays).
+# KEYS: the lease. ARGV: owner, token. Frees it now if still the caller's (the token stays, the owner
+# is cleared: whoever takes it next takes a free lease, not one over).
 DROP = """
 local cur = redis.call('HMGET', KEYS[1], 'owner', 'token')
 if cur[1] == ARGV[1] and tonumber(cur[2]) == tonumber(ARGV[2]) then
-  redis.call('HSET', KEYS[1], 'until', 0)
+  redis.call('HSET', KEYS[1], 'owner', '', 'until', 0)
   return 1
 end
 return 0
