@@ -3,7 +3,8 @@
 Two uibus replicas (A, B) on one fresh redis-server serve the same `echo` RPC agent
 (examples/rpc_echo_agent.py: small JSON lines, so uibus's own per-piece work dominates). Each caller
 has its own session, whose first turn goes to A: A takes the agent's lease and runs its process.
-Then, per caller count, two closed-loop windows of MAXIMAL StreamingChat turns over the same
+Then, per caller count, pairs of closed-loop windows (--rounds, alternated: on a shared machine a
+neighbour's load then falls on both paths alike) of MAXIMAL StreamingChat turns over the same
 sessions and agent processes:
 
 * `local`: the callers talk to A, the owner: each turn runs where it arrived;
@@ -11,7 +12,8 @@ sessions and agent processes:
   (uibus.domain.turn_forwarding) and streams A's replies back.
 
 The figure is uibus CPU per AI piece received, both replicas' processes counted (not the agents',
-not Redis's, which is printed apart), and the ratio forwarded / local (issue 35's target: ≤ 1.3×).
+not Redis's, which is printed apart), and the ratio forwarded / local per pair and its median
+(issue 35's target: ≤ 1.3×).
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ async def window(targets: list[str], sessions: list[str], text: str, n_words: in
     return out
 
 
-async def run(callers: tuple[int, ...], n_words: int, duration: float, lead: float, tmp: Path) -> list[dict[str, Any]]:
+async def run(callers: tuple[int, ...], n_words: int, duration: float, lead: float, rounds: int,
+              tmp: Path) -> list[dict[str, Any]]:
     redis, redis_port = start_redis("fwd", tmp)
     url = f"redis://127.0.0.1:{redis_port}/0"
     procs: list[Any] = [redis]
@@ -111,10 +114,11 @@ async def run(callers: tuple[int, ...], n_words: int, duration: float, lead: flo
             finally:
                 for c in owners:
                     await c.channel.close()
-            local = await window([f"127.0.0.1:{a_port}"] * n, sessions, text, n_words, duration, lead, pids)
-            forwarded = await window([f"127.0.0.1:{b_port}"] * n, sessions, text, n_words, duration, lead, pids)
-            rows.append({"callers": n, "local": local, "forwarded": forwarded,
-                         "ratio": forwarded["cpu_us"] / local["cpu_us"] if local["cpu_us"] else None})
+            for r in range(rounds):  # alternated, so a neighbour's load falls on both paths alike
+                local = await window([f"127.0.0.1:{a_port}"] * n, sessions, text, n_words, duration, lead, pids)
+                forwarded = await window([f"127.0.0.1:{b_port}"] * n, sessions, text, n_words, duration, lead, pids)
+                rows.append({"callers": n, "round": r, "local": local, "forwarded": forwarded,
+                             "ratio": forwarded["cpu_us"] / local["cpu_us"] if local["cpu_us"] else None})
         return rows
     finally:
         for p in procs:
@@ -129,14 +133,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--duration", type=float, default=0.0)
     p.add_argument("--callers", default="")
     p.add_argument("--words", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=0, help="local/forwarded window pairs per caller count")
     p.add_argument("--json", metavar="PATH")
     ns, _ = p.parse_known_args(argv)
     duration = ns.duration or (1.5 if ns.quick else 6.0)
     callers = tuple(int(x) for x in ns.callers.split(",")) if ns.callers else ((1,) if ns.quick else (1, 4))
     n_words = ns.words or (100 if ns.quick else 300)
+    rounds = ns.rounds or (1 if ns.quick else 3)
     load = procstat.loadavg()
     with tempfile.TemporaryDirectory(prefix="uibus-bench-fwd-") as tmp:
-        rows = asyncio.run(run(callers, n_words, duration, 0.5, Path(tmp)))
+        rows = asyncio.run(run(callers, n_words, duration, 0.5, rounds, Path(tmp)))
     print(f"grpcio {grpc.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs, {n_words} words "
           f"per reply, {duration:g} s windows; load average before/after {load:.2f}/{procstat.loadavg():.2f}")
     print("callers | path      | uibus µs/piece (A+B) | A µs | B µs | redis µs | pieces/s | ttfp p50 ms | calls")
@@ -146,7 +152,10 @@ def main(argv: list[str]) -> int:
             print(f"{r['callers']:7} | {path:9} | {f['cpu_us']:20.1f} | {f['a_us']:4.1f} | {f['b_us']:4.1f} | "
                   f"{f['redis_us']:8.1f} | {f['pps']:8.0f} | {f['ttfp_p50_ms'] or 0:11.1f} | {f['calls']}"
                   + (f"  errors {f['errors']}" if "errors" in f else ""))
-        print(f"{r['callers']:7} | forwarded / local: {r['ratio']:.2f}×")
+        print(f"{r['callers']:7} | forwarded / local: {r['ratio']:.2f}× (round {r['round'] + 1})")
+    for n in callers:
+        ratios = [r["ratio"] for r in rows if r["callers"] == n and r["ratio"]]
+        print(f"{n} caller(s): forwarded / local, median of {len(ratios)} rounds: {statistics.median(ratios):.2f}×")
     if ns.json:
         Path(ns.json).write_text(json.dumps(rows, indent=1))
     return 0
