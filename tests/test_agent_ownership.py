@@ -34,6 +34,7 @@ from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
+from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Lease, Store
 
@@ -375,13 +376,35 @@ async def test_an_owner_cut_off_from_redis_past_its_lease_stops_running_the_agen
 async def test_turns_through_two_workers_reach_one_agent(tmp_path: Path, redis_server: RedisProcess,
                                                         spawn: Any) -> None:
     need_fixture()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.test_workers import fresh_channel
     from tests.test_workers import started as workers_started
     path = write_agents(tmp_path, [fixture_agent(tmp_path)])
     server, _ = await workers_started(lambda *args: spawn(*args, "--agents", path, "--agent-lease-seconds",
                                                               str(LEASE_S)), redis_server)
-    answers = []
-    for n in range(6):  # a new connection each: the kernel spreads them over both workers
-        async with Connection(server.target, session="w") as conn:
-            answers.append(await final(conn, "acp", f"t{n}"))
-    assert answers == [f"Turn {n + 1}: t{n}" for n in range(6)]
-    assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1
+    by_worker: dict[str, grpc.aio.Channel] = {}  # one connection to each worker (the kernel picks one per connection)
+    opened: list[grpc.aio.Channel] = []
+    try:
+        for _ in range(40):
+            channel = fresh_channel(server.target)
+            opened.append(channel)
+            call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            by_worker.setdefault((await call.initial_metadata())["x-uibus-worker"], channel)
+            await call
+            if len(by_worker) == 2:
+                break
+        assert len(by_worker) == 2, "40 connections all went to one worker"
+        chats = [channel.unary_stream("/acp.AgentService/StreamingChat",
+                                      request_serializer=agent_pb2.ChatRequest.SerializeToString,
+                                      response_deserializer=agent_pb2.ChatResponse.FromString)
+                 for channel in by_worker.values()]
+        answers = []
+        for n in range(6):
+            replies = [r async for r in chats[n % 2](request(f"t{n}"), metadata=(("x-uibus-session", "w"),))]
+            answers.append(replies[-1].response.text)
+        assert answers == [f"Turn {n + 1}: t{n}" for n in range(6)]  # one conversation, whichever worker
+        assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1  # one agent process
+    finally:
+        for channel in opened:
+            await channel.close()
