@@ -34,6 +34,7 @@ from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
+from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Lease, Store
@@ -238,6 +239,8 @@ async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_t
         async with Connection(owner.target, session="k") as on_owner, \
                 Connection(f"127.0.0.1:{b.port}", session="k") as on_b:
             assert await final(on_owner, "acp", "one") == "Turn 1: one"
+            webview = ui_pb2_grpc.UiServiceStub(on_b.channel).subscribeToPartialMessage(common_pb2.EmptyRequest())
+            await wait_for(lambda: b.bus.count(kinds.PARTIAL_MESSAGE, "k") == 1, what="the webview on B")
             call = Agent(on_b, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
             assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
             owner.proc.kill()  # SIGKILL: no goodbye, its lease just stops being renewed
@@ -248,6 +251,10 @@ async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_t
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "the conversation is kept, send the turn again" in str(error.value.details())
             assert time.monotonic() - killed < 2 * LEASE_S + 1
+            async with asyncio.timeout(5):  # the webviews are told too: a Cline ERROR message
+                while not ((m := await webview.read()).say == ui_pb2.ERROR and m.text == error.value.details()):
+                    pass
+            webview.cancel()
             answer = ""
             for _ in range(3):  # a retry after UNAVAILABLE is allowed; within the lease bound
                 try:

@@ -15,6 +15,7 @@ from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.domain.ownership import Ownership
 from uibus.domain.turn_forwarding import TurnForwarding
+from uibus.pb.cline import ui_pb2
 from uibus.store import Store
 
 
@@ -47,7 +48,8 @@ class Core:
         if bus.replicated and replica_id:  # one owner per hosted agent across replicas and workers
             ownership = Ownership(store, sessions, replica_id, lease_s=config.agent_lease_seconds)
             forwarding = chat.routing = TurnForwarding(
-                bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True))
+                bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True),
+                lambda session, text: feed.say(session, text, ui_pb2.ERROR))
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
                    dialogs=dialogs, agent_sessions=sessions, ownership=ownership, forwarding=forwarding)
 

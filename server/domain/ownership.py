@@ -37,7 +37,11 @@ log = logging.getLogger("uibus.agents")
 LEASE_S = 10.0  # default: a lease expires this long after its owner stopped renewing it
 
 
-class Fenced(Unavailable):
+class Interrupted(Unavailable):
+    """A hosted agent's turn cut off by the loss of its host (the owner died, or lost its lease)."""
+
+
+class Fenced(Interrupted):
     """This replica lost the lease of the agent while a turn ran on it: the turn is cut."""
 
 

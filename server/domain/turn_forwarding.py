@@ -38,7 +38,7 @@ from google.protobuf import wrappers_pb2
 
 from uibus import kinds
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.domain.ownership import Ownership, interrupted
+from uibus.domain.ownership import Interrupted, Ownership, interrupted
 from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.tasks import Tasks
@@ -115,10 +115,14 @@ def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
 class TurnForwarding:
     """Routes each hosted agent turn to its owner; serves the turns forwarded to this replica."""
 
-    def __init__(self, bus: Bus, ownership: Ownership, run_here: RunHere) -> None:
+    def __init__(self, bus: Bus, ownership: Ownership, run_here: RunHere,
+                 say_error: Callable[[str, str], object] = lambda session, text: None) -> None:
+        """`say_error(session, text)`: tells the session's webviews (a Cline ERROR message) that a
+        turn was interrupted by the loss of its host."""
         self.bus = bus
         self.ownership = ownership
         self.run_here = run_here
+        self.say_error = say_error
         self.lease_s = ownership.lease_s
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._serving = Tasks("forwarded agent turns")
@@ -135,6 +139,16 @@ class TurnForwarding:
                    check: Callable[[], None]) -> AsyncIterator[agent_pb2.ChatResponse]:
         """The ChatResponses of one turn of a hosted agent, run by its owner (here or elsewhere)."""
         check()  # bad input fails where it arrived, before anything is claimed or sent
+        try:
+            async with aclosing(self._route(session, agent, request, metadata)) as replies:
+                async for reply in replies:
+                    yield reply
+        except Interrupted as exc:  # the caller gets UNAVAILABLE; every webview of the session is told
+            self.say_error(session, str(exc))
+            raise
+
+    async def _route(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                     metadata: Mapping[str, str]) -> AsyncIterator[agent_pb2.ChatResponse]:
         ownership = self.ownership
         give_up = time.monotonic() + 2 * self.lease_s + ACCEPT_S
         while True:
@@ -190,7 +204,7 @@ class TurnForwarding:
                     if wait == ACCEPT_S:
                         raise _Moved from None
                     self.interrupted += 1
-                    raise Unavailable(interrupted(agent)) from None
+                    raise Interrupted(interrupted(agent)) from None
                 except StopAsyncIteration:
                     raise Unavailable("the server is shutting down") from None
                 if type(item) is wrappers_pb2.BytesValue:
@@ -205,6 +219,8 @@ class TurnForwarding:
                 elif op == "end":
                     ended = True
                     code = item.get("code")
+                    if item.get("interrupted"):
+                        raise Interrupted(str(item.get("message", "")))
                     if code:
                         raise error_of(int(code), str(item.get("message", "")))
                     return
@@ -291,8 +307,10 @@ class TurnForwarding:
                     piece(response)
             reply({"op": "end", "code": 0})
         except asyncio.CancelledError:  # the forwarder's cancel, or shutdown: it hears why, if it still listens
-            reply({"op": "end", "code": _UNAVAILABLE, "message": interrupted(str(agent))})
+            reply({"op": "end", "code": _UNAVAILABLE, "message": interrupted(str(agent)), "interrupted": True})
             raise
+        except Interrupted as exc:  # fenced here: the forwarder tells the webviews
+            reply({"op": "end", "code": _UNAVAILABLE, "message": str(exc), "interrupted": True})
         except UibusError as exc:
             reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
         except Exception as exc:  # a bug of ours: the caller gets INTERNAL, the log the traceback
