@@ -24,11 +24,12 @@ import grpc
 import pytest
 
 from tests.chatkit import MAXIMAL, Agent, request, write_agents
-from tests.conftest import require, start_app, wait_for
+from tests.conftest import free_port, require, start_app, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Reply, agent_pids, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.scripted_models import Say, claude_model
+from tests.support import scrape_by_name
 from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
 from uibus import kinds
 from uibus.app import App
@@ -60,7 +61,7 @@ async def replicas(tmp_path: Path, redis: RedisProcess, agents: list[dict[str, A
     try:
         for i in range(n):
             apps.append(await start_app(Config(
-                host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / f"{i}.db"), redis_url=redis.url,
+                host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / f"{i}.db"), redis_url=redis.url,
                 grace_seconds=1.0, agents=path, agent_lease_seconds=LEASE_S, **changes)))
         await wait_for(lambda: all(a.bus.connected for a in apps), what="every replica on redis")
         yield apps
@@ -133,8 +134,12 @@ async def test_turns_through_both_replicas_reach_one_acp_agent(tmp_path: Path, r
             assert started(apps, "acp") == 1
             assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1
             assert owner_of(apps, "s", "acp") is a
-            assert (a.core.forwarding.served, b.core.forwarding.forwarded) == (2, 2)  # type: ignore[union-attr]
             assert a.core.agent_sessions.count() == 1 and b.core.agent_sessions.count() == 0
+            on_b_metrics, on_a_metrics = await scrape_by_name(b), await scrape_by_name(a)
+            assert on_b_metrics["uibus_agent_turns_forwarded_total"] == 2
+            assert on_a_metrics["uibus_agent_turns_served_total"] == 2
+            assert on_a_metrics["uibus_agent_leases_taken_over_total"] == 0
+            assert on_a_metrics["uibus_agent_leases_fenced_total"] == 0
 
 
 async def test_pi_turns_through_both_replicas_reach_one_process_and_one_conversation(
