@@ -27,7 +27,7 @@ from tests.chatkit import MAXIMAL, Agent, request, write_agents
 from tests.conftest import free_port, require, start_app, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Reply, agent_pids, pi_agent, scripted_model, turn_of
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from tests.scripted_models import Say, claude_model
 from tests.support import scrape_by_name
 from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
@@ -40,7 +40,7 @@ from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Lease, Store
 
-__all__ = ["redis_server"]  # the fixture
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]  # the fixtures
 
 pytestmark = [pytest.mark.redis, pytest.mark.node, pytest.mark.timeout(180)]
 
@@ -116,6 +116,13 @@ async def test_the_lease_contract_on_sqlite_and_redis(tmp_path: Path, redis_serv
     for store in (SqliteStore(str(tmp_path / "s.db")), RedisStore(redis_server.url)):
         async with store:
             await lease_contract(store)
+
+
+async def test_the_lease_contract_on_a_redis_cluster(redis_cluster_clean: RedisClusterProcess) -> None:
+    """One script on one key in the session's slot: the same on a cluster (no CROSSSLOT)."""
+    from uibus.redis.store import RedisStore
+    async with RedisStore(redis_cluster_clean.url, cluster=True) as store:
+        await lease_contract(store)
 
 
 # ---- one process, one conversation --------------------------------------------------------------
