@@ -149,6 +149,20 @@ async def test_turns_through_both_replicas_reach_one_acp_agent(tmp_path: Path, r
             assert on_a_metrics["uibus_agent_leases_fenced_total"] == 0
 
 
+async def test_first_turns_at_once_on_both_replicas_start_one_agent(tmp_path: Path,
+                                                                   redis_server: RedisProcess) -> None:
+    """The lease is taken atomically: one replica wins, the other's turn waits for the winner to
+    listen and is carried there."""
+    need_fixture()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)]) as apps:
+        a, b = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="race") as on_a, \
+                Connection(f"127.0.0.1:{b.port}", session="race") as on_b:
+            answers = await asyncio.gather(final(on_a, "acp", "from a"), final(on_b, "acp", "from b"))
+            assert sorted(answers) in (["Turn 1: from a", "Turn 2: from b"], ["Turn 1: from b", "Turn 2: from a"])
+            assert started(apps, "acp") == 1
+
+
 async def test_pi_turns_through_both_replicas_reach_one_process_and_one_conversation(
         tmp_path: Path, redis_server: RedisProcess) -> None:
     require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
