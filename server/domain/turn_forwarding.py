@@ -45,8 +45,9 @@ from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 
-ACCEPT_S = 2.0  # how long a forwarded turn waits for the owner to take it
+ACCEPT_S = 2.0  # how long a forwarded turn waits for the owner to take it (at least; half a lease if longer)
 RETRY_S = 0.2  # between claims while the owner does not answer
+SEEN_MAX = 4096  # turn ids remembered against a redelivery
 REPLY_QUEUE = 1 << 20  # a forwarded turn's mailbox, in events: bounded by the mailbox's bytes instead
 _UNAVAILABLE = STATUS_NUMBERS["UNAVAILABLE"]
 
@@ -68,13 +69,14 @@ class _Replies:
     near a local one's (bench/agent_forwarding.py). Control replies flush the batch first, so
     the forwarder reads everything in order."""
 
-    __slots__ = ("_frames", "_publish", "_scheduled", "_size")
+    __slots__ = ("_frames", "_publish", "_scheduled", "_seq", "_size")
 
-    def __init__(self, publish: Callable[[Any], None]) -> None:
+    def __init__(self, publish: Callable[[Any], object]) -> None:
         self._publish = publish
         self._frames: list[bytes] = []
         self._size = 0
         self._scheduled = False
+        self._seq = 0  # each batch starts with its number (4 bytes): a redelivered one is known
 
     def piece(self, response: agent_pb2.ChatResponse) -> None:
         data = response.SerializeToString()
@@ -90,7 +92,8 @@ class _Replies:
     def flush(self) -> None:
         self._scheduled = False
         if self._frames:
-            batch = wrappers_pb2.BytesValue(value=b"".join(self._frames))
+            self._seq += 1
+            batch = wrappers_pb2.BytesValue(value=self._seq.to_bytes(4, "big") + b"".join(self._frames))
             self._frames.clear()
             self._size = 0
             self._publish(batch)
@@ -101,10 +104,10 @@ class _Replies:
 
 
 def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
-    """The ChatResponses of one batch (see _Replies)."""
+    """The ChatResponses of one batch (see _Replies: its number, then length-prefixed pieces)."""
     view = memoryview(batch)
     out = []
-    at, end = 0, len(view)
+    at, end = 4, len(view)  # after the batch's number
     while at + 4 <= end:
         size = int.from_bytes(view[at:at + 4], "big")
         out.append(agent_pb2.ChatResponse.FromString(view[at + 4:at + 4 + size]))
@@ -124,6 +127,10 @@ class TurnForwarding:
         self.run_here = run_here
         self.say_error = say_error
         self.lease_s = ownership.lease_s
+        # A slow "accepted" is re-sent as a new turn (the first one cancelled): long enough that a
+        # busy owner is not mistaken for a gone one, which would start the turn twice.
+        self.accept_s = max(ACCEPT_S, self.lease_s / 2)
+        self._seen: dict[str, None] = {}  # ids of the turns started here lately (a redelivery is ignored)
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._serving = Tasks("forwarded agent turns")
         self._turns: dict[str, asyncio.Task[None]] = {}  # turn id -> its run here, for its cancel
@@ -150,7 +157,7 @@ class TurnForwarding:
     async def _route(self, session: str, agent: str, request: agent_pb2.ChatRequest,
                      metadata: Mapping[str, str]) -> AsyncIterator[agent_pb2.ChatResponse]:
         ownership = self.ownership
-        give_up = time.monotonic() + 2 * self.lease_s + ACCEPT_S
+        give_up = time.monotonic() + 2 * self.lease_s + self.accept_s
         while True:
             owner = await ownership.claim(session, agent)
             if owner == ownership.owner_id:
@@ -195,20 +202,24 @@ class TurnForwarding:
             alive = self._serving.spawn(self._beat(lambda: bus.publish(
                 session, kinds.AGENT_TURN, {"op": "alive", "id": turn_id}, target=owner)), name="forwarded turn alive")
             replies = aiter(sub)
-            wait = ACCEPT_S
+            wait = self.accept_s
+            last = -1  # the last batch read (a batch redelivered after a Redis outage is skipped)
             while True:
                 try:
                     async with asyncio.timeout(wait):
                         item = await anext(replies)
                 except TimeoutError:
-                    if wait == ACCEPT_S:
+                    if wait == self.accept_s:
                         raise _Moved from None
                     self.interrupted += 1
                     raise Interrupted(interrupted(agent)) from None
                 except StopAsyncIteration:
                     raise Unavailable("the server is shutting down") from None
                 if type(item) is wrappers_pb2.BytesValue:
-                    yield _unframe(item.value)
+                    seq = int.from_bytes(item.value[:4], "big")
+                    if seq > last:
+                        last = seq
+                        yield _unframe(item.value)
                     continue
                 if type(item) is not dict:
                     continue
@@ -257,6 +268,11 @@ class TurnForwarding:
                 if type(item) is not dict or type(item.get("id")) is not str:
                     continue
                 if item.get("op") == "turn":
+                    if item["id"] in self._seen:  # delivered again after a Redis outage: run once
+                        continue
+                    self._seen[item["id"]] = None
+                    if len(self._seen) > SEEN_MAX:
+                        del self._seen[next(iter(self._seen))]
                     self._turns[item["id"]] = self._serving.spawn(self._run(session, item), name="forwarded agent turn")
                 elif item.get("op") == "cancel":
                     task = self._turns.get(item["id"])
@@ -322,7 +338,7 @@ class TurnForwarding:
             if beat is not None:
                 beat.cancel()  # joined with the other serving tasks
 
-    async def _beat(self, once: Callable[[], None]) -> None:
+    async def _beat(self, once: Callable[[], object]) -> None:
         """`once()` every lease_s / 4: the owner's heartbeat to a forwarder, and the forwarder's
         "still listening" to the owner (a turn whose forwarder died is cancelled at the owner)."""
         while True:
