@@ -250,6 +250,24 @@ async def test_a_dialog_of_a_forwarded_turn_is_answered_on_a_third_replica(tmp_p
             del ui
 
 
+async def test_a_forwarded_pi_turns_cancel_aborts_pi_at_the_owner(tmp_path: Path, redis_server: RedisProcess) -> None:
+    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
+    async with scripted_model() as model, replicas(tmp_path, redis_server, [pi_agent(tmp_path, model)]) as apps:
+        model.script(Reply(text="Hello."), Reply(text="Thinking very hard ", hang=True), Reply(text="Recovered."))
+        a, b = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="pc") as on_a, \
+                Connection(f"127.0.0.1:{b.port}", session="pc") as on_b:
+            assert await final(on_a, "pi", "hi") == "Hello."  # A owns pi
+            call = Agent(on_b, "pi").StreamingChat(request("take forever", filter_type=MAXIMAL))
+            assert (await asyncio.wait_for(call.read(), 30)).response.text == "Thinking "
+            await wait_for(lambda: model.open_requests == 1, timeout=10, what="the model request")
+            call.cancel()  # at B: carried to A, where pi gets `abort` and drops its model request
+            await wait_for(lambda: model.open_requests == 0, timeout=10, what="the model request to be dropped")
+            assert model.cancelled == 1
+            assert await final(on_b, "pi", "are you there?") == "Recovered."
+            assert started(apps, "pi") == 1 and len(agent_pids(tmp_path / "work")) == 1
+
+
 # ---- the owner SIGKILLed; fencing ---------------------------------------------------------------------
 
 
