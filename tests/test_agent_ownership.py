@@ -27,7 +27,14 @@ from tests.chatkit import MAXIMAL, Agent, request, write_agents
 from tests.conftest import free_port, require, start_app, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Reply, agent_pids, pi_agent, scripted_model, turn_of
-from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
+from tests.redisproc import (
+    RedisClusterProcess,
+    RedisProcess,
+    _command,
+    redis_cluster,
+    redis_cluster_clean,
+    redis_server,
+)
 from tests.scripted_models import Say, claude_model
 from tests.support import scrape_by_name
 from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
@@ -419,6 +426,29 @@ async def test_an_owner_cut_off_from_redis_past_its_lease_stops_running_the_agen
     finally:
         await a.aclose(grace=0.5)
     assert a.core.agent_sessions.count() == 0
+
+
+async def test_an_owner_whose_renewal_is_refused_stops_at_once(tmp_path: Path, redis_server: RedisProcess) -> None:
+    """Another holder in the store (a newer token) makes the owner's next renewal fail: it is fenced
+    then and there, before its own clock runs out: running turns cut, agent closed."""
+    need_fixture()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
+        (a,) = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="r") as on_a:
+            assert await final(on_a, "acp", "one") == "Turn 1: one"
+            call = Agent(on_a, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
+            assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
+            key = "uibus:{r}:lease:acp"
+            _command(redis_server.port, "HSET", key, "owner", "intruder", "token", "999",
+                     "until", str(int(time.time() * 1000) + 60_000))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in call:
+                    pass
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the conversation is kept" in str(error.value.details())
+            assert a.core.ownership is not None and a.core.ownership.fenced == 1
+            await wait_for(lambda: a.core.agent_sessions.count() == 0, timeout=10, what="A's agent closed")
+            _command(redis_server.port, "DEL", key)
 
 
 # ---- --workers 2 ---------------------------------------------------------------------------------------
