@@ -39,6 +39,7 @@ from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
 from uibus.proto_check import undefined_enum
+from uibus.telemetry.spans import traced_turn
 
 log = logging.getLogger("uibus.chat")
 
@@ -229,6 +230,7 @@ class Chat:
         self.spec(agent)
         check_request(request)
 
+    @traced_turn  # a span per turn when tracing is on (uibus.telemetry)
     async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
                    metadata: Mapping[str, str] | None = None, *,
                    keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
