@@ -67,8 +67,8 @@ def instance_id(worker: int | None = None, env: Mapping[str, str] = os.environ) 
 
 def _build(worker: int | None) -> Any:
     """A TracerProvider from the standard environment (the SDK reads it; see the module docstring)."""
-    from opentelemetry.sdk._configuration import _get_exporter_names, _import_exporters
-    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk._configuration import _get_exporter_entry_point, _get_exporter_names, _import_exporters
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -76,10 +76,12 @@ def _build(worker: int | None) -> Any:
     ours: dict[str, str] = {}
     if str(detected.attributes.get("service.name", "")).startswith("unknown_service"):
         ours["service.name"] = SERVICE_NAME
-    if "service.instance.id" not in detected.attributes:
+    # The SDK makes up a random id; the operator's own (OTEL_RESOURCE_ATTRIBUTES) wins over ours.
+    if "service.instance.id" not in OTELResourceDetector().detect().attributes:
         ours["service.instance.id"] = instance_id(worker)
     provider = TracerProvider(resource=detected.merge(Resource(ours)))  # sampler: OTEL_TRACES_SAMPLER(_ARG)
-    names = _get_exporter_names("traces") or ["otlp_proto_grpc"]  # an endpoint alone: OTLP, as the SDK does
+    # OTEL_TRACES_EXPORTER (default otlp), by OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL (grpc, http/protobuf).
+    names = _get_exporter_names("traces") or [_get_exporter_entry_point("otlp", "traces")]
     exporters, _, _ = _import_exporters(names, [], [])
     for exporter in exporters.values():
         provider.add_span_processor(BatchSpanProcessor(exporter()))  # OTEL_BSP_*, OTEL_EXPORTER_OTLP_*

@@ -1,0 +1,288 @@
+"""OpenTelemetry traces (uibus.telemetry), checked at real OTLP receivers on loopback.
+
+The receivers decode the official opentelemetry-proto messages: one speaks OTLP/HTTP (protobuf,
+aiohttp), one OTLP/gRPC (TraceService, grpc.aio). uibus is configured only by the standard
+OTEL_* environment, callers send W3C `traceparent` the way instrumented clients do (grpc-js with
+the metadata set, curl with the header), and the spans are read after the app closed (which
+flushes its exporter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from tests.conftest import REPO, free_port, require, running
+from tests.ext_ui_helpers import open_uis, read
+from tests.support import ext, scrape_text
+from uibus import telemetry
+from uibus.clients.connection import Connection
+from uibus.config import Config
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+
+pytestmark = pytest.mark.timeout(90)
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+@dataclass
+class Span:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    kind: int
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    status: int
+    links: list[tuple[str, str]]
+
+
+def _value(v: Any) -> Any:
+    which = v.WhichOneof("value")
+    return getattr(v, which) if which else None
+
+
+def _attrs(kvs: Any) -> dict[str, Any]:
+    return {kv.key: _value(kv.value) for kv in kvs}
+
+
+@dataclass
+class Received:
+    """What a receiver was sent, decoded."""
+
+    spans: list[Span] = field(default_factory=list)
+    requests: int = 0
+
+    def add(self, request: trace_service_pb2.ExportTraceServiceRequest) -> None:
+        self.requests += 1
+        for rs in request.resource_spans:
+            resource = _attrs(rs.resource.attributes)
+            for ss in rs.scope_spans:
+                for s in ss.spans:
+                    self.spans.append(Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
+                                           s.kind, _attrs(s.attributes), resource, s.status.code,
+                                           [(link.trace_id.hex(), link.span_id.hex()) for link in s.links]))
+
+    def named(self, prefix: str) -> list[Span]:
+        return [s for s in self.spans if s.name.startswith(prefix)]
+
+    def one(self, prefix: str) -> Span:
+        found = self.named(prefix)
+        assert len(found) == 1, (prefix, [s.name for s in self.spans])
+        return found[0]
+
+    def children(self, span: Span) -> list[Span]:
+        return [s for s in self.spans if s.parent_id == span.span_id]
+
+
+@asynccontextmanager
+async def http_receiver() -> AsyncIterator[tuple[str, Received]]:
+    """An OTLP/HTTP receiver: POST /v1/traces, protobuf."""
+    got = Received()
+
+    async def traces(request: web.Request) -> web.Response:
+        assert request.content_type == "application/x-protobuf"
+        got.add(trace_service_pb2.ExportTraceServiceRequest.FromString(await request.read()))
+        return web.Response(body=trace_service_pb2.ExportTraceServiceResponse().SerializeToString(),
+                            content_type="application/x-protobuf")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", traces)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{port}", got
+    finally:
+        await runner.cleanup()
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, got: Received) -> None:
+        self.got = got
+
+    async def Export(self, request: Any, context: Any) -> Any:
+        self.got.add(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@asynccontextmanager
+async def grpc_receiver() -> AsyncIterator[tuple[str, Received]]:
+    """An OTLP/gRPC receiver: opentelemetry.proto.collector.trace.v1.TraceService/Export."""
+    got = Received()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(got), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"http://127.0.0.1:{port}", got
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture
+def otlp_http(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """OTEL_* for OTLP/HTTP; the endpoint is set by the test once its receiver runs."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "uibus-test")
+    monkeypatch.setenv("POD_NAME", "uibus-0")
+    yield
+    assert telemetry.tracer is None  # the app that turned tracing on turned it off
+
+
+def test_off_unless_configured() -> None:
+    assert not telemetry.configured({})
+    assert not telemetry.configured({"OTEL_SERVICE_NAME": "x"})
+    assert telemetry.configured({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert telemetry.configured({"OTEL_TRACES_EXPORTER": "console"})
+    assert not telemetry.configured({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert not telemetry.configured({"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert telemetry.instance_id(3, {"POD_NAME": "uibus-7f9c"}) == "uibus-7f9c/worker-3"
+
+
+async def test_off_makes_no_spans(config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(key, raising=False)
+    async with running(config) as app:
+        assert telemetry.tracer is None
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+            reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                               metadata=(("traceparent", TRACEPARENT),))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_grpc_and_http_calls_continue_the_callers_trace_otlp_http(config: Config, otlp_http: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Native gRPC metadata and an HTTP header (curl) continue the caller's trace; one SERVER span
+    per call with the RPC conventions' attributes; the resource names the pod."""
+    curl = shutil.which("curl")
+    require("curl", curl is not None)
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, http_port=free_port())) as app:
+            assert telemetry.tracer is not None
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=(
+                    ("traceparent", TRACEPARENT), ("tracestate", "vendor=1"), ("baggage", "user=alice")))
+            other = f"00-{'ab' * 16}-{'cd' * 8}-01"
+            proc = await asyncio.create_subprocess_exec(
+                curl, "-sS", "-H", f"traceparent: {other}", f"http://127.0.0.1:{app.http_port}/api/v1/list",
+                stdout=subprocess.PIPE)
+            out, _ = await proc.communicate()
+            assert proc.returncode == 0 and b"agents" in out
+        await asyncio.sleep(0)
+    check = got.one("grpc.health.v1.Health/Check")
+    assert (check.trace_id, check.parent_id, check.kind) == (TRACE_ID, PARENT_ID, trace_pb2.Span.SPAN_KIND_SERVER)
+    assert check.attributes["rpc.system"] == "grpc"
+    assert (check.attributes["rpc.service"], check.attributes["rpc.method"]) == ("grpc.health.v1.Health", "Check")
+    assert check.attributes["rpc.grpc.status_code"] == 0 and check.attributes["uibus.transport"] == "grpc"
+    assert check.resource["service.name"] == "uibus-test"
+    assert check.resource["service.instance.id"].startswith("uibus-0/")
+    (listed,) = [s for s in got.spans if s.name.endswith("ConciergeService/List")]
+    assert (listed.trace_id, listed.parent_id) == ("ab" * 16, "cd" * 8)
+    assert listed.attributes["uibus.transport"] == "http"
+
+
+async def test_a_dialog_is_a_span_in_the_asking_calls_trace_otlp_grpc(config: Config, otlp_http: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """ExtensionUiService: ask (Select) → a UI answers → the dialog's span, child of the asking
+    call's span, with kind, outcome, the wait and the answering transport; /metrics has the wait."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    async with grpc_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, http_port=free_port())) as app, \
+                Connection(f"127.0.0.1:{app.port}", session="dlg") as conn:
+            (ui,) = await open_uis(app, conn, 1, "dlg")
+            ask = asyncio.ensure_future(ext(conn).Select(pb.SelectRequest(title="Deploy?", options=["yes", "no"]),
+                                                         metadata=(("traceparent", TRACEPARENT),)))
+            asked = (await read(ui, 10)).request
+            await asyncio.sleep(0.05)
+            await ext(conn).Respond(pb.RespondRequest(id=asked.id, value="yes"))
+            assert (await ask).value == "yes"
+            timed = await ext(conn).Confirm(pb.ConfirmRequest(title="Sure?", timeout_ms=50),
+                                            metadata=(("traceparent", TRACEPARENT),))
+            assert timed.outcome == pb.DIALOG_OUTCOME_TIMED_OUT
+            metrics = await scrape_text(app)
+    call = got.one("uibus.v1.ExtensionUiService/Select")
+    assert (call.trace_id, call.parent_id) == (TRACE_ID, PARENT_ID)
+    (dialog,) = [s for s in got.children(call) if s.name == "dialog select"]
+    assert dialog.trace_id == TRACE_ID
+    assert dialog.attributes["uibus.dialog.kind"] == "select"
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
+    assert dialog.attributes["uibus.dialog.wait_s"] >= 0.05
+    confirm = got.one("dialog confirm")
+    assert confirm.attributes["uibus.dialog.outcome"] == "timed_out"
+    assert "uibus.dialog.answered_via" not in confirm.attributes
+    assert 'uibus_dialog_wait_seconds_count{kind="select",outcome="answered"} 1.0' in metrics
+    assert 'uibus_dialog_wait_seconds_count{kind="confirm",outcome="timed_out"} 1.0' in metrics
+
+
+ACP_DIR = REPO / "tests" / "acp"
+
+
+@pytest.mark.node
+async def test_the_span_tree_of_a_hosted_agent_turn_with_a_permission(config: Config, tmp_path: Path,
+                                                                      otlp_http: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ACP fixture agent's tour: call → chat turn → agent process start, its tool calls (from
+    its own tool_call / tool_call_update events) and the permission dialog (answered at a UI,
+    with its wait) → the reply."""
+    from tests.chatkit import MAXIMAL, Agent, request
+    from tests.pikit import hosting
+    from tests.test_acp_agent import fixture_agent
+
+    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
+            "node")
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with hosting(config, tmp_path, [fixture_agent(tmp_path)], http_port=free_port()) as app, \
+                Connection(f"127.0.0.1:{app.port}", session="tour") as conn:
+            (ui,) = await open_uis(app, conn, 1, "tour")
+
+            async def chat() -> list[Any]:
+                stream = Agent(conn, "acp").StreamingChat(request("tour", filter_type=MAXIMAL),
+                                                          metadata=(("traceparent", TRACEPARENT),))
+                return [r async for r in stream]
+            call = asyncio.ensure_future(chat())
+            asked = (await read(ui, 30)).request
+            await ext(conn).Respond(pb.RespondRequest(id=asked.id, value="Allow"))
+            responses = await asyncio.wait_for(call, 30)
+            assert responses[-1].response.text == "Permission: allow."
+    server = got.one("acp.AgentService/StreamingChat")
+    assert (server.trace_id, server.parent_id) == (TRACE_ID, PARENT_ID)
+    (turn,) = [s for s in got.children(server) if s.name == "chat turn acp"]
+    assert turn.attributes["uibus.agent.backend"] == "acp"
+    assert turn.attributes["uibus.chat.outcome"] == "completed"
+    assert turn.attributes["uibus.chat.pieces"] == len(responses)
+    under = {s.name: s for s in got.children(turn)}
+    assert "agent process start acp" in under
+    assert under["agent process start acp"].attributes["process.pid"] > 0
+    tools = sorted((s.attributes["gen_ai.tool.call.id"], s.attributes["uibus.tool.status"])
+                   for s in got.children(turn) if s.name.startswith("tool "))
+    assert tools == [("cmd-1", "completed"), ("read-1", "completed")]
+    dialog = under["dialog select"]
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
+    assert dialog.attributes["uibus.dialog.wait_s"] > 0
+    assert all(s.trace_id == TRACE_ID for s in got.spans if s.name in under)
