@@ -28,6 +28,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from tests.conftest import REPO, free_port, require, running
 from tests.ext_ui_helpers import open_uis, read
+from tests.redisproc import redis_server
 from tests.support import ext, scrape_text
 from uibus import telemetry
 from uibus.clients.connection import Connection
@@ -35,6 +36,7 @@ from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)
+__all__ = ["redis_server"]
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -286,3 +288,45 @@ async def test_the_span_tree_of_a_hosted_agent_turn_with_a_permission(config: Co
     assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
     assert dialog.attributes["uibus.dialog.wait_s"] > 0
     assert all(s.trace_id == TRACE_ID for s in got.spans if s.name in under)
+
+
+@pytest.mark.redis
+async def test_across_two_replicas_the_trace_travels_in_the_bus_envelope(redis_server: Any, tmp_path: Path,
+                                                                        otlp_http: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dialog asked on replica A is shown by a UI on replica B and answered there: the request's
+    delivery on B is a child of A's publish (one publish span, one receive span), the answer B
+    forwards to A is in the answering call's trace, and A's dialog span says the answer came by
+    gRPC."""
+    from tests.test_dialog_replicas import Replica
+    from tests.test_redis_replicas import two_replicas
+
+    answer_trace, answer_parent = "cd" * 16, "ef" * 8
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with two_replicas(redis_server.url, tmp_path, Replica) as (a, b):
+            ui_b = await b.ui("x")
+            ask = asyncio.ensure_future(a.ext("x").Confirm(pb.ConfirmRequest(title="Deploy?", timeout_ms=10_000),
+                                                           metadata=(("traceparent", TRACEPARENT),)))
+            asked = (await ui_b.next(5)).request
+            await b.ext("x").Respond(pb.RespondRequest(id=asked.id, confirmed=True),
+                                     metadata=(("traceparent", f"00-{answer_trace}-{answer_parent}-01"),))
+            assert (await ask).confirmed
+    ext_ui = "uibus.v1.ExtensionUiService"
+    confirm = got.one(f"{ext_ui}/Confirm")
+    assert confirm.trace_id == TRACE_ID
+    # The request to the UIs: published once on A (a child of the call), received once on B.
+    (publish,) = [s for s in got.children(confirm) if s.name.startswith("publish ")]
+    assert publish.kind == trace_pb2.Span.SPAN_KIND_PRODUCER
+    (receive,) = got.children(publish)
+    assert receive.kind == trace_pb2.Span.SPAN_KIND_CONSUMER and receive.name.startswith("receive ")
+    assert receive.trace_id == TRACE_ID
+    # The answer: B's call publishes it to A, and A's delivery is in the answering trace.
+    respond = got.one(f"{ext_ui}/Respond")
+    assert (respond.trace_id, respond.parent_id) == (answer_trace, answer_parent)
+    forwards = [s for s in got.children(respond) if s.name.startswith("publish ")]
+    assert forwards and all(any(r.name.startswith("receive ") for r in got.children(f)) for f in forwards[:1])
+    dialog = got.one("dialog confirm")
+    assert dialog.trace_id == TRACE_ID and dialog.parent_id == confirm.span_id
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"

@@ -20,6 +20,7 @@ that runs in tasks of its own (an agent's dialog) adopts the context of the turn
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -174,6 +175,33 @@ def caller() -> list[str] | None:
     """[transport, identity] of the call being served, when tracing is on (identity "" until
     the call's token named one)."""
     return otel_context.get_value(CALLER_KEY)  # type: ignore[return-value]
+
+
+def untraced() -> contextvars.Context:
+    """A copy of the current contextvars with no OpenTelemetry context: for a task of its own."""
+    ctx = contextvars.copy_context()
+    ctx.run(otel_context.attach, Context())
+    return ctx
+
+
+class as_caller:
+    """Runs a block as if serving the call of `transport` / `identity` (an answer another replica
+    forwarded: the dialog's span names the UI that gave it). Nothing while tracing is off or
+    the forwarder said nothing."""
+
+    __slots__ = ("token", "value")
+
+    def __init__(self, transport: str, identity: str) -> None:
+        self.value = [transport, identity] if transport and tracer is not None else None
+        self.token: Any = None
+
+    def __enter__(self) -> None:
+        if self.value is not None:
+            self.token = otel_context.attach(otel_context.set_value(CALLER_KEY, self.value))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.token is not None:
+            otel_context.detach(self.token)
 
 
 async def current_in(ctx: Context, make: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:

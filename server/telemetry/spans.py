@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 
@@ -193,3 +194,43 @@ async def http_request(url: str, headers: dict[str, str]) -> AsyncIterator[Span 
         raise
     finally:
         span.end()
+
+
+# ---- the bus between replicas ------------------------------------------------------------------
+
+
+def published(session: str, kind: str) -> str | None:
+    """One PRODUCER span per event a traced call publishes to the other replicas (not one per
+    delivery): its traceparent travels in the envelope (uibus.redis.codec)."""
+    span = telemetry.start_span(f"publish {kind}", SpanKind.PRODUCER, attributes={
+        "messaging.system": "redis", "messaging.operation.type": "publish", "messaging.destination.name": kind,
+        "uibus.session": session})
+    if span is None:
+        return None
+    value = telemetry.traceparent(trace.set_span_in_context(span))
+    span.end()
+    return value
+
+
+class received:
+    """The CONSUMER span of one envelope delivered on this replica, child of the publisher's."""
+
+    __slots__ = ("span", "token")
+
+    def __init__(self, traceparent: str, session: str, kind: str, origin: str) -> None:
+        t = telemetry.tracer
+        self.span = None if t is None else t.start_span(
+            f"receive {kind}", context=telemetry.from_traceparent(traceparent), kind=SpanKind.CONSUMER, attributes={
+                "messaging.system": "redis", "messaging.operation.type": "receive",
+                "messaging.destination.name": kind, "uibus.session": session, "uibus.bus.origin": origin})
+        self.token: Any = None
+
+    def __enter__(self) -> Span | None:
+        if self.span is not None:
+            self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.span
+
+    def __exit__(self, *exc: object) -> None:
+        if self.span is not None:
+            otel_context.detach(self.token)
+            self.span.end()
