@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from tests.conftest import REPO, free_port, require, running
+from tests.conftest import REPO, free_port, require, running, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.redisproc import redis_server
 from tests.support import ext, scrape_text
@@ -330,3 +330,42 @@ async def test_across_two_replicas_the_trace_travels_in_the_bus_envelope(redis_s
     assert dialog.trace_id == TRACE_ID and dialog.parent_id == confirm.span_id
     assert dialog.attributes["uibus.dialog.outcome"] == "answered"
     assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
+
+
+@pytest.mark.browser
+async def test_an_mcp_ask_user_answered_at_the_page_says_grpc_web(config: Config, browser: Any, otlp_http: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MCP agent's `ask_user` (its HTTP request carrying a traceparent) is answered by a click in
+    headless Chromium: the MCP call continues the agent's trace, and its dialog's span says the
+    answer came by gRPC-Web."""
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    from tests.test_web_browser import STREAMS_PER_PAGE, WITHIN
+
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, http_port=free_port())) as app:
+            page = await browser.new_page()
+            await page.goto(f"http://127.0.0.1:{app.http_port}/?session=mcp-page")
+            await wait_for(lambda: app.bus.count(session="mcp-page") == STREAMS_PER_PAGE, timeout=5,
+                           what="page subscribed")
+            headers = {"x-uibus-session": "mcp-page", "traceparent": TRACEPARENT}
+            async with httpx2.AsyncClient(headers=headers) as http, \
+                    Client(streamable_http_client(f"http://127.0.0.1:{app.http_port}/mcp", http_client=http)) as mcp:
+                asked = asyncio.ensure_future(mcp.call_tool("ask_user", {"title": "Ship it?",
+                                                                         "options": ["ship", "wait"]}))
+                await page.wait_for_selector('.dialog[data-kind="select"] h3:text("Ship it?")', timeout=WITHIN)
+                await page.click('.dialog[data-kind="select"] button:text("ship")')
+                result = await asyncio.wait_for(asked, 5)
+                assert result.content[0].text == "ship"
+            await page.close()
+    dialog = got.one("dialog select")
+    assert dialog.trace_id == TRACE_ID
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_via"] == "grpc-web"
+    (asking,) = [s for s in got.spans if s.span_id == dialog.parent_id]
+    assert asking.attributes["uibus.transport"] == "mcp" and asking.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    (answering,) = [s for s in got.spans if s.name.endswith("ExtensionUiService/Respond")]
+    assert answering.attributes["uibus.transport"] == "grpc-web"
