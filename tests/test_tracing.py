@@ -10,6 +10,7 @@ flushes its exporter).
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 from collections.abc import AsyncIterator, Iterator
@@ -203,6 +204,7 @@ async def test_grpc_and_http_calls_continue_the_callers_trace_otlp_http(config: 
     (listed,) = [s for s in got.spans if s.name.endswith("ConciergeService/List")]
     assert (listed.trace_id, listed.parent_id) == ("ab" * 16, "cd" * 8)
     assert listed.attributes["uibus.transport"] == "http"
+    assert listed.attributes["http.route"] == "/api/v1/list"
 
 
 async def test_a_dialog_is_a_span_in_the_asking_calls_trace_otlp_grpc(config: Config, otlp_http: None,
@@ -367,5 +369,59 @@ async def test_an_mcp_ask_user_answered_at_the_page_says_grpc_web(config: Config
     assert dialog.attributes["uibus.dialog.answered_via"] == "grpc-web"
     (asking,) = [s for s in got.spans if s.span_id == dialog.parent_id]
     assert asking.attributes["uibus.transport"] == "mcp" and asking.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert asking.attributes["http.route"] == "/mcp"
     (answering,) = [s for s in got.spans if s.name.endswith("ExtensionUiService/Respond")]
     assert answering.attributes["uibus.transport"] == "grpc-web"
+    assert answering.attributes["http.route"].endswith("/uibus.v1.ExtensionUiService/Respond")
+
+
+@pytest.mark.node
+async def test_a_grpc_js_clients_unary_call_and_stream_join_its_trace(config: Config, otlp_http: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """grpc-js (the pinned @grpc/grpc-js) sends `traceparent` as metadata: the unary call and the
+    server stream are SERVER spans in its trace; the stream's span ends when the client cancels,
+    saying so."""
+    node = shutil.which("node")
+    here = REPO / "tests" / "grpcjs"
+    require("the pinned @grpc/grpc-js (bash .ci/setup)", node is not None and (
+        here / "node_modules" / "@grpc" / "grpc-js").is_dir(), "node")
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(config) as app:
+            proc = await asyncio.create_subprocess_exec(node, str(here / "traced.js"), f"127.0.0.1:{app.port}", "js",
+                                                        TRACEPARENT, stdout=subprocess.PIPE)
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+            assert json.loads(out) == {"subscribers": 1, "got": "traced"}
+            await wait_for(lambda: app.bus.count(session="js") == 0, what="the cancelled stream gone")
+    publish = got.one("uibus.v1.HostService/PublishAddToInput")
+    stream = got.one("cline.UiService/subscribeToAddToInput")
+    for span in (publish, stream):
+        assert (span.trace_id, span.parent_id) == (TRACE_ID, PARENT_ID)
+        assert span.attributes["uibus.session"] == "js"
+    assert publish.attributes["uibus.call.end"] == "completed"
+    assert stream.attributes["uibus.call.end"] == "cancelled"
+    assert stream.attributes["rpc.grpc.status_code"] == 1
+
+
+async def test_the_codebolt_websocket_upgrade_carries_the_trace(config: Config, otlp_http: None,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CodeBolt agent's WebSocket upgrade sends `traceparent`: the connection's admission and
+    every frame it sends are SERVER spans in that trace (transport websocket)."""
+    from websockets.asyncio.client import connect as ws_connect
+
+    from uibus.transports.codebolt_ws import PATH
+
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, http_port=free_port())) as app:
+            async with ws_connect(f"ws://127.0.0.1:{app.http_port}{PATH}?session=cb",
+                                  additional_headers={"traceparent": TRACEPARENT}) as ws:
+                await ws.send(json.dumps({"type": "chatEvent", "action": "sendMessage", "requestId": "r1",
+                                          "message": {"message": "hello"}}))
+                reply = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                assert reply["success"] is True, reply
+    spans = [s for s in got.spans if s.attributes.get("uibus.transport") == "websocket"]
+    assert len(spans) >= 2, [s.name for s in got.spans]  # the admission and the frame
+    assert all((s.trace_id, s.parent_id, s.kind) == (TRACE_ID, PARENT_ID, trace_pb2.Span.SPAN_KIND_SERVER)
+               for s in spans)
+    assert any(s.name.endswith("sendMessage") for s in spans), [s.name for s in spans]
