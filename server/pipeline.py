@@ -49,7 +49,6 @@ from uibus.logs import Throttle
 from uibus.metrics import Metrics
 from uibus.proto_check import json_checker
 from uibus.session import session_from_metadata
-from uibus.telemetry import current_in
 from uibus.telemetry.calls import call_spans
 
 log = logging.getLogger("uibus.calls")
@@ -270,13 +269,14 @@ class Pipeline:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"
-                span = failure = None
+                span = failure = token = ctx = None
                 try:
                     if spans is None:
                         source = behavior(admit(request, context), context)
-                    else:  # the span is current while the handler makes each message
+                    else:  # the span is current while the handler makes each message (not between)
                         span, ctx = spans.start(context)
-                        source = current_in(ctx, lambda: behavior(admit_traced(request, context, span), context))
+                        token = otel_context.attach(ctx)
+                        source = behavior(admit_traced(request, context, span), context)
                     async with aclosing(source) as messages:
                         headers = False  # sent: by LIVE, or with the first message
                         async for message in messages:
@@ -289,7 +289,12 @@ class Pipeline:
                                 headers = True
                                 if extra:  # else grpc sends the headers with the first message
                                     await attach(context)
+                            if span is not None:  # the next resumption may be in another task
+                                otel_context.detach(token)  # type: ignore[arg-type]
+                                token = None
                             yield message
+                            if span is not None:
+                                token = otel_context.attach(ctx)  # type: ignore[arg-type]
                     code = code_name(context)
                 except BaseException as exc:
                     failure = exc
@@ -300,6 +305,8 @@ class Pipeline:
                 finally:
                     done(context, code, started)
                     if span is not None:
+                        if token is not None:
+                            otel_context.detach(token)
                         spans.end(span, code, failure)  # type: ignore[union-attr]
             return stream
 

@@ -14,8 +14,10 @@ the first `acquire` builds it, the last `release` flushes and shuts it down.
 
 Context: OpenTelemetry's current context lives in a contextvar. uibus's handlers are async
 generators, resumed from different tasks (the call driver takes a stream's first message in a task
-of its own), so a span is made current only for one resumption at a time (`current_in`), and work
-that runs in tasks of its own (an agent's dialog) adopts the context of the turn that started it.
+of its own), so a span is made current only for one resumption at a time (the pipeline and the
+chat turn attach it before each step and detach it before each yield), owned background tasks
+start outside any trace (uibus.tasks), and work that runs in a task of its own for a turn (an
+agent's dialog) adopts the turn's context (`adopted`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import contextvars
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
-from contextlib import aclosing
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
@@ -202,27 +203,6 @@ class as_caller:
     def __exit__(self, *exc: object) -> None:
         if self.token is not None:
             otel_context.detach(self.token)
-
-
-async def current_in(ctx: Context, make: Callable[[], AsyncIterator[T]]) -> AsyncIterator[T]:
-    """The stream `make()` returns (called with `ctx` current), with `ctx` current while each of
-    its messages is being made and not while the consumer holds one: correct whichever task
-    resumes it next."""
-    token = otel_context.attach(ctx)
-    try:
-        async with aclosing(make()) as messages:  # type: ignore[type-var]
-            while True:
-                try:
-                    message = await anext(messages)
-                except StopAsyncIteration:
-                    return
-                otel_context.detach(token)
-                token = None
-                yield message
-                token = otel_context.attach(ctx)
-    finally:
-        if token is not None:
-            otel_context.detach(token)
 
 
 async def adopted(ctx: Context | None, coro: Coroutine[Any, Any, T]) -> T:

@@ -51,11 +51,16 @@ async def _turn(stream: AsyncIterator[Any], name: str, attributes: dict[str, Any
         return
     ctx = trace.set_span_in_context(span)
     count, outcome, last = 0, "cancelled", None
+    token = otel_context.attach(ctx)  # current while the turn makes a piece, not between (other tasks)
     try:
-        async for piece in telemetry.current_in(ctx, lambda: stream):
-            count += 1
-            last = piece
-            yield piece
+        async with aclosing(stream) as pieces:  # type: ignore[type-var]
+            async for piece in pieces:
+                otel_context.detach(token)
+                token = None
+                count += 1
+                last = piece
+                yield piece
+                token = otel_context.attach(ctx)
         outcome = "completed"
         text = last.response.text if last is not None and last.HasField("response") else ""
         if text.startswith(f"Error from {agent}:"):  # an agent failure is the turn's answer (Chat.turn)
@@ -70,6 +75,8 @@ async def _turn(stream: AsyncIterator[Any], name: str, attributes: dict[str, Any
         telemetry.error(span, exc)
         raise
     finally:
+        if token is not None:
+            otel_context.detach(token)
         span.set_attribute("uibus.chat.pieces", count)
         span.set_attribute("uibus.chat.outcome", outcome)
         span.end()
