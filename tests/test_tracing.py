@@ -328,6 +328,10 @@ async def test_across_two_replicas_the_trace_travels_in_the_bus_envelope(redis_s
     assert (respond.trace_id, respond.parent_id) == (answer_trace, answer_parent)
     forwards = [s for s in got.children(respond) if s.name.startswith("publish ")]
     assert forwards and all(any(r.name.startswith("receive ") for r in got.children(f)) for f in forwards[:1])
+    # The store: the waiting dialog's shared entry is written to Redis inside the asking call.
+    stored = [s for s in got.spans if s.name.startswith("redis ") and s.trace_id == TRACE_ID]
+    assert stored and all(s.kind == trace_pb2.Span.SPAN_KIND_CLIENT for s in stored), [s.name for s in got.spans]
+    assert all(s.attributes["db.system.name"] == "redis" for s in stored)
     dialog = got.one("dialog confirm")
     assert dialog.trace_id == TRACE_ID and dialog.parent_id == confirm.span_id
     assert dialog.attributes["uibus.dialog.outcome"] == "answered"

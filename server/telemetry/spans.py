@@ -241,3 +241,30 @@ class received:
         if self.span is not None:
             otel_context.detach(self.token)
             self.span.end()
+
+
+# ---- the Redis store ---------------------------------------------------------------------------
+
+
+def store_op(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorates a RedisStore operation `(self, session, …)`: a CLIENT span per call made inside a
+    traced call (the store is the one part that leaves the process per call besides the bus)."""
+
+    def decorate(op: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(op)
+        async def traced(self: Any, session: str, *args: Any, **kw: Any) -> Any:
+            if telemetry.tracer is None:
+                return await op(self, session, *args, **kw)
+            span = telemetry.start_span(f"redis {name}", SpanKind.CLIENT, attributes={
+                "db.system.name": "redis", "db.operation.name": name, "uibus.session": session})
+            if span is None:
+                return await op(self, session, *args, **kw)
+            try:
+                return await op(self, session, *args, **kw)
+            except Exception as exc:
+                telemetry.error(span, exc)
+                raise
+            finally:
+                span.end()
+        return traced
+    return decorate
