@@ -31,13 +31,14 @@ from tests.conftest import REPO, free_port, require, running, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.redisproc import redis_server
 from tests.support import ext, scrape_text
+from tests.test_chat_backends import serve
 from uibus import telemetry
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)
-__all__ = ["redis_server"]
+__all__ = ["redis_server", "serve"]
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -429,3 +430,50 @@ async def test_the_codebolt_websocket_upgrade_carries_the_trace(config: Config, 
     assert all((s.trace_id, s.parent_id, s.kind) == (TRACE_ID, PARENT_ID, trace_pb2.Span.SPAN_KIND_SERVER)
                for s in spans)
     assert any(s.name.endswith("sendMessage") for s in spans), [s.name for s in spans]
+
+
+async def test_a_model_backend_request_continues_the_trace_and_logs_name_it(
+        config: Config, serve: Any, tmp_path: Path, otlp_http: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OpenAI-compatible backend's HTTP request is a CLIENT span under the chat turn, and the
+    model server receives its traceparent (an instrumented backend joins the trace). A log line
+    written inside a traced call (uibus's JSON lines) carries its trace_id / span_id."""
+    import logging
+
+    from tests.chatkit import MAXIMAL, Agent, request, write_agents
+    from tests.test_chat_backends import openai_agent, sse_handler
+    from uibus.logs import JsonFormatter
+
+    class Lines(logging.Handler):  # formats as it is written, as the server's stderr handler does
+        def __init__(self) -> None:
+            super().__init__()
+            self.setFormatter(JsonFormatter())
+            self.lines: list[dict[str, Any]] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(json.loads(self.format(record)))
+
+    up = await serve("/v1/chat/completions", sse_handler(["The ", "answer."]))
+    agents = write_agents(tmp_path, [openai_agent(up), {"name": "down", "backend": "openai", "options": {
+        "base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "m1"}}])
+    lines = Lines()
+    logger = logging.getLogger("uibus.chat")
+    logger.addHandler(lines)
+    try:
+        async with http_receiver() as (endpoint, got):
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+            async with running(replace(config, agents=agents)) as app, Connection(f"127.0.0.1:{app.port}") as conn:
+                for agent in ("gpt", "down"):
+                    stream = Agent(conn, agent).StreamingChat(request("hi", filter_type=MAXIMAL),
+                                                              metadata=(("traceparent", TRACEPARENT),))
+                    replies = [r async for r in stream]
+                assert replies[-1].response.text.startswith("Error from down:")
+    finally:
+        logger.removeHandler(lines)
+    turn = got.one("chat turn gpt")
+    (post,) = [s for s in got.children(turn) if s.kind == trace_pb2.Span.SPAN_KIND_CLIENT]
+    assert post.attributes["http.request.method"] == "POST" and post.attributes["http.response.status_code"] == 200
+    assert up.headers[0]["traceparent"] == f"00-{TRACE_ID}-{post.span_id}-01"
+    down = got.one("chat turn down")
+    assert down.attributes["uibus.chat.outcome"] == "agent_error" and down.status == 2
+    (failed,) = [line for line in lines.lines if line["msg"] == "agent failed"]
+    assert failed["trace_id"] == TRACE_ID and failed["span_id"] == down.span_id
