@@ -477,3 +477,47 @@ async def test_a_model_backend_request_continues_the_trace_and_logs_name_it(
     assert down.attributes["uibus.chat.outcome"] == "agent_error" and down.status == 2
     (failed,) = [line for line in lines.lines if line["msg"] == "agent failed"]
     assert failed["trace_id"] == TRACE_ID and failed["span_id"] == down.span_id
+
+
+@pytest.mark.node
+async def test_the_span_tree_of_a_pi_turn_whose_tool_call_a_person_blocked(config: Config, tmp_path: Path,
+                                                                          otlp_http: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """pi in RPC mode (its extension gates dangerous commands): call → chat turn → the bash tool
+    call (from pi's tool_execution_* events; failed: blocked) and the gate's dialog (answered
+    "Block" at a UI, with its wait) → the reply."""
+    from tests.chatkit import MAXIMAL, Agent, request
+    from tests.pikit import PI, Reply, hosting, pi_agent, scripted_model
+
+    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
+    blocked = "rm -rf victim && echo gone"
+    async with scripted_model() as model, http_receiver() as (endpoint, got):
+        model.script(Reply(text="Let me clean up. ", tool=("bash", {"command": blocked})),
+                     Reply(text="It was blocked."))
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with hosting(config, tmp_path, [pi_agent(tmp_path, model)]) as app, \
+                Connection(f"127.0.0.1:{app.port}", session="gate") as conn:
+            (ui,) = await open_uis(app, conn, 1, "gate")
+
+            async def chat() -> list[Any]:
+                stream = Agent(conn, "pi").StreamingChat(request("clean up", filter_type=MAXIMAL),
+                                                         metadata=(("traceparent", TRACEPARENT),))
+                return [r async for r in stream]
+            call = asyncio.ensure_future(chat())
+            gate = (await read(ui, 30)).request
+            await asyncio.sleep(0.05)
+            await ext(conn).Respond(pb.RespondRequest(id=gate.id, value="Block"))
+            responses = await asyncio.wait_for(call, 30)
+            assert responses[-1].response.text == "Let me clean up. \n\nIt was blocked."
+    server = got.one("pi.AgentService/StreamingChat")
+    assert (server.trace_id, server.parent_id) == (TRACE_ID, PARENT_ID)
+    (turn,) = got.children(server)
+    assert turn.name == "chat turn pi" and turn.attributes["uibus.agent.backend"] == "rpc"
+    under = {s.name: s for s in got.children(turn)}
+    tool = under["tool bash"]
+    assert tool.attributes["uibus.tool.status"] == "failed" and tool.status == 2
+    assert tool.attributes["uibus.tool.duration_s"] >= 0.05  # it waited for the person
+    dialog = under["dialog select"]
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
+    assert dialog.attributes["uibus.dialog.wait_s"] >= 0.05
