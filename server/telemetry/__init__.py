@@ -43,6 +43,7 @@ T = TypeVar("T")
 tracer: Tracer | None = None
 _provider: Any = None
 _users = 0
+_w3c_only = True  # OTEL_PROPAGATORS is the default (W3C trace context and baggage)
 
 SERVICE_NAME = "uibus"
 # The OpenTelemetry context key of the call being served: (transport, caller identity or "").
@@ -93,11 +94,12 @@ def _build(worker: int | None) -> Any:
 def acquire(worker: int | None = None) -> bool:
     """Turns tracing on for this process if the environment configures it (once: later callers
     share the provider). True when tracing is on. Pair each call with `release`."""
-    global tracer, _provider, _users
+    global tracer, _provider, _users, _w3c_only
     if _provider is None:
         if not configured():
             return False
         _provider = _build(worker)
+        _w3c_only = _default_propagators()
         tracer = _provider.get_tracer("uibus")
         log.info("tracing on", extra={"fields": {"resource": dict(_provider.resource.attributes)}})
     _users += 1
@@ -135,10 +137,23 @@ class _MetadataGetter(Getter[Iterable[tuple[str, Any]]]):
 METADATA = _MetadataGetter()
 
 
+_W3C = frozenset({"traceparent", "baggage"})  # what the default propagators start from
+_EMPTY = Context()
+
+
+def _default_propagators() -> bool:
+    value = os.environ.get("OTEL_PROPAGATORS")
+    return value is None or {p.strip() for p in value.split(",")} <= {"tracecontext", "baggage"}
+
+
 def extract(metadata: Iterable[tuple[str, Any]]) -> Context:
     """The caller's trace context (traceparent, tracestate, baggage) from a call's metadata, by the
-    configured propagators (OTEL_PROPAGATORS; W3C trace context and baggage by default)."""
-    return propagate.extract(tuple(metadata or ()), getter=METADATA, context=Context())
+    configured propagators (OTEL_PROPAGATORS; W3C trace context and baggage by default). With the
+    default ones, a call that sent neither header costs one scan of its keys, not a propagation."""
+    pairs = tuple(metadata or ())
+    if _w3c_only and not any(k in _W3C for k, _ in pairs):
+        return _EMPTY
+    return propagate.extract(pairs, getter=METADATA, context=Context())
 
 
 def inject(headers: dict[str, str], ctx: Context | None = None) -> dict[str, str]:

@@ -65,8 +65,7 @@ class CallSpans:
 
     @staticmethod
     def end(span: Span, code: str, exc: BaseException | None = None) -> None:
-        span.set_attribute("rpc.grpc.status_code", _CODES.get(code, 2))
-        span.set_attribute("uibus.call.end", _ENDS.get(code, "error"))
+        span.set_attributes({"rpc.grpc.status_code": _CODES.get(code, 2), "uibus.call.end": _ENDS.get(code, "error")})
         if code in _SERVER_ERRORS:
             if exc is not None and not isinstance(exc, grpc.aio.AbortError):
                 span.record_exception(exc)
