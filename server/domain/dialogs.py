@@ -275,7 +275,8 @@ class Dialogs:
             raise InvalidArgument(f"{method}: {problem}")
         options = frozenset(request.options) if isinstance(request, pb.SelectRequest) else None
         dialog = self.pending.prepare(session, method, request, checks.timeout_of(request), options)
-        span = spans.dialog_start(method, session, dialog.id, dialog.timeout_ms) if telemetry.tracer else None
+        traced = telemetry.tracer is not None
+        span = spans.dialog_start(method, session, dialog.id, dialog.timeout_ms) if traced else None
         started = time.monotonic()
         forwarding, shared = self.forwarding, self.shared
         if forwarding is not None:  # first, so other replicas know an answer can come here before they see it
