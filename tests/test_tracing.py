@@ -521,3 +521,29 @@ async def test_the_span_tree_of_a_pi_turn_whose_tool_call_a_person_blocked(confi
     assert dialog.attributes["uibus.dialog.outcome"] == "answered"
     assert dialog.attributes["uibus.dialog.answered_via"] == "grpc"
     assert dialog.attributes["uibus.dialog.wait_s"] >= 0.05
+
+
+async def test_with_tokens_the_spans_name_who_asked_and_who_answered(config: Config, tmp_path: Path,
+                                                                     otlp_http: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --tokens-file, a call's span names its token (`enduser.id`) and a dialog's span names
+    the token of the UI that answered it: the audit trail of who allowed what."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("agent-secret team-*\nui-secret team-*\n")
+    async with grpc_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, tokens_file=str(tokens))) as app, \
+                Connection(f"127.0.0.1:{app.port}", session="team-a", token="agent-secret") as agent, \
+                Connection(f"127.0.0.1:{app.port}", session="team-a", token="ui-secret") as person:
+            (ui,) = await open_uis(app, person, 1, "team-a")
+            ask = asyncio.ensure_future(ext(agent).Confirm(pb.ConfirmRequest(title="Push to main?")))
+            asked = (await read(ui, 10)).request
+            await ext(person).Respond(pb.RespondRequest(id=asked.id, confirmed=False))
+            assert not (await ask).confirmed
+    confirm = got.one("uibus.v1.ExtensionUiService/Confirm")
+    assert confirm.attributes["enduser.id"] == "--tokens-file line 1"
+    dialog = got.one("dialog confirm")
+    assert dialog.attributes["uibus.dialog.outcome"] == "answered"
+    assert dialog.attributes["uibus.dialog.answered_by"] == "--tokens-file line 2"
+    assert got.one("uibus.v1.ExtensionUiService/Respond").attributes["enduser.id"] == "--tokens-file line 2"
