@@ -277,6 +277,9 @@ class Pipeline:
                         span, ctx = spans.start(context)
                         token = otel_context.attach(ctx)
                         source = behavior(admit_traced(request, context, span), context)
+                        if not span.is_recording():  # not sampled: no child will be either
+                            otel_context.detach(token)
+                            token = ctx = None
                     async with aclosing(source) as messages:
                         headers = False  # sent: by LIVE, or with the first message
                         async for message in messages:
@@ -289,12 +292,12 @@ class Pipeline:
                                 headers = True
                                 if extra:  # else grpc sends the headers with the first message
                                     await attach(context)
-                            if span is not None:  # the next resumption may be in another task
+                            if ctx is not None:  # traced: the next resumption may be in another task
                                 otel_context.detach(token)  # type: ignore[arg-type]
                                 token = None
                             yield message
-                            if span is not None:
-                                token = otel_context.attach(ctx)  # type: ignore[arg-type]
+                            if ctx is not None:
+                                token = otel_context.attach(ctx)
                     code = code_name(context)
                 except BaseException as exc:
                     failure = exc

@@ -547,3 +547,23 @@ async def test_with_tokens_the_spans_name_who_asked_and_who_answered(config: Con
     assert dialog.attributes["uibus.dialog.outcome"] == "answered"
     assert dialog.attributes["uibus.dialog.answered_by"] == "--tokens-file line 2"
     assert got.one("uibus.v1.ExtensionUiService/Respond").attributes["enduser.id"] == "--tokens-file line 2"
+
+
+async def test_a_caller_that_sampled_its_trace_out_gets_no_spans(config: Config, otlp_http: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default sampler follows the caller: `traceparent` flags 00 means no span of that call
+    (nor of the stream and turn it started) is recorded, and the calls work as ever."""
+    from tests.chatkit import MAXIMAL, Agent, request
+
+    unsampled = f"00-{TRACE_ID}-{PARENT_ID}-00"
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(config) as app, Connection(f"127.0.0.1:{app.port}") as conn:
+            md = (("traceparent", unsampled),)
+            replies = [r async for r in Agent(conn, "").StreamingChat(request("hi", filter_type=MAXIMAL), metadata=md)]
+            assert replies[-1].response.text
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=md)
+                await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())  # a root: sampled
+    assert [s.name for s in got.spans] == ["grpc.health.v1.Health/Check"]
+    assert got.spans[0].trace_id != TRACE_ID
