@@ -7,6 +7,9 @@ a `Rejected` for input it could not decode), so the same request gets the same s
 
 The policies, outermost first:
 
+0. tracing (only when OTEL_* configures it: uibus.telemetry) — one SERVER span per call, continuing
+   the caller's W3C trace context from its metadata, current while the handler runs (for a
+   stream: while it makes each message), ended with the call's status and how it ended;
 1. metrics — the call is timed and counted under its final status and its transport;
 2. errors — a domain error (uibus.errors) becomes its status with its message; an unexpected
    exception becomes INTERNAL with a short message and one log line, never a traceback to the
