@@ -567,3 +567,18 @@ async def test_a_caller_that_sampled_its_trace_out_gets_no_spans(config: Config,
                 await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())  # a root: sampled
     assert [s.name for s in got.spans] == ["grpc.health.v1.Health/Check"]
     assert got.spans[0].trace_id != TRACE_ID
+
+
+async def test_a_traced_page_of_an_allowed_origin_may_send_trace_headers(config: Config) -> None:
+    """CORS: a page (an OpenTelemetry-instrumented web app) of an allowed origin may send
+    traceparent, tracestate and baggage with its gRPC-Web calls."""
+    import httpx
+
+    async with running(replace(config, http_port=free_port(), cors_origins="http://allowed.test")) as app, \
+            httpx.AsyncClient() as http:
+        pre = await http.options(f"http://127.0.0.1:{app.http_port}/cline.UiService/scrollToSettings", headers={
+            "origin": "http://allowed.test", "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type,x-grpc-web,traceparent,tracestate,baggage"})
+    assert pre.status_code == 204
+    allowed = {h.strip() for h in pre.headers["access-control-allow-headers"].split(",")}
+    assert {"traceparent", "tracestate", "baggage"} <= allowed
