@@ -582,3 +582,15 @@ async def test_a_traced_page_of_an_allowed_origin_may_send_trace_headers(config:
     assert pre.status_code == 204
     allowed = {h.strip() for h in pre.headers["access-control-allow-headers"].split(",")}
     assert {"traceparent", "tracestate", "baggage"} <= allowed
+
+
+async def test_settings_that_cannot_work_stop_the_start_with_a_clear_error(config: Config,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from uibus.errors import ConfigError
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
+    with pytest.raises(ConfigError, match="carrier-pigeon"):
+        async with running(config):
+            pass
+    assert telemetry.tracer is None

@@ -35,6 +35,8 @@ from opentelemetry.context import Context
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.trace import Span, SpanKind, Tracer
 
+from uibus.errors import ConfigError
+
 log = logging.getLogger("uibus.telemetry")
 
 T = TypeVar("T")
@@ -98,7 +100,10 @@ def acquire(worker: int | None = None) -> bool:
     if _provider is None:
         if not configured():
             return False
-        _provider = _build(worker)
+        try:
+            _provider = _build(worker)
+        except Exception as exc:  # an unknown exporter or protocol, a bad sampler argument: say which
+            raise ConfigError("OTEL_* (tracing)", f"the OpenTelemetry settings do not work: {exc}") from None
         _w3c_only = _default_propagators()
         tracer = _provider.get_tracer("uibus")
         log.info("tracing on", extra={"fields": {"resource": dict(_provider.resource.attributes)}})
