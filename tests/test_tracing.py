@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from tests.conftest import REPO, free_port, require, running, wait_for
+from tests.conftest import REPO, free_port, require, running, spawn, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.redisproc import redis_server
 from tests.support import ext, scrape_text
@@ -38,7 +38,7 @@ from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)
-__all__ = ["redis_server", "serve"]
+__all__ = ["redis_server", "serve", "spawn"]
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -594,3 +594,39 @@ async def test_settings_that_cannot_work_stop_the_start_with_a_clear_error(confi
         async with running(config):
             pass
     assert telemetry.tracer is None
+
+
+@pytest.mark.redis
+async def test_each_worker_is_its_own_service_instance(spawn: Any, redis_server: Any) -> None:
+    """`uibus serve --workers 2` with OTEL_* set: each worker exports as its own
+    `service.instance.id` (the pod's name and the worker index), and what it exported before
+    SIGTERM arrives."""
+    import signal
+
+    from tests.test_workers import fresh_channel, parent_line
+
+    async with http_receiver() as (endpoint, got):
+        server = spawn("--workers", "2", "--redis-url", redis_server.url, "--grace-seconds", "1", "--port", "0",
+                       "--http-port", str(free_port()), env={
+                           "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+                           "OTEL_BSP_SCHEDULE_DELAY": "50", "POD_NAME": "uibus-7f9c"})
+        line = '"uibus.workers", "msg": "serving"'
+        await wait_for(lambda: line in server.log.read_text() or server.proc.poll() is not None, 15,
+                       "the parent's line")
+        server.target = parent_line(server, "serving")["grpc"]
+        seen: set[str] = set()
+        for _ in range(40):
+            async with fresh_channel(server.target) as channel:
+                call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                                 metadata=(("traceparent", TRACEPARENT),))
+                seen.add((await call.initial_metadata())["x-uibus-worker"])
+                await call
+            if len(seen) == 2:
+                break
+        assert seen == {"0", "1"}
+        server.proc.send_signal(signal.SIGTERM)
+        await wait_for(lambda: server.proc.poll() is not None, 15, "the parent to exit")
+        assert server.proc.returncode == 0
+    checks = [s for s in got.spans if s.name == "grpc.health.v1.Health/Check" and s.trace_id == TRACE_ID]
+    assert {s.resource["service.instance.id"] for s in checks} == {"uibus-7f9c/worker-0", "uibus-7f9c/worker-1"}
+    assert {s.resource["service.name"] for s in checks} == {"uibus"}
