@@ -353,7 +353,8 @@ class App:
         log.info("serving", extra={"fields": {
             "grpc": f"{cfg.host}:{self.port}", "http": self.http_port, "tls": bool(cfg.tls_cert),
             "http_tls": bool(cfg.http_tls_cert or cfg.tls_cert), "mtls": bool(cfg.tls_client_ca),
-            "store": redacted(cfg.redis_url) or cfg.store, **({} if worker is None else {"pid": worker.pid})}})
+            "store": redacted(cfg.redis_url) or cfg.store, **({} if worker is None else {"pid": worker.pid}),
+            **({"tracing": tracing} if (tracing := telemetry.summary()) else {})}})
 
     async def _set_health(self, serving: bool) -> bool:
         """Sets "" and every service to SERVING or NOT_SERVING; never SERVING once shutdown began

@@ -624,6 +624,9 @@ async def test_each_worker_is_its_own_service_instance(spawn: Any, redis_server:
             if len(seen) == 2:
                 break
         assert seen == {"0", "1"}
+        lines = [json.loads(x) for x in server.log.read_text().splitlines() if x.startswith("{")]
+        tracing = sorted(x["tracing"]["service.instance.id"] for x in lines if x["msg"] == "serving" and "worker" in x)
+        assert tracing == ["uibus-7f9c/worker-0", "uibus-7f9c/worker-1"]  # the workers' "serving" lines say so
         server.proc.send_signal(signal.SIGTERM)
         await wait_for(lambda: server.proc.poll() is not None, 15, "the parent to exit")
         assert server.proc.returncode == 0

@@ -106,9 +106,16 @@ def acquire(worker: int | None = None) -> bool:
             raise ConfigError("OTEL_* (tracing)", f"the OpenTelemetry settings do not work: {exc}") from None
         _w3c_only = _default_propagators()
         tracer = _provider.get_tracer("uibus")
-        log.info("tracing on", extra={"fields": {"resource": dict(_provider.resource.attributes)}})
     _users += 1
     return True
+
+
+def summary() -> dict[str, Any] | None:
+    """What the "serving" log line says of tracing: this process's service and instance, or None."""
+    if _provider is None:
+        return None
+    attributes = _provider.resource.attributes
+    return {key: attributes.get(key) for key in ("service.name", "service.instance.id")}
 
 
 def release() -> None:
