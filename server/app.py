@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from uibus import reflection
+from uibus import reflection, telemetry
 from uibus.agents.config import load_agents
 from uibus.auth import Tokens
 from uibus.bus import Bus
@@ -265,6 +265,10 @@ class App:
     async def _start(self) -> None:
         cfg = self.config
         res = self._resources
+        # First in, last out: every span of the app's life is exported at exit (in a thread: the
+        # SDK's flush blocks). Off unless the OTEL_* environment configures it (uibus.telemetry).
+        if telemetry.acquire(None if self.worker is None else self.worker.index):
+            res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents))
@@ -318,6 +322,7 @@ class App:
         worker = self.worker
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
             "index": str(worker.index), "pid": str(worker.pid)})
+        core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else ())
         server = self._server = grpc.aio.server(options=[
@@ -367,7 +372,8 @@ class App:
         log.info("serving", extra={"fields": {
             "grpc": f"{cfg.host}:{self.port}", "http": self.http_port, "tls": bool(cfg.tls_cert),
             "http_tls": bool(cfg.http_tls_cert or cfg.tls_cert), "mtls": bool(cfg.tls_client_ca),
-            "store": redacted(cfg.redis_url) or cfg.store, **({} if worker is None else {"pid": worker.pid})}})
+            "store": redacted(cfg.redis_url) or cfg.store, **({} if worker is None else {"pid": worker.pid}),
+            **({"tracing": tracing} if (tracing := telemetry.summary()) else {})}})
 
     async def _set_health(self, serving: bool) -> bool:
         """Sets "" and every service to SERVING or NOT_SERVING; never SERVING once shutdown began

@@ -1,4 +1,7 @@
-"""Structured logs: one JSON object per line on stderr, so operators can ship them as they are."""
+"""Structured logs: one JSON object per line on stderr, so operators can ship them as they are.
+
+With tracing on (uibus.telemetry), a line written while a span is current carries its `trace_id`
+and `span_id`, so a log backend joins lines to traces."""
 
 from __future__ import annotations
 
@@ -6,6 +9,8 @@ import json
 import logging
 import sys
 import time
+
+from uibus import telemetry
 
 
 class JsonFormatter(logging.Formatter):
@@ -25,6 +30,10 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if fields:
             entry.update(fields)
+        if telemetry.tracer is not None:  # tracing on: the line names the span it was written in
+            ids = telemetry.ids()
+            if ids is not None:
+                entry.update(ids)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)

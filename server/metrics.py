@@ -19,6 +19,8 @@ from uibus.store import Store
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# People take seconds to minutes: up to the longest dialog timeouts (an hour).
+_WAIT_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
 _CHAT_SUFFIX = ".AgentService/StreamingChat"
 MAX_METHOD_LABELS = 1000  # distinct `method` label values; uibus serves ~120 methods
 UNKNOWN_METHOD = "unknown"
@@ -113,6 +115,11 @@ class Metrics:
                                 registry=self.registry)
         for reason in ("host", "origin"):  # exported at 0 from the start, so a rate() has a series
             self._refused.labels(reason)
+        self._dialog_wait = Histogram(
+            "uibus_dialog_wait_seconds", "How long a dialog (extension UI, pi's extension UI, an ACP permission, "
+            "MCP ask_user) waited for a person: from the ask to its end, by kind (select, confirm, input, "
+            "editor) and outcome (answered, timed_out, cancelled)", ["kind", "outcome"], buckets=_WAIT_BUCKETS,
+            registry=self.registry)
         self._children: dict[tuple[str, str, str], Any] = {}
         self._methods: set[str] = set()
         self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {},
@@ -136,6 +143,9 @@ class Metrics:
         if method.endswith(_CHAT_SUFFIX):
             agent = method[1:-len(_CHAT_SUFFIX)]
             self.chat_turns[agent] = self.chat_turns.get(agent, 0) + 1
+
+    def dialog_wait(self, kind: str, outcome: str, seconds: float) -> None:
+        self._dialog_wait.labels(kind, outcome).observe(seconds)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(reason).inc()

@@ -7,6 +7,9 @@ a `Rejected` for input it could not decode), so the same request gets the same s
 
 The policies, outermost first:
 
+0. tracing (only when OTEL_* configures it: uibus.telemetry) — one SERVER span per call, continuing
+   the caller's W3C trace context from its metadata, current while the handler runs (for a
+   stream: while it makes each message), ended with the call's status and how it ended;
 1. metrics — the call is timed and counted under its final status and its transport;
 2. errors — a domain error (uibus.errors) becomes its status with its message; an unexpected
    exception becomes INTERNAL with a short message and one log line, never a traceback to the
@@ -39,6 +42,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from opentelemetry import context as otel_context
 
 from uibus.auth import Grant, Tokens, bearer
 from uibus.bus import LIVE
@@ -48,6 +52,7 @@ from uibus.logs import Throttle
 from uibus.metrics import Metrics
 from uibus.proto_check import json_checker
 from uibus.session import session_from_metadata
+from uibus.telemetry.calls import call_spans
 
 log = logging.getLogger("uibus.calls")
 
@@ -151,8 +156,9 @@ class Pipeline:
                     return grant
         raise Unauthenticated("missing or wrong bearer token (metadata `authorization: Bearer <token>`)")
 
-    def authorize(self, access: str, metadata: Any) -> None:
-        """Policy 3: raises what refuses the call (no token, or a token bound to other sessions)."""
+    def authorize(self, access: str, metadata: Any) -> Grant:
+        """Policy 3: raises what refuses the call (no token, or a token bound to other sessions);
+        the token's grant otherwise (its name is the caller's identity in traces)."""
         grant = self.authenticate(metadata)
         if access == ITS_SESSION:
             session = session_from_metadata(metadata)
@@ -162,6 +168,7 @@ class Pipeline:
         elif access == ALL_SESSIONS and not grant.all_sessions:
             raise PermissionDenied("this call covers every session: it needs a token that may use all "
                                    "sessions (`*`)")
+        return grant
 
     def _rejected(self, method: str, request: Rejected) -> UibusError:
         skipped = self._rejected_log.allow()
@@ -223,6 +230,8 @@ class Pipeline:
         classify = self._classify
         status = _STATUS
         extra = self.headers
+        # Tracing (uibus.telemetry): decided here, once; off, no call pays more than this None.
+        spans = call_spans(label)
 
         async def attach(context: Any) -> None:
             """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
@@ -243,6 +252,17 @@ class Pipeline:
                 return _checked_requests(request, label, rejected)
             return request
 
+        def admit_traced(request: Any, context: Any, span: Any) -> Any:
+            """`admit`, naming the caller in the call's span when its token has a name."""
+            if needs_auth:
+                grant = authorize(access, context.invocation_metadata())
+                spans.identify(span, grant.name)  # type: ignore[union-attr]
+            if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
+                raise rejected(label, request)
+            if request_streaming:
+                return _checked_requests(request, label, rejected)
+            return request
+
         def done(context: Any, code: str, started: float) -> None:
             if observe is not None:
                 transport = context.transport if isinstance(context, CallContext) else "grpc"
@@ -252,8 +272,18 @@ class Pipeline:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"
+                span = failure = token = ctx = None
                 try:
-                    async with aclosing(behavior(admit(request, context), context)) as messages:
+                    if spans is None:
+                        source = behavior(admit(request, context), context)
+                    else:  # the span is current while the handler makes each message (not between)
+                        span, ctx = spans.start(context)
+                        token = otel_context.attach(ctx)
+                        source = behavior(admit_traced(request, context, span), context)
+                        if not span.is_recording():  # not sampled: no child will be either
+                            otel_context.detach(token)
+                            token = ctx = None
+                    async with aclosing(source) as messages:
                         headers = False  # sent: by LIVE, or with the first message
                         async for message in messages:
                             if message is LIVE:  # subscribed: the headers say so (uibus.bus.LIVE)
@@ -265,22 +295,38 @@ class Pipeline:
                                 headers = True
                                 if extra:  # else grpc sends the headers with the first message
                                     await attach(context)
+                            if ctx is not None:  # traced: the next resumption may be in another task
+                                otel_context.detach(token)  # type: ignore[arg-type]
+                                token = None
                             yield message
+                            if ctx is not None:
+                                token = otel_context.attach(ctx)
                     code = code_name(context)
                 except BaseException as exc:
+                    failure = exc
                     code, details = classify(label, exc, context)
                     if details is None:
                         raise
                     await context.abort(status[code], details)
                 finally:
                     done(context, code, started)
+                    if span is not None:
+                        if token is not None:
+                            otel_context.detach(token)
+                        spans.end(span, code, failure)  # type: ignore[union-attr]
             return stream
 
         async def call(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
+            span = token = failure = None
             try:
-                request = admit(request, context)
+                if spans is None:
+                    request = admit(request, context)
+                else:  # one task runs a coroutine to its end: the span is current throughout
+                    span, ctx = spans.start(context)
+                    token = otel_context.attach(ctx)
+                    request = admit_traced(request, context, span)
                 if extra:  # before the handler runs: a `write()` stream sends its headers with its first write
                     await attach(context)
                 result = behavior(request, context)
@@ -289,12 +335,16 @@ class Pipeline:
                 code = code_name(context)
                 return result
             except BaseException as exc:
+                failure = exc
                 code, details = classify(label, exc, context)
                 if details is None:
                     raise
                 await context.abort(status[code], details)
             finally:
                 done(context, code, started)
+                if span is not None:
+                    otel_context.detach(token)  # type: ignore[arg-type]
+                    spans.end(span, code, failure)  # type: ignore[union-attr]
         return call
 
 

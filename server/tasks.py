@@ -19,6 +19,8 @@ import logging
 from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
+from uibus import telemetry
+
 log = logging.getLogger("uibus.tasks")
 T = TypeVar("T")
 
@@ -86,7 +88,10 @@ class Tasks:
         if self._closed:
             coro.close()
             raise RuntimeError(f"{self.owner}: closed, no new tasks")
-        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.owner}")
+        # Tracing on: an owned task outlives the call that started it, so it starts in no trace (it
+        # may adopt one: uibus.telemetry.adopted), else all it does would join that call's trace.
+        task = asyncio.get_running_loop().create_task(coro, name=name or f"{self.owner}", context=None if
+                                                      telemetry.tracer is None else telemetry.untraced())
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task

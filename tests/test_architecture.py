@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis",
               "uibus.store", "uibus.sqlite_store",
               "uibus.session", "uibus.webview", "uibus.pb", "uibus.worker_table", "uibus.proto_schema",
-              "uibus.tasks", "uibus.dialog_limits")),
+              "uibus.tasks", "uibus.dialog_limits", "uibus.telemetry")),
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain
     # that drives them (the domain imports the agents' interface, not the other way round).
     ("agents", ("uibus.agents",)),

@@ -22,9 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.chatkit import chat
 from tests.conftest import REPO, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import ext
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2
 
 __all__ = ["redis_server"]
 
@@ -39,7 +41,8 @@ _REQUIRED = {"uibus_subscriptions", "uibus_events_published", "uibus_events_deli
              "uibus_events_coalesced", "uibus_events_overflowed", "uibus_rpc_duration_seconds", "uibus_chat_turns",
              "uibus_extension_ui_pending_dialogs", "uibus_codebolt_connections", "uibus_replication_connected",
              "uibus_replication_sent", "uibus_replication_received", "uibus_replication_dropped", "uibus_store_up",
-             "uibus_ready", "uibus_sessions_stored", "uibus_sessions_evicted", "uibus_http_refused"}
+             "uibus_ready", "uibus_sessions_stored", "uibus_sessions_evicted", "uibus_http_refused",
+             "uibus_dialog_wait_seconds"}
 
 Families = dict[str, tuple[str, set[str]]]  # family name -> (type, sample names)
 
@@ -132,6 +135,8 @@ async def _drive_and_scrape(config: Config) -> Families:
                                                                       partial=True))
             assert (await asyncio.wait_for(first, 5)).text == "hi"
             assert await chat(conn, "hello_world", "hello")  # a chat turn, and a session stored
+            timed = await ext(conn).Confirm(extension_ui_pb2.ConfirmRequest(title="Sure?", timeout_ms=10))
+            assert timed.outcome == extension_ui_pb2.DIALOG_OUTCOME_TIMED_OUT  # a dialog's wait observed
             r = await client.get("/metrics")
             stream.cancel()
         assert r.status_code == 200, r.text

@@ -18,6 +18,7 @@ import aiohttp
 from uibus.agents import AgentError
 from uibus.errors import InvalidArgument
 from uibus.json_input import load_json
+from uibus.telemetry.spans import http_request
 
 MAX_ERROR_BODY = 2_000
 
@@ -35,20 +36,23 @@ class HttpClient:
     @asynccontextmanager
     async def open_stream(self, url: str, body: Any, headers: dict[str, str]) -> AsyncIterator[aiohttp.ClientResponse]:
         """POSTs JSON and yields the response once its status is 2xx; AgentError otherwise."""
-        try:
-            resp = await self.session().post(url, json=body, headers=headers)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AgentError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
-        try:
-            if resp.status // 100 != 2:
-                text = (await resp.text(errors="replace"))[:MAX_ERROR_BODY]
-                raise AgentError(f"{url} answered HTTP {resp.status}: {text.strip() or resp.reason}")
-            yield resp
-        except BaseException:
-            resp.close()  # drop the connection: never hand a half-read stream back to the pool
-            raise
-        else:
-            resp.release()
+        async with http_request(url, headers := dict(headers)) as span:  # traceparent added when traced
+            try:
+                resp = await self.session().post(url, json=body, headers=headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise AgentError(f"cannot reach {url}: {exc or type(exc).__name__}") from exc
+            if span is not None:
+                span.set_attribute("http.response.status_code", resp.status)
+            try:
+                if resp.status // 100 != 2:
+                    text = (await resp.text(errors="replace"))[:MAX_ERROR_BODY]
+                    raise AgentError(f"{url} answered HTTP {resp.status}: {text.strip() or resp.reason}")
+                yield resp
+            except BaseException:
+                resp.close()  # drop the connection: never hand a half-read stream back to the pool
+                raise
+            else:
+                resp.release()
 
     async def aclose(self) -> None:
         if self._session is not None:

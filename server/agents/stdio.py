@@ -40,6 +40,7 @@ from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, Se
 from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
 from uibus.tasks import Tasks
+from uibus.telemetry.spans import process_start
 
 log = logging.getLogger("uibus.agents.stdio")
 
@@ -185,14 +186,17 @@ class AgentProcess:
 
     async def start(self) -> None:
         o = self.options
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                o.program, *o.command[1:], cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                limit=o.max_line)
-        except OSError as exc:
-            raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
-                             f"{exc.strerror or exc}") from exc
+        async with process_start(self.backend.spec.name, o.program) as span:
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    o.program, *o.command[1:], cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+                    limit=o.max_line)
+            except OSError as exc:
+                raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
+                                 f"{exc.strerror or exc}") from exc
+            if span is not None:
+                span.set_attribute("process.pid", self.proc.pid)
         self.backend.started += 1
         log.info("agent process started", extra={"fields": {**self.log.where, "pid": self.proc.pid}})
         self._readers.spawn(self._read(), name="agent stdout")

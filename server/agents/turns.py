@@ -31,9 +31,13 @@ from collections.abc import AsyncIterator, Coroutine, Hashable
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
+from opentelemetry.context import Context
+
 from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
 from uibus.agents.stdio import AgentProcess, StdioBackend
 from uibus.tasks import Tasks
+from uibus.telemetry import adopted
+from uibus.telemetry.spans import tool_spans
 
 log = logging.getLogger("uibus.agents.stdio")
 
@@ -92,12 +96,15 @@ class AgentRequests:
     def __init__(self, tasks: Tasks) -> None:
         self._tasks = tasks
         self._open: dict[Hashable, asyncio.Task[None]] = {}
+        self.trace: Context | None = None  # with tracing on: the context of the turn running now
 
     def open(self, ident: Hashable, coro: Coroutine[Any, Any, None], *, name: str = "agent dialog") -> None:
         """Runs `coro` for request `ident`, unless that request is open already (or the session closing)."""
         if ident in self._open or self._tasks.closed:
             coro.close()
             return
+        if self.trace is not None:  # the dialog is part of the turn that caused it
+            coro = adopted(self.trace, coro)
         task = self._tasks.spawn(coro, name=name)
         self._open[ident] = task
         task.add_done_callback(lambda _t: self._open.pop(ident, None))
@@ -259,12 +266,20 @@ class StdioSession(AgentSession):
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
         run = self._turn = TurnRun(self, queue)
         timer = asyncio.get_running_loop().call_later(self.options.turn_timeout, queue.put_nowait, _TIMED_OUT)
+        tools = tool_spans()  # None unless this turn is traced
+        if tools is not None:
+            self.asks.trace = tools.parent
         try:
             async with aclosing(self.run_turn(turn, run)) as pieces:
                 async for piece in pieces:
+                    if tools is not None:
+                        tools.piece(piece)
                     yield piece
         finally:
             timer.cancel()
+            if tools is not None:
+                tools.close()
+                self.asks.trace = None
             self._turn = None
             if not run.ended:  # cancelled or failed in the middle: the protocol's cancel
                 self.asks.cancel()

@@ -61,9 +61,10 @@ class CallContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
     """A `grpc.aio.ServicerContext` for calls that arrive any other way than native gRPC."""
 
     def __init__(self, metadata: Metadata, peer: str, transport: str, timeout: float | None = None,
-                 state: Any = None) -> None:
+                 state: Any = None, route: str | None = None) -> None:
         self.transport = transport  # the metrics label: grpc-web, http, websocket, inprocess
         self.state = state  # what a transport hands its own handlers (the CodeBolt connection)
+        self.route = route  # an HTTP transport's route template (`http.route` of the call's span)
         self._metadata = metadata
         self._peer = peer
         self._deadline = None if timeout is None else time.monotonic() + timeout

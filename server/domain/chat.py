@@ -40,6 +40,7 @@ from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
 from uibus.proto_check import undefined_enum
+from uibus.telemetry.spans import traced_turn
 
 log = logging.getLogger("uibus.chat")
 
@@ -244,6 +245,7 @@ class Chat:
         forwarded = {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
         return routing.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
 
+    @traced_turn  # a span per turn when tracing is on (uibus.telemetry)
     async def turn_here(self, session: str, agent: str, request: agent_pb2.ChatRequest,
                         metadata: Mapping[str, str] | None = None, *,
                         keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:

@@ -27,11 +27,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from uibus import kinds
+from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.errors import STATUS_NUMBERS, UibusError, error_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.tasks import Tasks
+from uibus.telemetry import as_caller
 
 WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
 LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed
@@ -113,7 +114,8 @@ class AnswerForwarding:
     async def _serve(self, session: str, sub: Subscription) -> None:
         try:
             async for fwd in sub:
-                verdict = self._answer(session, fwd.answer)
+                with as_caller(fwd.answered_via, fwd.answered_by):  # whose answer (tracing on)
+                    verdict = self._answer(session, fwd.answer)
                 if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
                     self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
                         answer_id=fwd.answer_id, code=_NOT_HERE), target=fwd.answer_id)
@@ -140,8 +142,11 @@ class AnswerForwarding:
             return not_found
         try:
             # Every listener replies once, this replica's own included (it hears its own forward).
-            reached = self.bus.publish(session, kinds.EXT_UI_ANSWER,
-                                       pb.ForwardedAnswer(answer_id=answer_id, answer=request))
+            forwarded = pb.ForwardedAnswer(answer_id=answer_id, answer=request)
+            caller = telemetry.caller() if telemetry.tracer is not None else None
+            if caller is not None:  # the holder's dialog span says which UI answered
+                forwarded.answered_via, forwarded.answered_by = caller
+            reached = self.bus.publish(session, kinds.EXT_UI_ANSWER, forwarded)
             if reached <= self.bus.count(kinds.EXT_UI_ANSWER, session):
                 return not_found  # only this replica's own listener (if any): no other replica can know it
             with contextlib.suppress(TimeoutError):

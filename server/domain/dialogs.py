@@ -33,13 +33,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from uibus import dialog_limits as checks
-from uibus import kinds
+from uibus import kinds, telemetry
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.domain.dialog_sharing import SharedDialogs
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Store
+from uibus.telemetry import spans
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
 CANCELLED = pb.DIALOG_OUTCOME_CANCELLED
@@ -99,6 +100,7 @@ class Dialog:
     options: frozenset[str] | None = None  # select only: the answers a UI may give
     timer: asyncio.TimerHandle | None = None
     timeout_ms: int = 0
+    answered_by: list[str] | None = None  # with tracing on: [transport, identity] of the UI's call
 
 
 class PendingDialogs:
@@ -239,6 +241,8 @@ class Dialogs:
         self.pending = PendingDialogs(bus, shared=self.shared)
         self.ui_queue = max(UI_QUEUE, queue_size)
         self.forwarding = AnswerForwarding(bus, self._verdict) if bus.replicated else None
+        # How long each dialog waited for a person: (kind, outcome, seconds); /metrics (uibus.metrics).
+        self.observe_wait: Callable[[str, str, float], None] | None = None
 
     def count(self, session: str | None = None) -> int:
         """Dialogs waiting for an answer (of one session, or of all)."""
@@ -271,10 +275,14 @@ class Dialogs:
             raise InvalidArgument(f"{method}: {problem}")
         options = frozenset(request.options) if isinstance(request, pb.SelectRequest) else None
         dialog = self.pending.prepare(session, method, request, checks.timeout_of(request), options)
+        traced = telemetry.tracer is not None
+        span = spans.dialog_start(method, session, dialog.id, dialog.timeout_ms) if traced else None
+        started = time.monotonic()
         forwarding, shared = self.forwarding, self.shared
         if forwarding is not None:  # first, so other replicas know an answer can come here before they see it
             forwarding.hold(session)
         opened = False
+        answer: Answer | None = None
         try:
             if shared is not None:  # before it is published: a UI subscribing too late for it reads it
                 await shared.put(session, dialog.request)
@@ -286,12 +294,26 @@ class Dialogs:
                 shared.remove(session, dialog.id)
             if forwarding is not None:
                 forwarding.release(session)
+            if opened:
+                self._waited(dialog, answer, time.monotonic() - started, span)
+            elif span is not None:
+                span.end()
         if answer.outcome == SHUTDOWN:
             raise Unavailable(f"the server is shutting down; dialog {dialog.id} was closed unanswered")
         result = pb.DialogResult(id=dialog.id, outcome=answer.outcome, confirmed=answer.confirmed)
         if answer.value is not None:
             result.value = answer.value
         return result
+
+    def _waited(self, dialog: Dialog, answer: Answer | None, seconds: float, span: Any) -> None:
+        """The human wait of one dialog that was shown: on /metrics, and as its span's end."""
+        reason = pb.DialogOutcome.Name(answer.outcome if answer is not None else CALLER_CANCELLED)
+        reason = reason.removeprefix("DIALOG_OUTCOME_")
+        if self.observe_wait is not None:
+            self.observe_wait(dialog.method, spans.outcome_name(reason), seconds)
+        if span is not None:
+            spans.dialog_end(span, reason, seconds,
+                             dialog.answered_by if reason in ("ANSWERED", "CANCELLED") else None)
 
     # ---- agents: fire-and-forget ----
 
@@ -411,6 +433,8 @@ class Dialogs:
                 return Verdict(NotFound(f"dialog {request.id} {_CLOSED_HOW[outcome]}"))
             return Verdict(NotFound(f"no open dialog {request.id!r} in session {session!r}"), unknown=True)
         method = dialog.method
+        if telemetry.tracer is not None:  # which UI answers (if this one's answer stands)
+            dialog.answered_by = telemetry.caller()
         if kind == "cancelled":
             if not request.cancelled:
                 return Verdict(InvalidArgument(f"dialog {request.id}: cancelled must be true; to answer, send "

@@ -38,6 +38,7 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
+from uibus import telemetry
 from uibus.bus import Bus, Subscription
 from uibus.kinds import Kind
 from uibus.redis import codec
@@ -47,6 +48,7 @@ from uibus.redis.outbox import Outbox, Outgoing, ReplicationStats, Writes
 from uibus.redis.presence import Presence
 from uibus.redis.shards import Shards, shard_of
 from uibus.tasks import Tasks
+from uibus.telemetry.spans import published, received
 
 __all__ = ["ReplicatedBus", "ReplicationStats", "shard_of"]
 
@@ -209,7 +211,9 @@ class ReplicatedBus(Bus):
             if not remote:  # no other replica listens: sending would deliver to nobody, or worse, to
                 return n  # a subscriber that joins later, after the caller was told "nobody is listening"
             n += remote
-        envelope = codec.encode(self.replica_id, session, name, target, key, item)
+        # Traced (uibus.telemetry): one publish span, its traceparent in the envelope.
+        trace = None if telemetry.tracer is None else published(session, name)
+        envelope = codec.encode(self.replica_id, session, name, target, key, item, trace)
         if envelope is None:
             self.stats.unreplicable += 1
             return n
@@ -314,7 +318,11 @@ class ReplicatedBus(Bus):
         except codec.BadEnvelope:
             self.stats.bad += 1
             return
-        self._deliver(env.session, env.kind, item, env.target, env.key)
+        if env.trace is None or telemetry.tracer is None:
+            self._deliver(env.session, env.kind, item, env.target, env.key)
+            return
+        with received(env.trace, env.session, env.kind, env.origin):  # the publisher's trace goes on
+            self._deliver(env.session, env.kind, item, env.target, env.key)
 
     def on_confirmed(self, channel: str) -> None:
         if channel == self._ctl:

@@ -1,6 +1,9 @@
 """The envelope: what one replica tells the others through Redis pub/sub, and how it is read.
 
 One JSON header line `[origin, session, kind, target, key, type]`, a newline, and the payload.
+With tracing on (uibus.telemetry), an event published inside a traced call has a seventh header
+field, the W3C traceparent of its publish span, so the replica that delivers it continues the
+trace; without tracing the envelope is exactly the six fields.
 Protobuf items travel as their serialized bytes with the message's full name (`type`), resolved
 on the receiving side through the default descriptor pool; JSON-able plain items travel as JSON
 (`type` ""). Control envelopes have a `type` starting with "!": a presence announcement (payload:
@@ -44,11 +47,13 @@ class Envelope:
     key: Hashable
     type: str  # a protobuf message's full name, JSON_ITEM, or a control type ("!…")
     payload: bytes
+    trace: str | None = None  # the publisher's W3C traceparent, when it was traced
 
 
-def encode(origin: str, session: str, kind: str, target: str | None, key: Hashable, item: Any) -> bytes | None:
+def encode(origin: str, session: str, kind: str, target: str | None, key: Hashable, item: Any,
+           trace: str | None = None) -> bytes | None:
     """The envelope of one event, or None when the item or the key has no wire form (neither a
-    protobuf message nor JSON-able; a key JSON cannot carry)."""
+    protobuf message nor JSON-able; a key JSON cannot carry). `trace`: the publish's traceparent."""
     if isinstance(item, Message):
         type_name, payload = item.DESCRIPTOR.full_name, item.SerializeToString()
     else:
@@ -57,7 +62,10 @@ def encode(origin: str, session: str, kind: str, target: str | None, key: Hashab
         except (TypeError, ValueError):
             return None
     try:
-        head = json.dumps([origin, session, kind, target, key, type_name], separators=_SEP)
+        fields = [origin, session, kind, target, key, type_name]
+        if trace is not None:
+            fields.append(trace)
+        head = json.dumps(fields, separators=_SEP)
     except (TypeError, ValueError):
         return None
     return head.encode() + b"\n" + payload
@@ -83,9 +91,12 @@ def decode(data: bytes) -> Envelope:
         fields = json.loads(head)
     except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nesting built to exhaust the stack
         raise BadEnvelope(f"header is not JSON: {exc}") from exc
-    if type(fields) is not list or len(fields) != 6:
-        raise BadEnvelope("header is not a list of six")
-    origin, session, kind, target, key, type_name = fields
+    if type(fields) is not list or not 6 <= len(fields) <= 7:
+        raise BadEnvelope("header is not a list of six (or seven, with a traceparent)")
+    origin, session, kind, target, key, type_name = fields[:6]
+    trace = fields[6] if len(fields) == 7 else None
+    if not (trace is None or type(trace) is str):
+        raise BadEnvelope("the traceparent is not a string")
     if not (type(origin) is str and type(session) is str and type(kind) is str and type(type_name) is str
             and (target is None or type(target) is str)):
         raise BadEnvelope("a header field has the wrong type")
@@ -93,7 +104,7 @@ def decode(data: bytes) -> Envelope:
         key = _hashable(key)
     except RecursionError as exc:
         raise BadEnvelope("key nested too deep") from exc
-    return Envelope(origin, session, kind, target, key, type_name, payload)
+    return Envelope(origin, session, kind, target, key, type_name, payload, trace)
 
 
 def _hashable(key: Any) -> Hashable:

@@ -45,6 +45,7 @@ from uibus.redis.index_single import SingleIndex
 from uibus.redis.keys import Keys, dumps
 from uibus.redis.leases import RedisLeases
 from uibus.store import Lease, Store
+from uibus.telemetry.spans import store_op
 
 log = logging.getLogger("uibus.store")
 
@@ -152,16 +153,19 @@ class RedisStore(Store):
         await self._ready()
         return await self._sessions.sweep()
 
+    @store_op("get")
     async def get(self, session: str, key: str) -> Any | None:
         await self._ready()
         with self.guard():
             raw = await self.redis.hget(self.keys.kv(session), key)
             return json.loads(raw) if raw is not None else None
 
+    @store_op("put")
     async def put(self, session: str, key: str, value: Any | None) -> None:
         await self._ready()
         await self._sessions.put(session, key, b"" if value is None else dumps(value))
 
+    @store_op("update")
     async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
         """Optimistic transaction (`watched`), the session's stamp by the index strategy."""
         await self._ready()
@@ -190,6 +194,7 @@ class RedisStore(Store):
             replies = await self.redis.transaction(attempt, name)
         return result[0], replies
 
+    @store_op("scan")
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""
         await self._ready()
@@ -202,6 +207,7 @@ class RedisStore(Store):
                     found[name] = json.loads(raw)
             return dict(sorted(found.items()))
 
+    @store_op("append")
     async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
         """One script (push, both bounds, the byte total, the stamp), so readers never see the
         list over its bounds and concurrent appends never lose a byte of the total. (On a
@@ -209,6 +215,7 @@ class RedisStore(Store):
         await self._ready()
         await self._sessions.append(session, key, dumps(value), max_len, max_bytes)
 
+    @store_op("items")
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         await self._ready()
         with self.guard():

@@ -198,7 +198,7 @@ class GrpcWeb:
         content_type = next((v for k, v in scope["headers"] if k == b"content-type"), b"").decode("latin-1")
         text = content_type.startswith("application/grpc-web-text")
         metadata = metadata_of(scope)
-        ctx = CallContext(metadata, peer_of(scope), "grpc-web")
+        ctx = CallContext(metadata, peer_of(scope), "grpc-web", route=path)
         if scope["method"] != "POST":  # refusals run no handler: nothing to finish but the answer
             await _Response(send, text, ctx).finish(
                 grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")

@@ -152,7 +152,7 @@ class McpHttp:
         call = Call(message or Message(None), session_id, streamable)
         exchange = _Exchange(send, ident, streamable, self.keepalive_s, call,
                              request.error if isinstance(request, Rejected) else None)
-        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
         try:
             outcome = await drive(handler, request if message is None else call, ctx, exchange,
                                   gone=lambda: wait_disconnect(receive),
@@ -171,7 +171,7 @@ class McpHttp:
                                                           "its Mcp-Session-Id header names; none was sent",
                                                           protocol.INVALID_REQUEST)), "application/json")
             return
-        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp")
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
         await unary(self.server.handlers[protocol.path_of("delete")], Call(Message("delete"), session_id), ctx)
         code, details = ctx.status()
         if code == grpc.StatusCode.OK:

@@ -89,6 +89,7 @@ class NeuroSanHttp:
                 await wrong_method(send, method, scope["path"], "GET")
                 return
             rpc_path, request_type = CONCIERGE_LIST, concierge_pb2.ConciergeRequest
+            route = f"{PREFIX}list"
         elif len(parts) == 2 and parts[1] in _AGENT_ROUTES:
             agent, endpoint = parts
             verb, rpc, request_type = _AGENT_ROUTES[endpoint]
@@ -99,6 +100,7 @@ class NeuroSanHttp:
                 await wrong_method(send, method, scope["path"], verb)
                 return
             rpc_path = f"/{agent}.AgentService/{rpc}"
+            route = f"{PREFIX}{{agent}}/{endpoint}"
         else:
             await respond_json(send, 404, {"error": f"no such API endpoint: {scope['path']}"})
             return
@@ -118,7 +120,7 @@ class NeuroSanHttp:
             request = decode(lambda b: _parse(request_type, b if method == "POST" else b""), body,
                              f"body (a {request_type.__name__} in proto3 JSON)")
 
-        ctx = CallContext(metadata, peer_of(scope), "http")
+        ctx = CallContext(metadata, peer_of(scope), "http", route=route)
         sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)
         await drive(handler, request, ctx, sink, gone=lambda: wait_disconnect(receive))
 
