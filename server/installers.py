@@ -14,6 +14,8 @@ from uibus import version
 from uibus.codebolt.gateway import Gateway
 from uibus.mcp.server import McpServer
 from uibus.services import agent, codebolt, extension_ui, host, ui, webview
+from uibus.transports.acp_ws import PATH as ACP_PATH
+from uibus.transports.acp_ws import AcpWebSocket
 from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.mcp_http import McpHttp
@@ -89,5 +91,15 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     yield
 
 
+@asynccontextmanager
+async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
+    """`/acp` on the HTTP port: uibus as a remote ACP agent for editors (WebSocket), whose calls
+    run through the pipeline on the in-process channel."""
+    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens)
+    setup.mount(ACP_PATH, endpoint)
+    setup.gauge("uibus_acp_editor_connections", "Editors attached over /acp", endpoint.count)
+    yield
+
+
 INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
-                                     mcp_endpoint)
+                                     mcp_endpoint, acp_endpoint)
