@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, require, wait_for
+from tests.conftest import REPO, free_port, require, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
 from tests.support import ext, needs
@@ -316,3 +316,35 @@ async def test_garbage_on_stdin_is_answered_and_the_connection_goes_on(app: App)
     finally:
         proc.stdin.close()
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_foreign_origin(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    model.script(Reply(text="Hello over the socket."), Reply(text="Seen by the gRPC client too."))
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], auth_token="s3cret",
+                       http_port=free_port()) as app:
+        url = f"ws://127.0.0.1:{app.http_port}/acp?agent=pi"
+        ed = await editor("ws", url, json.dumps({"Authorization": "Bearer s3cret"}))
+        try:
+            await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+            assert (await ed.call("session/prompt", prompt(session, "hi")))["stopReason"] == "end_turn"
+            assert ed.text(session) == "Hello over the socket."
+            mark = len(ed.events)
+            async with Connection(f"127.0.0.1:{app.port}", session=session, token="s3cret") as conn:
+                assert (await turn_of(conn, "pi", "and you?"))[-1].response.text == "Seen by the gRPC client too."
+            await ed.until(lambda _: ed.text(session, start=mark) == "Seen by the gRPC client too.", 10,
+                           "the gRPC client's turn, live over the socket")
+        finally:
+            await ed.close()
+        for headers, status in (({}, "401"), ({"Authorization": "Bearer wrong"}, "401"),
+                                ({"Authorization": "Bearer s3cret", "Origin": "https://evil.example"}, "403")):
+            refused = await editor("ws", url, json.dumps(headers))
+            try:
+                refused.start("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+                error = await refused.until(lambda e: e["ev"] == "socket_error", 10, "the refusal")
+                assert error["message"] == f"Unexpected server response: {status}", (headers, error)
+                await refused.until(lambda e: e["ev"] == "closed", 10, "the connection closed")
+                assert not [e for e in refused.events if e["ev"] == "response"]
+            finally:
+                await refused.close()

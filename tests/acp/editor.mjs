@@ -11,7 +11,8 @@
 //   {"op":"notify","method":M,"params":P}
 //   {"op":"answer","id":K,"result":R}                answers the agent's request K (permission, elicitation)
 // and, unasked: {"ev":"update","params":P} (session/update), {"ev":"ask","id":K,"method":M,"params":P}
-// (the agent asks), {"ev":"withdrawn","id":K} ($/cancel_request of K), {"ev":"closed"}.
+// (the agent asks), {"ev":"withdrawn","id":K} ($/cancel_request of K), {"ev":"closed"},
+// {"ev":"socket_error","message":S} (WebSocket only: e.g. a refused upgrade).
 import { spawn } from "node:child_process";
 import { createInterface } from "node:readline";
 import { createRequire } from "node:module";
@@ -32,7 +33,13 @@ if (mode === "stdio") {
   // Node 20 has no WebSocket of its own: the `ws` package pi's tests install (tests/pi, pinned).
   const require = createRequire(new URL("../pi/package.json", import.meta.url));
   const { WebSocket } = require("ws");
-  stream = createWebSocketStream(target, { WebSocket, headers: rest[0] ? JSON.parse(rest[0]) : {} });
+  class Reporting extends WebSocket { // a refused upgrade is "Unexpected server response: <status>"
+    constructor(...args) {
+      super(...args);
+      this.on("error", (e) => emit({ ev: "socket_error", message: String(e.message) }));
+    }
+  }
+  stream = createWebSocketStream(target, { WebSocket: Reporting, headers: rest[0] ? JSON.parse(rest[0]) : {} });
 }
 
 const waiting = new Map(); // our id -> resolve (the test's answer)
