@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from uibus import version
 from uibus.codebolt.gateway import Gateway
 from uibus.mcp.server import McpServer
-from uibus.services import agent, codebolt, extension_ui, host, ui, webview
+from uibus.services import agent, codebolt, extension_ui, host, sessions, ui, webview
 from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.mcp_http import McpHttp
@@ -55,6 +55,13 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 
 
 @asynccontextmanager
+async def session_api(setup: Setup) -> AsyncIterator[None]:
+    """uibus.v1.SessionService: the sessions of the caller's tenant, and steering their agents."""
+    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions))
+    yield
+
+
+@asynccontextmanager
 async def webview_mux(setup: Setup) -> AsyncIterator[None]:
     setup.serve(webview.add_to(setup.registry, setup.core.feed))
     yield
@@ -90,4 +97,4 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
 
 
 INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
-                                     mcp_endpoint)
+                                     mcp_endpoint, session_api)
