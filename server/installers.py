@@ -17,6 +17,8 @@ from uibus.services import agent, codebolt, extension_ui, host, sessions, ui, we
 from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.mcp_http import McpHttp
+from uibus.transports.sessions_http import PATH as SESSIONS_PATH
+from uibus.transports.sessions_http import SessionsHttp
 from uibus.wiring import AppKey, Installer, Setup
 
 CODEBOLT = AppKey("codebolt", Gateway)  # the CodeBolt gateway: `app[CODEBOLT]`
@@ -58,6 +60,7 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 async def session_api(setup: Setup) -> AsyncIterator[None]:
     """uibus.v1.SessionService: the sessions of the caller's tenant, and steering their agents."""
     setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions))
+    setup.mount(SESSIONS_PATH, SessionsHttp(setup.registry.lookup, setup.config.max_message_bytes))
     yield
 
 
@@ -88,6 +91,7 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
 async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
     server = McpServer(setup.core, setup.pipeline.wrap, version())
+    server.visible = setup.pipeline.visible_sessions
     endpoint = McpHttp(server, setup.config.max_message_bytes)
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",

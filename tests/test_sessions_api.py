@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from mcp.shared.exceptions import MCPError
 
 from tests.conftest import start_app
 from tests.webclient import call
@@ -117,3 +118,41 @@ async def test_grpc_web_lists_a_tenants_sessions(tenants: App) -> None:
         reply = await call(http, SERVICE + "ListSessions", pb.ListSessionsRequest().SerializeToString(),
                            headers=dict(auth("team-a-token")))
         assert reply.status == 0 and pb.SessionList.FromString(reply.messages[0]).sessions == []
+
+
+async def test_http_api_lists_creates_and_deletes(tenants: App) -> None:
+    base = f"http://127.0.0.1:{tenants.http_port}/api/v1/sessions"
+    async with httpx.AsyncClient(timeout=10) as http:
+        made = await http.post(base + "/CreateSession", json={"title": "from curl", "agent": "pi"},
+                               headers=dict(auth("team-a-token", "team-a-http")))
+        assert made.status_code == 200, made.text
+        assert made.json()["session"] == "team-a-http" and made.json()["title"] == "from curl"
+        listed = await http.get(base, headers=dict(auth("team-a-token")))
+        assert [s["session"] for s in listed.json()["sessions"]] == ["team-a-http"]
+        assert (await http.get(base, headers=dict(auth("team-b-token")))).json() == {}
+        denied = await http.post(base + "/DeleteSession", headers=dict(auth("team-b-token", "team-a-http")))
+        assert denied.status_code == 403 and denied.json()["code"] == "PERMISSION_DENIED"
+        bad = await http.post(base + "/SetMode", content=b'{"agent": 3}',
+                              headers=dict(auth("team-a-token", "team-a-http")))
+        assert bad.status_code == 400, bad.text
+        assert (await http.get(base, headers={})).status_code == 401
+        assert (await http.get(base + "/Nope", headers=dict(auth("team-a-token")))).status_code == 404
+        gone = await http.post(base + "/DeleteSession", headers=dict(auth("team-a-token", "team-a-http")))
+        assert gone.status_code == 200 and (await http.get(base, headers=dict(auth("team-a-token")))).json() == {}
+
+
+async def test_mcp_list_sessions_tool_is_tenant_scoped(tenants: App) -> None:
+    from tests.test_mcp import mcp_client
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.port}") as ch:
+        api = sessions_pb2_grpc.SessionServiceStub(ch)
+        for token, session in (("team-a-token", "team-a-x"), ("team-b-token", "team-b-x")):
+            await api.CreateSession(pb.CreateSessionRequest(title=session), metadata=auth(token, session))
+    async with mcp_client(tenants, "team-b-x", token="team-b-token") as client:
+        result = await client.call_tool("list_sessions", {})
+        assert not result.is_error
+        assert [s["session"] for s in result.structured_content["sessions"]] == ["team-b-x"]
+        stop = await client.call_tool("stop_turn", {"agent": "pi"})
+        assert stop.structured_content == {"stopped": False}
+        with pytest.raises(MCPError, match="pi is not running in session 'team-b-x'"):
+            await client.call_tool("set_agent_mode", {"agent": "pi", "mode_id": "plan"})
