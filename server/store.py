@@ -130,6 +130,17 @@ class Store(abc.ABC):
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         """The list `key`, oldest first; `last` > 0 returns only the newest `last` items."""
 
+    async def sessions(self) -> list[tuple[str, float]]:
+        """Every stored session with its last activity (Unix ms), most recently active first: what
+        the sessions API lists (uibus.domain.sessions). A backend that cannot list raises
+        NotImplementedError (answered UNIMPLEMENTED)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its sessions")
+
+    async def drop_session(self, session: str) -> bool:
+        """Deletes all of `session` (every value and list, its activity), as eviction does; True
+        when it existed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a session")
+
     async def sweep(self) -> int:
         """Deletes the sessions idle longer than the TTL and any beyond `max_sessions`, longest
         idle first, and refreshes `stats.sessions`; returns how many went. A backend without

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
+from uibus.errors import Cancelled
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -100,6 +101,8 @@ class _Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
     users: int = 0  # turns running or waiting
     idle_since: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[object] | None = None  # the task running its turn now (StopTurn cancels it)
+    stopping: asyncio.Task[object] | None = None  # the turn task a StopTurn cancelled
 
 
 class AgentSessions:
@@ -229,6 +232,52 @@ class AgentSessions:
                     log.warning("closing an agent session failed", extra={"fields": {
                         "session": key[0], "agent": key[1], "error": str(exc)}})
 
+    # ---- what the sessions API reads and steers (uibus.domain.sessions) ----
+
+    def live_agents(self, session: str) -> list[tuple[str, AgentSession, bool]]:
+        """(agent name, its live agent session, whether it runs a turn now) for `session`."""
+        return [(key[1], entry.agent, entry.task is not None)
+                for key, entry in list(self._live.items()) if key[0] == session]
+
+    def live_agent(self, session: str, name: str) -> AgentSession | None:
+        entry = self._live.get((session, name))
+        return entry.agent if entry is not None else None
+
+    def running(self, session: str, name: str) -> bool:
+        entry = self._live.get((session, name))
+        return entry is not None and entry.task is not None
+
+    def stop(self, session: str, name: str) -> bool:
+        """Cancels the turn `name` runs in `session` now, whoever started it: the agent's own cancel
+        runs (pi `abort`, ACP `session/cancel`) and its caller gets CANCELLED. False: none runs."""
+        entry = self._live.get((session, name))
+        task = entry.task if entry is not None else None
+        if entry is None or task is None or task.done():
+            return False
+        if entry.stopping is not task:
+            entry.stopping = task
+            task.cancel("stopped from a UI of the session")
+        return True
+
+    async def close_session(self, session: str) -> int:
+        """Closes every live agent of `session` (it is being deleted), running turns cancelled
+        first; returns how many were closed."""
+        keys = [key for key in self._live if key[0] == session]
+        for key in keys:
+            self.stop(*key)
+        closed = 0
+        for key in keys:
+            entry = self._live.pop(key, None)
+            if entry is None:
+                continue
+            closed += 1
+            try:
+                await self._close(key, entry.agent, "its session was deleted")
+            except Exception as exc:
+                log.warning("closing an agent session failed", extra={"fields": {
+                    "session": key[0], "agent": key[1], "error": str(exc)}})
+        return closed
+
     # ---- turns ----
 
     async def _open(self, session: str, backend: SessionBackend) -> AgentSession:
@@ -287,7 +336,22 @@ class AgentSessions:
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                     entry.agent = await self._open(session, backend)
-                yield entry.agent
+                task = asyncio.current_task()
+                entry.task = task
+                try:
+                    yield entry.agent
+                except asyncio.CancelledError:
+                    # Stopped from another UI (StopTurn), and not also cancelled by its own caller: the
+                    # caller hears CANCELLED with a reason rather than a stream cut without one.
+                    if entry.stopping is task and task is not None and task.cancelling() == 1:
+                        task.uncancel()
+                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
+                                        "the session") from None
+                    raise
+                finally:
+                    entry.task = None
+                    if entry.stopping is task:
+                        entry.stopping = None
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()

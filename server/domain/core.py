@@ -13,6 +13,7 @@ from uibus.domain.clock import TsClock
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
+from uibus.domain.sessions import Sessions
 from uibus.store import Store
 
 
@@ -27,6 +28,7 @@ class Core:
     chat: Chat
     dialogs: Dialogs
     agent_sessions: AgentSessions
+    sessions: Sessions
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
@@ -37,7 +39,8 @@ class Core:
         sessions = AgentSessions(dialogs, feed, store)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
                    chat=Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
-                             send_limit=config.max_message_bytes), dialogs=dialogs, agent_sessions=sessions)
+                             send_limit=config.max_message_bytes), dialogs=dialogs, agent_sessions=sessions,
+                   sessions=Sessions(store, dialogs, sessions, history))
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""
