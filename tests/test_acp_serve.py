@@ -213,6 +213,8 @@ async def test_a_neuro_san_turn_shows_live_and_a_second_editor_loads_the_session
                           "the other UI's turn, live")
 
         second = await spawned(app, "pi")
+        listed = {s["sessionId"]: s for s in (await second.call("session/list", {}))["sessions"]}
+        assert listed[session]["title"] == "hello" and listed[session]["updatedAt"].endswith("Z")
         start = len(second.events)
         assert await second.call("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []}) == {}
         replay = second.updates(session, start)  # all of it came before the answer

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -46,6 +47,7 @@ log = logging.getLogger("uibus.editors")
 
 PROTOCOL_VERSION = 1
 MAX_SESSIONS = 64  # sessions one editor connection may hold at once
+LIST_PAGE = 100  # sessions per session/list answer
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
                  grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
                  grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND}
@@ -74,6 +76,10 @@ def _text_of(blocks: Any) -> str:
             raise RpcError(INVALID_PARAMS, f"content block of type {str(kind)[:40]!r} is not supported here "
                                            "(text, resource with text, resource_link)")
     return "".join(parts)
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _session_id(params: dict[str, Any]) -> str:
@@ -109,7 +115,7 @@ class Editor:
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
-            "session/prompt": self.prompt}
+            "session/prompt": self.prompt, "session/list": self.list}
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
@@ -190,7 +196,7 @@ class Editor:
                     # A uibus turn carries text: embedded resources are inlined, media is refused.
                     "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
                     "mcpCapabilities": {"http": False, "sse": False},
-                    "sessionCapabilities": {"resume": {}, "close": {}}}}
+                    "sessionCapabilities": {"list": {}, "resume": {}, "close": {}}}}
 
     async def authenticate(self, params: dict[str, Any]) -> dict[str, Any]:
         return {}  # no methods are offered: the token is the transport's (--token, the upgrade's header)
@@ -243,6 +249,24 @@ class Editor:
             raise RpcError(RESOURCE_NOT_FOUND, "this connection holds no session of that id")
         await attached.detach()
         return {}
+
+    async def list(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The caller's sessions (every session its token may use), most recently active first, a
+        page at a time. uibus keeps no working directory per session: `cwd` is the filter's, or /."""
+        cursor, cwd = params.get("cursor"), params.get("cwd")
+        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+            raise RpcError(INVALID_PARAMS, "cursor must be a nextCursor this agent returned")
+        if cwd is not None and not isinstance(cwd, str):
+            raise RpcError(INVALID_PARAMS, "cwd must be an absolute path")
+        start = int(cursor or 0)
+        found = (await self.uplink.sessions()).sessions
+        page = [{"sessionId": s.session, "cwd": cwd or "/", "title": s.title or None,
+                 "updatedAt": _iso(s.last_activity_ms) if s.last_activity_ms else None}
+                for s in found[start:start + LIST_PAGE]]
+        result: dict[str, Any] = {"sessions": page}
+        if start + LIST_PAGE < len(found):
+            result["nextCursor"] = str(start + LIST_PAGE)
+        return result
 
     async def prompt(self, params: dict[str, Any]) -> dict[str, Any]:
         name = _session_id(params)

@@ -14,11 +14,12 @@ from typing import Any
 
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
-from uibus.pb.uibus.v1 import webview_pb2
+from uibus.pb.uibus.v1 import sessions_pb2, webview_pb2
 from uibus.session import SESSION_KEY
 
 CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 _EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
+_SESSIONS = sessions_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
 _WEBVIEW = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
 
 
@@ -54,6 +55,9 @@ class Uplink:
         self._respond = channel.unary_unary(f"/{_EXT}/Respond",
                                             request_serializer=ext_pb.RespondRequest.SerializeToString,
                                             response_deserializer=ext_pb.RespondReply.FromString)
+        self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
+                                         request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
+                                         response_deserializer=sessions_pb2.SessionList.FromString)
 
     @staticmethod
     def _md(session: str) -> tuple[tuple[str, str], ...]:
@@ -74,3 +78,7 @@ class Uplink:
 
     async def respond(self, session: str, answer: ext_pb.RespondRequest) -> None:
         await self._respond(answer, metadata=self._md(session))
+
+    async def sessions(self) -> sessions_pb2.SessionList:
+        """The sessions the channel's token may use, most recently active first."""
+        return await self._list(sessions_pb2.ListSessionsRequest())
