@@ -23,6 +23,7 @@ from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
 from tests.support import ext, needs
 from tests.test_acp_agent import fixture_agent, fixture_log
+from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -156,6 +157,11 @@ async def test_initialize_new_session_and_a_prompt_streaming_pis_reply(app: App,
         await ed.close()
 
 
+def streams(app: App, session: str) -> tuple[int, int]:
+    """The session's feed (partial-message) and dialog subscriptions: one each per attached editor."""
+    return app.bus.count(kinds.PARTIAL_MESSAGE, session), app.bus.count(kinds.EXTENSION_UI, session)
+
+
 def prompt(session: str, text: str) -> dict[str, Any]:
     return {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
 
@@ -267,14 +273,23 @@ async def test_the_losing_editors_permission_request_is_withdrawn_when_another_u
             (ui,) = await open_uis(app, conn, 1, session)
             pending = (await read(ui, 10)).request  # waiting dialogs come first to a UI that joins
             await ext(conn).Respond(pb.RespondRequest(id=pending.id, value="Allow"))
+            ui.cancel()
         await one.until(lambda e: e == {"ev": "withdrawn", "id": q1["id"]}, 10, "editor one's request withdrawn")
         await two.until(lambda e: e == {"ev": "withdrawn", "id": q2["id"]}, 10, "editor two's request withdrawn")
         assert (await one.answer_of(tag))["result"] == {"stopReason": "end_turn"}
         assert one.text(session).endswith("Permission: allow.")
         await two.until(lambda _: two.text(session).endswith("Permission: allow."), 10, "the turn at editor two")
+        # session/close detaches editor two only: its streams end, editor one's go on
+        await wait_for(lambda: streams(app, session) == (2, 2), 5, what="both editors' feed and dialog streams")
+        assert await two.call("session/close", {"sessionId": session}) == {}
+        await wait_for(lambda: streams(app, session) == (1, 1), 5, what="editor two's streams ended")
+        mark = len(one.events)
+        assert (await one.call("session/prompt", prompt(session, "still here?")))["stopReason"] == "end_turn"
+        assert one.text(session, start=mark) == "Turn 2: still here?"
     finally:
         await one.close()
         await two.close()
+    await wait_for(lambda: streams(app, session) == (0, 0), 5, what="every stream of the editors ended")
 
 
 async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_working(app: App, model: Model) -> None:
@@ -350,3 +365,27 @@ async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_forei
                 assert not [e for e in refused.events if e["ev"] == "response"]
             finally:
                 await refused.close()
+
+
+async def test_inputs_reach_an_editor_that_can_elicit_and_confirms_reach_every_editor(app: App) -> None:
+    ed = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
+    try:
+        await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {"elicitation": {"form": {}}}})
+        session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:  # an agent asking, over gRPC
+            asking = asyncio.ensure_future(ext(conn).Input(pb.InputRequest(title="Branch name?", placeholder="main")))
+            question = await ed.until(lambda e: e["ev"] == "ask", what="the elicitation")
+            assert question["method"] == "elicitation/create" and question["params"]["mode"] == "form"
+            field = question["params"]["requestedSchema"]["properties"]["value"]
+            assert (field["title"], field["description"]) == ("Branch name?", "main")
+            ed.send(op="answer", id=question["id"], result={"action": "accept", "content": {"value": "dev"}})
+            result = await asyncio.wait_for(asking, 10)
+            assert (result.outcome, result.value) == (pb.DIALOG_OUTCOME_ANSWERED, "dev")
+
+            asking = asyncio.ensure_future(ext(conn).Confirm(pb.ConfirmRequest(title="Push?", message="to origin")))
+            question = await ed.until(lambda e: e["ev"] == "ask" and e["params"].get("toolCall"), what="the confirm")
+            assert question["params"]["toolCall"]["title"] == "Push?\n\nto origin"
+            ed.send(op="answer", id=question["id"], result={"outcome": {"outcome": "selected", "optionId": "yes"}})
+            assert (await asyncio.wait_for(asking, 10)).confirmed is True
+    finally:
+        await ed.close()
