@@ -294,6 +294,11 @@ class Editor:
                 raise
             await attached.end_turn(None)  # session/cancel (or session/close) cancelled the turn
             return {"stopReason": "cancelled"}
+        except grpc.aio.AioRpcError as exc:
+            await attached.end_turn(None)
+            if exc.code() == grpc.StatusCode.CANCELLED:  # another UI stopped the turn (SessionService StopTurn)
+                return {"stopReason": "cancelled"}
+            raise
         except BaseException:
             await attached.end_turn(None)
             raise
