@@ -48,6 +48,7 @@ log = logging.getLogger("uibus.editors")
 PROTOCOL_VERSION = 1
 MAX_SESSIONS = 64  # sessions one editor connection may hold at once
 LIST_PAGE = 100  # sessions per session/list answer
+MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
                  grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
                  grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND}
@@ -156,6 +157,10 @@ class Editor:
         params = message.get("params", {})
         if "id" not in message:
             self._notification(method, params)
+        elif len(self.tasks) >= MAX_IN_FLIGHT:
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
+            ).body()})
         else:
             self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
 
