@@ -124,11 +124,15 @@ async def spawned(app: App, agent: str, *extra: str) -> EditorProc:
     return ed
 
 
+def need_sdk() -> None:
+    require("the pinned pi agent and ACP SDK (npm ci --prefix tests/pi, tests/acp)",
+            PI.exists() and (EDITOR.parent / "node_modules" / "@agentclientprotocol" / "sdk").exists(), "node")
+
+
 @pytest.fixture
 @needs("node")
 async def model() -> AsyncIterator[Model]:
-    require("the pinned pi agent and ACP SDK (npm ci --prefix tests/pi, tests/acp)",
-            PI.exists() and (EDITOR.parent / "node_modules" / "@agentclientprotocol" / "sdk").exists(), "node")
+    need_sdk()
     async with scripted_model() as m:
         yield m
 
@@ -319,6 +323,17 @@ async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_work
         await ed.close()
 
 
+async def test_an_unreachable_uibus_is_the_editors_error_not_a_dead_session() -> None:
+    need_sdk()
+    ed = await editor("stdio", UIBUS, "acp", "--agent", "pi", "--target", f"127.0.0.1:{free_port()}")
+    try:
+        await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        code, message = await ed.fails("session/new", {"cwd": CWD, "mcpServers": []})
+        assert code == -32603 and message.startswith("uibus: UNAVAILABLE"), message
+    finally:
+        await ed.close()
+
+
 async def test_garbage_on_stdin_is_answered_and_the_connection_goes_on(app: App) -> None:
     proc = await asyncio.create_subprocess_exec(UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}",
                                                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -354,6 +369,12 @@ async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_forei
                            "the gRPC client's turn, live over the socket")
         finally:
             await ed.close()
+        stdio = await spawned(app, "pi", "--token", "wrong")  # `uibus acp` hears uibus's refusal as ACP's
+        try:
+            code, message = await stdio.fails("session/new", {"cwd": CWD, "mcpServers": []})
+            assert code == -32000 and message.startswith("uibus: UNAUTHENTICATED"), message
+        finally:
+            await stdio.close()
         for headers, status in (({}, "401"), ({"Authorization": "Bearer wrong"}, "401"),
                                 ({"Authorization": "Bearer s3cret", "Origin": "https://evil.example"}, "403")):
             refused = await editor("ws", url, json.dumps(headers))

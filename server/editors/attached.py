@@ -57,6 +57,7 @@ class Attached:
         self._replay_done = asyncio.Event()
         self._live = asyncio.Event()
         self._has_headers = False
+        self.refused: grpc.aio.AioRpcError | None = None  # the feed's failure before it was subscribed
         # The editor's own turn: running, the ts it owns, its final text once known.
         self.prompt: asyncio.Task[Any] | None = None
         self.cancelled = False
@@ -75,6 +76,8 @@ class Attached:
         self.tasks.spawn(self._feed(replay), name=f"acp feed {self.name}")
         self.tasks.spawn(self._dialogs(), name=f"acp dialogs {self.name}")
         await self._replay_done.wait()
+        if self.refused is not None:  # uibus refused the subscription (a token, an outage): the editor hears why
+            raise self.refused
 
     async def detach(self) -> None:
         """Ends this editor's part in the session (its prompt, its streams, its questions); the
@@ -155,6 +158,9 @@ class Attached:
         if item is _END:
             return
         if isinstance(item, grpc.aio.AioRpcError):
+            if not self._replay_done.is_set():
+                self.refused = item
+                return
             log.warning("the session's feed ended", extra={"fields": {"session": self.name,
                                                                       "code": item.code().name}})
             return
