@@ -203,6 +203,16 @@ async def test_pis_permission_gate_reaches_the_editor_and_the_other_uis_and_bloc
         assert calls[0]["title"] == blocked and calls[-1]["status"] == "failed"
         assert "Blocked by user" in calls[-1]["content"][0]["content"]["text"]
         assert ed.text(session) == "Let me clean up. \n\nIt was blocked."
+        later = await spawned(app, "pi")  # the transcript shows the tool call too
+        try:
+            await later.call("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+            replayed = [u for u in later.updates(session) if u["sessionUpdate"] in ("tool_call", "tool_call_update")]
+            assert (replayed[0]["sessionUpdate"], replayed[0]["kind"], replayed[0]["title"]) == (
+                "tool_call", "execute", blocked)
+            assert "Blocked by user" in replayed[-1]["content"][0]["content"]["text"]
+            assert later.text(session, "user_message_chunk") == "clean up"
+        finally:
+            await later.close()
     finally:
         await ed.close()
 
@@ -259,6 +269,15 @@ async def test_session_cancel_stops_a_running_turn_and_the_hosted_agent_sees_it(
         # the session goes on: the next prompt is a new turn
         assert (await ed.call("session/prompt", prompt(session, "again")))["stopReason"] == "end_turn"
         assert ed.text(session).endswith("Turn 2: again")
+        # the editor withdraws its prompt ($/cancel_request): -32800, and the turn stops the same way
+        tag = ed.start("session/prompt", prompt(session, "slow"))
+        await ed.until(lambda _: ed.text(session).endswith("Working "), 30, "the first chunk")
+        ed.send(op="withdraw", tag=tag)
+        answer = await ed.answer_of(tag, 10)
+        assert (answer["ev"], answer["code"]) == ("error", -32800), answer
+        await wait_for(lambda: sum("cancelled" in line for line in fixture_log(tmp_path)) == 2, 10,
+                       what="the agent's second cancel")
+        assert (await ed.call("session/prompt", prompt(session, "and again")))["stopReason"] == "end_turn"
     finally:
         await ed.close()
 

@@ -13,6 +13,7 @@ them (uibus.editors.rpc).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -26,10 +27,12 @@ from uibus.editors import updates
 from uibus.editors.attached import Attached
 from uibus.editors.rpc import (
     AUTH_REQUIRED,
+    CANCEL_REQUEST,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
     METHOD_NOT_FOUND,
+    REQUEST_CANCELLED,
     RESOURCE_NOT_FOUND,
     Outgoing,
     RpcError,
@@ -113,6 +116,8 @@ class Editor:
         self.tasks = Tasks("acp editor")
         self.sessions: dict[str, Attached] = {}
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
+        self._running: dict[str, asyncio.Task[None]] = {}  # request id (as JSON) -> the task answering it
+        self._withdrawn: set[str] = set()  # ids the editor cancelled ($/cancel_request)
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
@@ -162,16 +167,40 @@ class Editor:
                 INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
             ).body()})
         else:
-            self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            key = json.dumps(ident)
+            self._running[key] = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
 
     def _notification(self, method: str, params: Any) -> None:
-        if method == "session/cancel" and isinstance(params, dict):
+        if not isinstance(params, dict):
+            return
+        if method == "session/cancel":
             attached = self.sessions.get(params.get("sessionId"))  # type: ignore[arg-type]
             if attached is not None:
                 attached.cancel()
-        # `$/cancel_request` of a request of ours is not needed (we answer promptly); others are ignored
+        elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
+            key = json.dumps(params.get("requestId"))
+            task = self._running.get(key)
+            if task is not None and not task.done():
+                self._withdrawn.add(key)
+                task.cancel()
 
     async def _request(self, ident: Any, method: str, params: Any) -> None:
+        key = json.dumps(ident)
+        try:
+            await self._answer(ident, method, params)
+        except asyncio.CancelledError:
+            if key not in self._withdrawn:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
+        finally:
+            self._running.pop(key, None)
+            self._withdrawn.discard(key)
+
+    async def _answer(self, ident: Any, method: str, params: Any) -> None:
         try:
             handler = self._methods.get(method)
             if handler is None:
@@ -294,7 +323,8 @@ class Editor:
         try:
             final, streamed = await asyncio.shield(turn)
         except asyncio.CancelledError:
-            if caller_cancelled():  # the connection is closing: not a stop of the turn
+            if caller_cancelled():  # the connection is closing, or the editor withdrew the request
+                attached.forget_turn()
                 await cancel_and_wait(turn)
                 raise
             await attached.end_turn(None)  # session/cancel (or session/close) cancelled the turn

@@ -206,6 +206,10 @@ class Attached:
         finally:
             self._own, self.prompt = False, None
 
+    def forget_turn(self) -> None:
+        """The prompt was withdrawn or its connection is closing: no answer will be sent for it."""
+        self._own, self.prompt = False, None
+
     def _feed_running(self) -> bool:
         return any(t.get_name().startswith("acp feed ") for t in self.tasks)
 

@@ -9,6 +9,7 @@
 //   {"op":"request","tag":T,"method":M,"params":P} -> {"ev":"response","tag":T,"result":R}
 //                                                    | {"ev":"error","tag":T,"code":C,"message":S}
 //   {"op":"notify","method":M,"params":P}
+//   {"op":"withdraw","tag":T}                        $/cancel_request of our request T
 //   {"op":"answer","id":K,"result":R}                answers the agent's request K (permission, elicitation)
 // and, unasked: {"ev":"update","params":P} (session/update), {"ev":"ask","id":K,"method":M,"params":P}
 // (the agent asks), {"ev":"withdrawn","id":K} ($/cancel_request of K), {"ev":"closed"},
@@ -67,13 +68,18 @@ const app = client({ name: "uibus-test-editor" })
 const conn = app.connect(stream);
 conn.closed.then(() => emit({ ev: "closed" }), (e) => emit({ ev: "closed", error: String(e) }));
 
+const requests = new Map(); // tag -> AbortController (withdraw sends $/cancel_request)
 const input = createInterface({ input: process.stdin });
 input.on("line", (line) => {
   const cmd = JSON.parse(line);
   if (cmd.op === "request") {
-    conn.agent.request(cmd.method, cmd.params).then(
+    const abort = new AbortController();
+    requests.set(cmd.tag, abort);
+    conn.agent.request(cmd.method, cmd.params, { cancellationSignal: abort.signal }).then(
       (result) => emit({ ev: "response", tag: cmd.tag, result: result ?? null }),
       (e) => emit({ ev: "error", tag: cmd.tag, code: e.code, message: e.message, data: e.data ?? null }));
+  } else if (cmd.op === "withdraw") {
+    requests.get(cmd.tag)?.abort();
   } else if (cmd.op === "notify") {
     conn.agent.notify(cmd.method, cmd.params);
   } else if (cmd.op === "answer") {
