@@ -101,12 +101,16 @@ class Attached:
         async def pump() -> None:
             try:
                 headers = getattr(call, "initial_metadata", None)
-                if headers is not None:  # grpc.aio: headers => subscribed
-                    await headers()
-                    self._live.set()
+                if headers is not None:  # grpc.aio: headers => subscribed (unless they came with the
+                    await headers()      # status, a refusal, which the reading below raises)
+                    if not call.done():
+                        self._live.set()
                 async for event in each(call):
                     await queue.put(event)
             except grpc.aio.AioRpcError as exc:
+                if not self._replay_done.is_set():
+                    self.refused = exc
+                self._live.set()  # settled: a refusal is as final as a subscription
                 await queue.put(exc)
             await queue.put(_END)
 
@@ -126,6 +130,12 @@ class Attached:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPLAY_MAX_S
         try:
+            if not replay and self._has_headers:
+                # subscribed is all session/new and resume wait for (the headers say it); the
+                # history that follows is taken into the view silently (`_show`)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._live.wait(), REPLAY_MAX_S)
+                return
             while loop.time() < deadline:
                 quiet = REPLAY_QUIET_S if self._live.is_set() or self.replayed else REPLAY_QUIET_S * 2
                 try:
@@ -166,6 +176,9 @@ class Attached:
             return
         message = self._message(item)
         if message is None:
+            return
+        if item.replayed:  # history a resumed session starts with: known, not news
+            self.view.updates(message)
             return
         if self._own:
             self._own_ts[message.ts] = None
