@@ -96,5 +96,10 @@ def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
                    help="the agent a prompt runs (env UIBUS_AGENT; default: the server's default agent)")
     p.add_argument("--log-level", default=os.environ.get("UIBUS_LOG_LEVEL", "warning"),
                    help="stderr log level (env UIBUS_LOG_LEVEL)")
-    client_options(p)
+    # The client options of the other commands but --session: each ACP session is a uibus session.
+    p.add_argument("--target", default=os.environ.get("UIBUS_TARGET", "localhost:26040"),
+                   help="server address (env UIBUS_TARGET)")
+    p.add_argument("--token", default=os.environ.get("UIBUS_TOKEN", ""), help="bearer token (env UIBUS_TOKEN)")
+    p.add_argument("--tls", action="store_true", default=os.environ.get("UIBUS_TLS", "") not in ("", "0", "false"),
+                   help="connect with TLS (env UIBUS_TLS=1)")
     p.set_defaults(func=_command)
