@@ -338,6 +338,11 @@ async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_work
             assert (await turn_of(conn, "pi", "hello"))[-1].response.text == "pi still answers."
         ed.send(op="notify", method="session/cancel", params={"sessionId": session})
         assert (await ed.answer_of(tag, 10))["result"] == {"stopReason": "cancelled"}
+        # the hosted agent's refusal is the editor's `refusal`; its failure an answer that says so
+        assert (await ed.call("session/prompt", prompt(session, "refuse"))) == {"stopReason": "refusal"}
+        mark = len(ed.events)
+        assert (await ed.call("session/prompt", prompt(session, "fail"))) == {"stopReason": "end_turn"}
+        assert "the fixture was told to fail" in ed.text(session, start=mark)
     finally:
         await ed.close()
 

@@ -10,6 +10,7 @@
 //               $ACP_FIXTURE_LOG when the cancel arrives)
 //   "mcp"       calls ask_user on the first HTTP MCP server of session/new (with its headers) and
 //               says what the user answered
+//   "refuse"    one chunk, then ends the turn with stopReason `refusal`
 //   "fail"      answers the prompt with a JSON-RPC error
 //   anything    echoes it, with the turn number of the session (its conversation lives here)
 //
@@ -116,6 +117,9 @@ const app = agent({ name: "uibus-acp-fixture" })
     } else if (text === "mcp") {
       const server = (s.mcp || []).find((m) => m.type === "http" || m.url);
       await say(client, params.sessionId, `The user said ${server ? await askUser(server) : "nothing (no MCP server)"}`);
+    } else if (text === "refuse") {
+      await say(client, params.sessionId, "I will not ");
+      return { stopReason: "refusal" };
     } else if (text === "fail") {
       throw new RequestError(-32603, "the fixture was told to fail");
     } else {
