@@ -157,6 +157,13 @@ async def test_initialize_new_session_and_a_prompt_streaming_pis_reply(app: App,
         assert ed.text(session, "agent_thought_chunk") == "Let me think. "
         chunks = [u for u in ed.updates(session) if u["sessionUpdate"] == "agent_message_chunk"]
         assert len(chunks) > 1  # streamed as it came, not as one answer at the end
+        # one connection, several sessions: each its own conversation (its own pi process)
+        model.script(Reply(text="A fresh start."))
+        other = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+        assert other != session
+        assert (await ed.call("session/prompt", prompt(other, "who?")))["stopReason"] == "end_turn"
+        assert ed.text(other) == "A fresh start." and ed.text(session) == "Hello from pi, over ACP."
+        assert [m["role"] for m in model.requests[-1]["messages"]] in (["user"], ["system", "user"])
     finally:
         await ed.close()
 
