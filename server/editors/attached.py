@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 
 from uibus.editors import updates
-from uibus.editors.rpc import RpcError
+from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink, each
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -60,7 +60,7 @@ class Attached:
         self.refused: grpc.aio.AioRpcError | None = None  # the feed's failure before it was subscribed
         # The editor's own turn: running, the ts it owns, its final text once known.
         self.prompt: asyncio.Task[Any] | None = None
-        self.cancelled = False
+        self._feeding: asyncio.Task[None] | None = None
         self._own = False
         self._own_ts: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._finals: set[str] = set()  # finished texts the feed showed during the own turn
@@ -73,7 +73,7 @@ class Attached:
     async def attach(self, *, replay: bool) -> None:
         """Subscribes to the session's feed and dialogs; with `replay` the transcript goes to the
         editor first. Returns once subscribed (and replayed)."""
-        self.tasks.spawn(self._feed(replay), name=f"acp feed {self.name}")
+        self._feeding = self.tasks.spawn(self._feed(replay), name=f"acp feed {self.name}")
         self.tasks.spawn(self._dialogs(), name=f"acp dialogs {self.name}")
         await self._replay_done.wait()
         if self.refused is not None:  # uibus refused the subscription (a token, an outage): the editor hears why
@@ -199,9 +199,9 @@ class Attached:
 
     def begin_turn(self, task: asyncio.Task[Any]) -> None:
         if self.prompt is not None:
-            raise RpcError(-32600, f"a prompt is already running on session {self.name}: wait for its answer "
+            raise RpcError(INVALID_REQUEST, f"a prompt is already running on session {self.name}: wait for its answer "
                                    "or send session/cancel")
-        self.prompt, self.cancelled, self._own = task, False, True
+        self.prompt, self._own = task, True
         self._finals.clear()
         self._final, self._final_seen = None, asyncio.Event()
 
@@ -224,12 +224,11 @@ class Attached:
         self._own, self.prompt = False, None
 
     def _feed_running(self) -> bool:
-        return any(t.get_name().startswith("acp feed ") for t in self.tasks)
+        return self._feeding is not None and not self._feeding.done()
 
     def cancel(self) -> None:
         """session/cancel: the running prompt's call is cancelled (the hosted agent sees it)."""
         if self.prompt is not None and not self.prompt.done():
-            self.cancelled = True
             self.prompt.cancel()
 
     # ---- dialogs ----
