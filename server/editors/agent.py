@@ -338,15 +338,12 @@ class Editor:
             await attached.end_turn(None)
             raise
         await attached.end_turn(final)
-        agent = self.uplink.agent or "the agent"
-        if final is not None and final.startswith("Error from "):
-            if "stopReason refusal" in final:
+        if final is not None and final.startswith("Error from "):  # the agent failed: the turn's answer says so
+            if "stopReason refusal" in final:  # uibus's words for a hosted ACP agent's refusal
                 return {"stopReason": "refusal"}
-            if not streamed:
-                await attached.update(updates.chunk("agent_message_chunk", final))
-        elif final and not streamed:
+            await attached.update(updates.chunk("agent_message_chunk", f"\n\n{final}" if streamed else final))
+        elif final and not streamed:  # an agent that streams no pieces: its answer at once
             await attached.update(updates.chunk("agent_message_chunk", final))
-        log.debug("prompt answered", extra={"fields": {"session": name, "agent": agent}})
         return {"stopReason": "end_turn"}
 
     async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool]:
