@@ -21,9 +21,10 @@ from collections.abc import Callable
 
 from uibus import logs
 from uibus.clients.connection import Connection
-from uibus.editors.agent import Editor
+from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
 
 MAX_LINE = 16 * 1024 * 1024  # one incoming message at most this long; a longer one is refused
 
@@ -56,7 +57,7 @@ async def _skip_line(reader: asyncio.StreamReader) -> bool:
 async def serve(ns: argparse.Namespace) -> int:
     reader, write = await _stdio()
     async with Connection(ns.target, token=ns.token, tls=ns.tls) as conn:
-        editor = Editor(Uplink(conn.channel, ns.agent), write)  # type: ignore[arg-type]
+        editor = Editor(Uplink(conn.channel, ns.agent), write, prefix=ns.session_prefix)  # type: ignore[arg-type]
         try:
             while True:
                 try:
@@ -79,6 +80,11 @@ async def serve(ns: argparse.Namespace) -> int:
 
 
 def _command(ns: argparse.Namespace) -> int:
+    try:
+        check_prefix(ns.session_prefix)
+    except InvalidArgument as exc:
+        print(f"uibus acp: --session-prefix: {exc}", file=sys.stderr)
+        return 2
     logs.setup(ns.log_level)
     try:
         return asyncio.run(serve(ns))
@@ -94,6 +100,9 @@ def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--agent", default=os.environ.get("UIBUS_AGENT", ""),
                    help="the agent a prompt runs (env UIBUS_AGENT; default: the server's default agent)")
+    p.add_argument("--session-prefix", default=os.environ.get("UIBUS_SESSION_PREFIX", DEFAULT_PREFIX),
+                   help="how the sessions session/new makes are named, e.g. team-a- for a token that may use "
+                        "team-a-* (env UIBUS_SESSION_PREFIX; default acp-)")
     p.add_argument("--log-level", default=os.environ.get("UIBUS_LOG_LEVEL", "warning"),
                    help="stderr log level (env UIBUS_LOG_LEVEL)")
     # The client options of the other commands but --session: each ACP session is a uibus session.

@@ -354,6 +354,32 @@ async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_work
         await ed.close()
 
 
+async def test_a_tenants_editor_names_its_sessions_so_its_token_may_use_them(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("team-a-token team-a-*\n")
+    model.script(Reply(text="Hello, team A."))
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], tokens_file=str(tokens)) as app:
+        ed = await spawned(app, "pi", "--token", "team-a-token")  # the default prefix (acp-) is not theirs
+        try:
+            code, message = await ed.fails("session/new", {"cwd": CWD, "mcpServers": []})
+            assert code == -32000 and message.startswith("uibus: PERMISSION_DENIED"), message
+        finally:
+            await ed.close()
+        ed = await spawned(app, "pi", "--token", "team-a-token", "--session-prefix", "team-a-")
+        try:
+            session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+            assert session.startswith("team-a-")
+            assert (await ed.call("session/prompt", prompt(session, "hi")))["stopReason"] == "end_turn"
+            assert ed.text(session) == "Hello, team A."
+            listed = [s["sessionId"] for s in (await ed.call("session/list", {}))["sessions"]]
+            assert listed == [session]  # only the tenant's sessions
+            code, _ = await ed.fails("session/resume", {"sessionId": "team-b-1", "cwd": CWD, "mcpServers": []})
+            assert code == -32000
+        finally:
+            await ed.close()
+
+
 async def test_an_unreachable_uibus_is_the_editors_error_not_a_dead_session() -> None:
     need_sdk()
     ed = await editor("stdio", UIBUS, "acp", "--agent", "pi", "--target", f"127.0.0.1:{free_port()}")

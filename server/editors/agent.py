@@ -50,6 +50,7 @@ log = logging.getLogger("uibus.editors")
 
 PROTOCOL_VERSION = 1
 MAX_SESSIONS = 64  # sessions one editor connection may hold at once
+DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
 LIST_PAGE = 100  # sessions per session/list answer
 MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
@@ -82,6 +83,18 @@ def _text_of(blocks: Any) -> str:
     return "".join(parts)
 
 
+def check_prefix(prefix: str) -> str:
+    """A session-name prefix `session/new` can use (InvalidArgument, saying why, if not)."""
+    try:
+        if len(prefix) > 100:
+            raise InvalidArgument("")
+        check_session(prefix + "x")
+    except InvalidArgument:
+        raise InvalidArgument(f"{prefix[:40]!r} cannot start a session name: use at most 100 characters from "
+                              "A-Z a-z 0-9 . _ : @ / + = -") from None
+    return prefix
+
+
 def _iso(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -108,8 +121,11 @@ def _cwd(params: dict[str, Any]) -> None:
 class Editor:
     """One editor connection; `aclose` detaches every session it holds."""
 
-    def __init__(self, uplink: Uplink, write: Write) -> None:
+    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX) -> None:
+        """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
+        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match."""
         self.uplink = uplink
+        self.prefix = prefix
         self._write = write
         self._lock = asyncio.Lock()  # one message at a time on the wire
         self.outgoing = Outgoing(self.send)
@@ -257,7 +273,7 @@ class Editor:
 
     async def new(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
-        name = f"acp-{secrets.token_hex(8)}"
+        name = f"{self.prefix}{secrets.token_hex(8)}"
         await self._attach(name, replay=False)
         return {"sessionId": name}
 

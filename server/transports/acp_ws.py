@@ -6,7 +6,8 @@ Mounted behind the browser policy (Host, Origin) like every route. The upgrade n
 tokens are configured (`Authorization: Bearer`, as the SDK's `headers` option sends it); each call
 the editor's sessions make then passes the pipeline with that token, through the app's in-process
 channel (the call driver), so a session-bound token reaches only its sessions. `?agent=NAME`
-chooses the agent a prompt runs (default: the server's default agent).
+chooses the agent a prompt runs (default: the server's default agent), `?prefix=` how the sessions
+`session/new` makes are named (default `acp-`; a tenant's token needs its own, e.g. `team-a-`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from urllib.parse import parse_qs
 import grpc
 
 from uibus.auth import Tokens, bearer
-from uibus.editors.agent import Editor
+from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
 from uibus.json_input import dump_json
 from uibus.session import SESSION_KEY
 from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse, respond
@@ -54,6 +56,12 @@ class AcpWebSocket:
             return
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         agent = (query.get("agent") or [""])[0]
+        try:
+            prefix = check_prefix((query.get("prefix") or [DEFAULT_PREFIX])[0])
+        except InvalidArgument as exc:
+            await refuse(scope, send, 400, dump_json(error_body(grpc.StatusCode.INVALID_ARGUMENT, f"prefix: {exc}")),
+                         "application/json")
+            return
         metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own
 
         async def write(text: str) -> None:
@@ -63,7 +71,7 @@ class AcpWebSocket:
                 raise SocketGone from exc
 
         await send({"type": "websocket.accept"})
-        editor = Editor(Uplink(Channel(self.lookup, metadata, peer_of(scope)), agent), write)
+        editor = Editor(Uplink(Channel(self.lookup, metadata, peer_of(scope)), agent), write, prefix=prefix)
         self.open.add(editor)
         try:
             while True:
