@@ -340,18 +340,19 @@ class AgentSessions:
                 entry.task = task
                 try:
                     yield entry.agent
-                except asyncio.CancelledError:
-                    # Stopped from another UI (StopTurn), and not also cancelled by its own caller: the
-                    # caller hears CANCELLED with a reason rather than a stream cut without one.
-                    if entry.stopping is task and task is not None and task.cancelling() == 1:
-                        task.uncancel()
-                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
-                                        "the session") from None
-                    raise
                 finally:
                     entry.task = None
-                    if entry.stopping is task:
+                    stopped = entry.stopping is task
+                    if stopped:
                         entry.stopping = None
+                    # Stopped from another UI (StopTurn) and not also cancelled by its own caller: the
+                    # caller hears CANCELLED with a reason (a gRPC handler that just ends cancelled
+                    # sends no status at all). Raised here, in the turn's exit, it replaces the cancel
+                    # however the engine leaves the turn (its exit stack closes this without the error).
+                    if stopped and task is not None and task.cancelling() == 1:
+                        task.uncancel()
+                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
+                                        "the session")
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()
