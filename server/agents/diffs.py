@@ -20,7 +20,9 @@ def unified(path: str, old: str | None, new: str, context: int = CONTEXT) -> str
     """The unified diff of `old` (None: a new file) to `new` for `path`."""
     before = (old or "").splitlines(keepends=True)
     after = new.splitlines(keepends=True)
-    lines = list(difflib.unified_diff(before, after, "/dev/null" if old is None else f"a/{path}", f"b/{path}",
+    # git's a/ b/ prefixes for a relative path; an absolute one (what ACP sends) is shown as it is
+    old_name, new_name = (path, path) if path.startswith("/") else (f"a/{path}", f"b/{path}")
+    lines = list(difflib.unified_diff(before, after, "/dev/null" if old is None else old_name, new_name,
                                       n=context))
     out: list[str] = []
     for line in lines[:MAX_LINES]:

@@ -119,9 +119,12 @@ class Sessions:
         agents.sort(key=lambda a: a.agent)
         # what was set for the session, else what an agent titled its conversation, else the first message
         title = static.title or next((a.title for a in agents if a.title), "") or static.first
+        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
+                   for d in self.dialogs.pending.waiting(session)]
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
-                               waiting_dialogs=self.dialogs.count(session), agents=agents, agent=static.agent)
+                               waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
+                               agent=static.agent, waiting=waiting)
 
     async def list(self, visible: Callable[[str], bool], prefix: str = "") -> pb.SessionList:
         """The sessions `visible` allows (and starting with `prefix`), most recently active first."""
