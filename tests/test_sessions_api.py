@@ -93,6 +93,18 @@ async def test_tenants_list_create_and_delete_only_their_own(tenants: App) -> No
         assert (await api.StopTurn(pb.AgentRequest(agent="pi"),
                                    metadata=auth("team-a-token", "team-a-1"))).stopped is False
 
+        # a waiting dialog is counted and named in the listing
+        asking = asyncio.ensure_future(ext_grpc.ExtensionUiServiceStub(ch).Confirm(
+            ext.ConfirmRequest(title="Ship it?"), metadata=auth("team-a-token", "team-a-2")))
+        for _ in range(100):
+            a = await api.ListSessions(pb.ListSessionsRequest(prefix="team-a-2"), metadata=auth("team-a-token"))
+            if a.sessions[0].waiting_dialogs:
+                break
+            await asyncio.sleep(0.02)
+        assert a.sessions[0].waiting_dialogs == 1
+        assert [(d.kind, d.title) for d in a.sessions[0].waiting] == [("confirm", "Ship it?")]
+        asking.cancel()
+
         # a watch sees the list now, then a session go
         watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=auth("team-a-token"))
         first = await asyncio.wait_for(watch.read(), 5)

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -47,6 +47,10 @@ log = logging.getLogger("uibus.agents")
 
 MARKER = "agent/live/"  # + agent name: the store key a live agent session keeps in its uibus session
 SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at most; idle/2 when shorter)
+
+
+def _nothing() -> None:
+    return None
 
 
 class SessionBound:
@@ -122,6 +126,8 @@ class AgentSessions:
         self.closed_idle = 0
         self.closed_evicted = 0
         self.closed_dead = 0
+        # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
+        self.on_change: Callable[[], None] = _nothing
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
         self.mcp_token = ""
@@ -338,20 +344,23 @@ class AgentSessions:
                     entry.agent = await self._open(session, backend)
                 task = asyncio.current_task()
                 entry.task = task
+                self.on_change()
                 try:
                     yield entry.agent
-                except asyncio.CancelledError:
-                    # Stopped from another UI (StopTurn), and not also cancelled by its own caller: the
-                    # caller hears CANCELLED with a reason rather than a stream cut without one.
-                    if entry.stopping is task and task is not None and task.cancelling() == 1:
-                        task.uncancel()
-                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
-                                        "the session") from None
-                    raise
                 finally:
                     entry.task = None
-                    if entry.stopping is task:
+                    self.on_change()
+                    stopped = entry.stopping is task
+                    if stopped:
                         entry.stopping = None
+                    # Stopped from another UI (StopTurn) and not also cancelled by its own caller: the
+                    # caller hears CANCELLED with a reason (a gRPC handler that just ends cancelled
+                    # sends no status at all). Raised here, in the turn's exit, it replaces the cancel
+                    # however the engine leaves the turn (its exit stack closes this without the error).
+                    if stopped and task is not None and task.cancelling() == 1:
+                        task.uncancel()
+                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
+                                        "the session")
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()

@@ -37,10 +37,12 @@ class Core:
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
+        listing = Sessions(store, dialogs, sessions, history)
+        sessions.on_change = listing.poke  # a turn starting or ending shows in every watch at once
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history,
                    chat=Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
                              send_limit=config.max_message_bytes), dialogs=dialogs, agent_sessions=sessions,
-                   sessions=Sessions(store, dialogs, sessions, history))
+                   sessions=listing)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

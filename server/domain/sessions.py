@@ -9,9 +9,10 @@ Where each part comes from, so nothing is stored twice:
 
 * the sessions and their last activity: the store's own index (`Store.sessions`), which every
   write stamps, on every replica;
-* the title: what the agent set (pi `setTitle`, an ACP session title: the extension-UI title kept
-  per session), else the title given at CreateSession (`META`), else the first user message of
-  the chat history; looked up once per change of the session's last activity (`_Static` cache);
+* the title: what was set for the session (pi's `setTitle`, i.e. the extension-UI title kept per
+  session, else the title given at CreateSession, `META`), else the title a hosted ACP agent gave
+  its conversation (`session_info_update`), else the first user message of the chat history; the
+  stored parts are looked up once per change of the session's last activity (`_Static` cache);
 * the agent a UI should open on: the newest history entry that names one, else CreateSession's;
 * running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
   Dialogs), read on every listing.
@@ -54,7 +55,8 @@ class _Static:
     """What a session's stored state says, valid while its last activity stays the same."""
 
     stamp: float
-    title: str
+    title: str  # set on purpose: pi's setTitle (the extension-UI title), else CreateSession's
+    first: str  # the first user message, shortened
     agent: str
 
 
@@ -93,12 +95,10 @@ class Sessions:
             if entry.get("agent"):
                 agent = str(entry["agent"])
                 break
-        if not title:
-            first = known.title if known is not None and known.title else ""
-            if not first:
-                first = await self._first_user_message(session, recent)
-            title = first
-        static = _Static(stamp, str(title), agent or str(meta.get("agent", "")))
+        first = known.first if known is not None and known.first else ""
+        if not first:
+            first = await self._first_user_message(session, recent)
+        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")))
         self._static[session] = static
         while len(self._static) > CACHE:
             self._static.popitem(last=False)
@@ -117,10 +117,14 @@ class Sessions:
         static = await self._static_of(session, stamp)
         agents = [state_of(name, agent, running) for name, agent, running in self.agents.live_agents(session)]
         agents.sort(key=lambda a: a.agent)
-        title = static.title or next((a.title for a in agents if a.title), "")
+        # what was set for the session, else what an agent titled its conversation, else the first message
+        title = static.title or next((a.title for a in agents if a.title), "") or static.first
+        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
+                   for d in self.dialogs.pending.waiting(session)]
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
-                               waiting_dialogs=self.dialogs.count(session), agents=agents, agent=static.agent)
+                               waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
+                               agent=static.agent, waiting=waiting)
 
     async def list(self, visible: Callable[[str], bool], prefix: str = "") -> pb.SessionList:
         """The sessions `visible` allows (and starting with `prefix`), most recently active first."""
