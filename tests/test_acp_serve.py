@@ -28,6 +28,7 @@ from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import sessions_pb2
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.node]
 EDITOR = REPO / "tests" / "acp" / "editor.mjs"
@@ -285,6 +286,15 @@ async def test_session_cancel_stops_a_running_turn_and_the_hosted_agent_sees_it(
         await wait_for(lambda: sum("cancelled" in line for line in fixture_log(tmp_path)) == 2, 10,
                        what="the agent's second cancel")
         assert (await ed.call("session/prompt", prompt(session, "and again")))["stopReason"] == "end_turn"
+        # a turn another UI stops (SessionService.StopTurn) ends the editor's prompt `cancelled` too
+        tag = ed.start("session/prompt", prompt(session, "slow"))
+        await ed.until(lambda _: ed.text(session).endswith("Working "), 30, "the first chunk")
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            stop = conn.channel.unary_unary("/uibus.v1.SessionService/StopTurn",
+                                            request_serializer=sessions_pb2.AgentRequest.SerializeToString,
+                                            response_deserializer=sessions_pb2.StopTurnReply.FromString)
+            assert (await stop(sessions_pb2.AgentRequest(agent="acp"))).stopped
+        assert (await ed.answer_of(tag, 10))["result"] == {"stopReason": "cancelled"}
     finally:
         await ed.close()
 
@@ -320,6 +330,25 @@ async def test_the_losing_editors_permission_request_is_withdrawn_when_another_u
         await one.close()
         await two.close()
     await wait_for(lambda: streams(app, session) == (0, 0), 5, what="every stream of the editors ended")
+
+
+async def test_an_attached_editor_gets_the_agents_modes_and_commands_and_sets_a_mode(app: App, tmp_path: Path) -> None:
+    one, two = await spawned(app, "acp"), await spawned(app, "acp")
+    try:
+        session = (await one.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+        assert (await one.call("session/prompt", prompt(session, "diff")))["stopReason"] == "end_turn"
+        resumed = await two.call("session/resume", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+        assert resumed["modes"]["currentModeId"] == "default"
+        assert [m["id"] for m in resumed["modes"]["availableModes"]] == ["default", "plan"]
+        offered = [u for u in two.updates(session) if u["sessionUpdate"] == "available_commands_update"]
+        assert [c["name"] for c in offered[-1]["availableCommands"]] == ["review", "test"]
+        assert await two.call("session/set_mode", {"sessionId": session, "modeId": "plan"}) == {}
+        assert {"sessionUpdate": "current_mode_update", "currentModeId": "plan"} in two.updates(session)
+        assert any(line.get("session/set_mode", {}).get("modeId") == "plan" for line in fixture_log(tmp_path))
+        assert (await two.fails("session/set_mode", {"sessionId": session, "modeId": "nope"}))[0] == -32602
+    finally:
+        await one.close()
+        await two.close()
 
 
 async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_working(app: App, model: Model) -> None:

@@ -43,6 +43,7 @@ from uibus.editors.rpc import (
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.session import check_session
 from uibus.tasks import Tasks, caller_cancelled, cancel_and_wait
 
@@ -55,7 +56,8 @@ LIST_PAGE = 100  # sessions per session/list answer
 MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
                  grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
-                 grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND}
+                 grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND,
+                 grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
 
 Write = Callable[[str], Awaitable[None]]
 
@@ -137,7 +139,7 @@ class Editor:
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
-            "session/prompt": self.prompt, "session/list": self.list}
+            "session/prompt": self.prompt, "session/list": self.list, "session/set_mode": self.set_mode}
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
@@ -286,11 +288,36 @@ class Editor:
             await attached.detach()
             raise RpcError(RESOURCE_NOT_FOUND, f"session {name} has no conversation to load "
                                                "(session/new starts one, session/resume attaches to any)")
-        return {}
+        return await self._offers(attached)
 
     async def resume(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
-        await self._attach(_session_id(params), replay=False)
+        return await self._offers(await self._attach(_session_id(params), replay=False))
+
+    async def _offers(self, attached: Attached) -> dict[str, Any]:
+        """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
+        the session; an agent that never ran there offers nothing yet."""
+        state = await self.uplink.agent_state(attached.name)
+        update = updates.commands(state)
+        if update is not None:
+            await attached.update(update)
+        offered = updates.modes(state)
+        return {"modes": offered} if offered is not None else {}
+
+    async def set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The hosted agent's mode (its ACP `session/set_mode`), for every UI of the session."""
+        name = _session_id(params)
+        attached = self.sessions.get(name)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection")
+        mode = params.get("modeId")
+        if not isinstance(mode, str) or not mode:
+            raise RpcError(INVALID_PARAMS, "modeId (a string) is required")
+        agent = self.uplink.agent or (await self.uplink.agent_state(name) or sessions_pb2.AgentState()).agent
+        if not agent:
+            raise RpcError(INVALID_REQUEST, "no agent has run in this session yet: it offers no modes")
+        state = await self.uplink.set_mode(name, agent, mode)
+        await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": state.current_mode or mode})
         return {}
 
     async def close(self, params: dict[str, Any]) -> dict[str, Any]:

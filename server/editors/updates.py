@@ -17,6 +17,7 @@ from google.protobuf import json_format
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.pb.uibus.v1 import sessions_pb2
 
 _AI, _AGENT = chat_pb2.ChatMessage.AI, chat_pb2.ChatMessage.AGENT
 _TOOL_RESULT, _FRAMEWORK = chat_pb2.ChatMessage.AGENT_TOOL_RESULT, chat_pb2.ChatMessage.AGENT_FRAMEWORK
@@ -178,6 +179,26 @@ class FeedView:
             if path:
                 update["locations"] = [{"path": path}]
         return update
+
+
+# ---- what the agent offers (uibus.v1.SessionService's AgentState) ----
+
+def modes(state: sessions_pb2.AgentState | None) -> dict[str, Any] | None:
+    """ACP's SessionModeState of the agent's modes; None when it offers none."""
+    if state is None or not state.modes:
+        return None
+    return {"currentModeId": state.current_mode or state.modes[0].id, "availableModes": [
+        {"id": m.id, "name": m.name or m.id, **({"description": m.description} if m.description else {})}
+        for m in state.modes]}
+
+
+def commands(state: sessions_pb2.AgentState | None) -> dict[str, Any] | None:
+    """An `available_commands_update` of the agent's commands; None when it has none."""
+    if state is None or not state.commands:
+        return None
+    return {"sessionUpdate": "available_commands_update", "availableCommands": [
+        {"name": c.name, "description": c.description, **({"input": {"hint": c.input_hint}} if c.input_hint else {})}
+        for c in state.commands]}
 
 
 # ---- dialogs ----

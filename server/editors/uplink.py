@@ -55,6 +55,9 @@ class Uplink:
         self._respond = channel.unary_unary(f"/{_EXT}/Respond",
                                             request_serializer=ext_pb.RespondRequest.SerializeToString,
                                             response_deserializer=ext_pb.RespondReply.FromString)
+        self._set_mode = channel.unary_unary(f"/{_SESSIONS}/SetMode",
+                                             request_serializer=sessions_pb2.SetModeRequest.SerializeToString,
+                                             response_deserializer=sessions_pb2.AgentState.FromString)
         self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
                                          request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
                                          response_deserializer=sessions_pb2.SessionList.FromString)
@@ -79,6 +82,19 @@ class Uplink:
     async def respond(self, session: str, answer: ext_pb.RespondRequest) -> None:
         await self._respond(answer, metadata=self._md(session))
 
-    async def sessions(self) -> sessions_pb2.SessionList:
-        """The sessions the channel's token may use, most recently active first."""
-        return await self._list(sessions_pb2.ListSessionsRequest())
+    async def sessions(self, prefix: str = "") -> sessions_pb2.SessionList:
+        """The sessions the channel's token may use (named `prefix…`), most recently active first."""
+        return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
+
+    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
+        """What the session's agent (the configured one, else the one it last talked to) offers
+        now: modes, commands. None before it ever ran there."""
+        for entry in (await self.sessions(session)).sessions:
+            if entry.session == session:
+                agent = self.agent or entry.agent
+                return next((state for state in entry.agents if state.agent == agent), None)
+        return None
+
+    async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
+        return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),
+                                    metadata=self._md(session))
