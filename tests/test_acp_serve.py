@@ -455,6 +455,15 @@ async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_forei
                            "the gRPC client's turn, live over the socket")
         finally:
             await ed.close()
+        again = await editor("ws", url, json.dumps({"Authorization": "Bearer s3cret"}))  # the transcript too
+        try:
+            await again.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            await again.call("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+            assert [(u["sessionUpdate"], u["content"]["text"]) for u in again.updates(session) if "content" in u] == [
+                ("user_message_chunk", "hi"), ("agent_message_chunk", "Hello over the socket."),
+                ("user_message_chunk", "and you?"), ("agent_message_chunk", "Seen by the gRPC client too.")]
+        finally:
+            await again.close()
         stdio = await spawned(app, "pi", "--token", "wrong")  # `uibus acp` hears uibus's refusal as ACP's
         try:
             code, message = await stdio.fails("session/new", {"cwd": CWD, "mcpServers": []})
