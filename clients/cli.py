@@ -164,6 +164,10 @@ from uibus.clients import chat_cli  # noqa: E402 - registers itself below
 
 EXTRA_COMMANDS.append(chat_cli.add_parser)
 
+from uibus.clients import acp_cli  # noqa: E402 - `uibus acp`: uibus as an editor's ACP agent
+
+EXTRA_COMMANDS.append(acp_cli.add_parser)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. An unknown flag is reported by that subcommand's parser (its usage and

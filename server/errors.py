@@ -43,6 +43,12 @@ class Unimplemented(UibusError):
     code = "UNIMPLEMENTED"
 
 
+class Cancelled(UibusError):
+    """The call's work was stopped on purpose by someone else (another UI stopped the turn)."""
+
+    code = "CANCELLED"
+
+
 class Unauthenticated(UibusError):
     code = "UNAUTHENTICATED"
 

@@ -13,10 +13,14 @@ from contextlib import asynccontextmanager
 from uibus import version
 from uibus.codebolt.gateway import Gateway
 from uibus.mcp.server import McpServer
-from uibus.services import agent, codebolt, extension_ui, host, ui, webview
+from uibus.services import agent, codebolt, extension_ui, host, sessions, ui, webview
+from uibus.transports.acp_ws import PATH as ACP_PATH
+from uibus.transports.acp_ws import AcpWebSocket
 from uibus.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.mcp_http import McpHttp
+from uibus.transports.sessions_http import PATH as SESSIONS_PATH
+from uibus.transports.sessions_http import SessionsHttp
 from uibus.wiring import AppKey, Installer, Setup
 
 CODEBOLT = AppKey("codebolt", Gateway)  # the CodeBolt gateway: `app[CODEBOLT]`
@@ -55,6 +59,14 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 
 
 @asynccontextmanager
+async def session_api(setup: Setup) -> AsyncIterator[None]:
+    """uibus.v1.SessionService: the sessions of the caller's tenant, and steering their agents."""
+    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions))
+    setup.mount(SESSIONS_PATH, SessionsHttp(setup.registry.lookup, setup.config.max_message_bytes))
+    yield
+
+
+@asynccontextmanager
 async def webview_mux(setup: Setup) -> AsyncIterator[None]:
     setup.serve(webview.add_to(setup.registry, setup.core.feed))
     yield
@@ -81,6 +93,7 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
 async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
     server = McpServer(setup.core, setup.pipeline.wrap, version())
+    server.visible = setup.pipeline.visible_sessions
     endpoint = McpHttp(server, setup.config.max_message_bytes)
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",
@@ -89,5 +102,15 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     yield
 
 
+@asynccontextmanager
+async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
+    """`/acp` on the HTTP port: uibus as a remote ACP agent for editors (WebSocket), whose calls
+    run through the pipeline on the in-process channel."""
+    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens)
+    setup.mount(ACP_PATH, endpoint)
+    setup.gauge("uibus_acp_editor_connections", "Editors attached over /acp", endpoint.count)
+    yield
+
+
 INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
-                                     mcp_endpoint)
+                                     mcp_endpoint, session_api, acp_endpoint)

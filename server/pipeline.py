@@ -59,12 +59,18 @@ log = logging.getLogger("uibus.calls")
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no token
 # Calls that touch no session: any valid token may make them (by path prefix / suffix).
 SESSIONLESS_PREFIXES = ("/grpc.reflection.",)
-SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "AgentService/Connectivity")
+SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "AgentService/Connectivity",
+                        # listings of the sessions the token may use: filtered by `visible_sessions`
+                        "SessionService/ListSessions", "SessionService/WatchSessions")
 # Calls that see every session at once: only an all-sessions token may make them.
 PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 
 # What a method's token must allow (see `access_of`).
 OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
+
+
+def _every_session(session: str) -> bool:
+    return True
 
 
 def access_of(method: str) -> str:
@@ -169,6 +175,13 @@ class Pipeline:
             raise PermissionDenied("this call covers every session: it needs a token that may use all "
                                    "sessions (`*`)")
         return grant
+
+    def visible_sessions(self, metadata: Any) -> Callable[[str], bool]:
+        """Which sessions a call that spans sessions (SessionService/ListSessions) may see: those its
+        token's grant allows; every session when no tokens are configured."""
+        if not self.tokens.enabled:
+            return _every_session
+        return self.authenticate(metadata).allows
 
     def _rejected(self, method: str, request: Rejected) -> UibusError:
         skipped = self._rejected_log.allow()

@@ -213,6 +213,20 @@ class SqliteStore(Store):
             await asyncio.sleep(0)
         return evicted
 
+    async def sessions(self) -> list[tuple[str, float]]:
+        with self._faults:
+            rows = self._db.execute("SELECT session, last_used FROM sessions ORDER BY last_used DESC").fetchall()
+        return [(str(r[0]), float(r[1])) for r in rows]
+
+    async def drop_session(self, session: str) -> bool:
+        with self._faults, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            existed = self._db.execute("SELECT 1 FROM sessions WHERE session=?", (session,)).fetchone() is not None
+            self._drop([session])
+        if existed:
+            self.stats.sessions -= 1
+        return existed
+
     async def get(self, session: str, key: str) -> Any | None:
         with self._faults:
             row = self._db.execute("SELECT value FROM kv WHERE session=? AND key=?", (session, key)).fetchone()

@@ -179,6 +179,16 @@ class Store(abc.ABC):
         held = self._leases.get((session, name))
         if held is not None and held[0] == owner and held[1] == token:
             held[0], held[2] = "", 0.0  # free, its token kept: the next owner's is higher
+    async def sessions(self) -> list[tuple[str, float]]:
+        """Every stored session with its last activity (Unix ms), most recently active first: what
+        the sessions API lists (uibus.domain.sessions). A backend that cannot list raises
+        NotImplementedError (answered UNIMPLEMENTED)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its sessions")
+
+    async def drop_session(self, session: str) -> bool:
+        """Deletes all of `session` (every value and list, its activity), as eviction does; True
+        when it existed."""
+        raise NotImplementedError(f"{type(self).__name__} cannot delete a session")
 
     async def sweep(self) -> int:
         """Deletes the sessions idle longer than the TTL and any beyond `max_sessions`, longest

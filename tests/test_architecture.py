@@ -29,6 +29,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("domain", ("uibus.domain",)),
     ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
                   "uibus.reflection", "uibus.wiring")),
+    # uibus served to editors over ACP: a client of the public services through a channel (a grpc
+    # one for `uibus acp`, the in-process one for `/acp`), never their code.
+    ("editors", ("uibus.editors",)),
     ("transports", ("uibus.transports",)),
     ("app", ("uibus.app", "uibus.installers", "uibus.main", "uibus.workers")),
     ("clients", ("uibus.clients", "uibus.__main__")),  # the `uibus` command: `serve` runs the app

@@ -76,7 +76,8 @@ async def test_handshake_lists_agents_and_user_tools(web: App) -> None:
         assert (await client.list_resources()).resources == []
         assert (await client.list_prompts()).prompts == []
     directory = {a.agent_name: a.description for a in web.core.chat.directory.agents}
-    assert set(tools) == {*directory, "ask_user", "notify_user", "set_status"}
+    assert set(tools) == {*directory, "ask_user", "notify_user", "set_status", "list_sessions", "stop_turn",
+                          "set_agent_mode"}
     for name, description in directory.items():  # as ConciergeService.List reports them
         assert tools[name].description == description
         schema = tools[name].input_schema

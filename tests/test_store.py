@@ -3,6 +3,7 @@ real Redis Cluster (3 masters, 3 replicas; shared by the session, emptied for ea
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -182,3 +183,18 @@ async def test_redis_outage_is_store_unavailable_not_a_hang(redis_server: RedisP
         assert await store.get("s", "k") == 3
     finally:
         await store.close()
+
+
+async def test_sessions_are_listed_most_recent_first_and_dropped_whole(store: Store) -> None:
+    """What the sessions API (uibus.domain.sessions) lists and deletes, on every backend."""
+    await store.put("team/a", "k", 1)
+    await store.append("team/a", "history", {"n": 1})
+    await asyncio.sleep(0.01)
+    await store.put("b b", "k", 2)  # a name that needs quoting in Redis keys
+    listed = await store.sessions()
+    names = [name for name, _stamp in listed]
+    assert names[:2] == ["b b", "team/a"] and listed[0][1] >= listed[1][1] > 0
+    assert await store.drop_session("team/a") is True
+    assert await store.get("team/a", "k") is None and await store.items("team/a", "history") == []
+    assert [name for name, _stamp in await store.sessions()] == ["b b"]
+    assert await store.drop_session("team/a") is False

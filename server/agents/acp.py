@@ -45,9 +45,11 @@ from typing import Any
 
 from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn, option
+from uibus.agents.diffs import unified
 from uibus.agents.jsonrpc import JsonRpcSession
 from uibus.agents.stdio import StdioBackend
 from uibus.agents.stdio import text as _str
+from uibus.agents.steer import AcpSteering
 from uibus.agents.turns import TurnRun
 from uibus.agents.views import AGENT, TOOL_RESULT, ClineView, acp_tool, message
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -70,8 +72,10 @@ def _content(blocks: Any) -> str:
             return _str(blocks.get("text"))
         if blocks.get("type") == "content":
             return _content(blocks.get("content"))
-        if blocks.get("type") == "diff":
-            return f"--- {_str(blocks.get('path'))}\n-{_str(blocks.get('oldText'))}\n+{_str(blocks.get('newText'))}"
+        if blocks.get("type") == "diff":  # a real line diff (old text null: a new file)
+            old = blocks.get("oldText")
+            return unified(_str(blocks.get("path")), _str(old) if old is not None else None,
+                           _str(blocks.get("newText"))) + "\n"
         return ""
     if isinstance(blocks, list):
         return "".join(_content(b) for b in blocks)
@@ -92,7 +96,7 @@ class AcpAgent(StdioBackend):
         return AcpSession(self, ui)
 
 
-class AcpSession(JsonRpcSession):
+class AcpSession(AcpSteering, JsonRpcSession):
     """One ACP agent process and its one ACP session, for one uibus session."""
 
     logger = log
@@ -105,6 +109,8 @@ class AcpSession(JsonRpcSession):
         self.acp = backend
         self.session_id = ""
         self.capabilities: dict[str, Any] = {}
+        self.cwd = ""
+        self.mcp_servers: list[dict[str, Any]] = []
         self._prompt: asyncio.Future[Any] | None = None  # the running turn's session/prompt
 
     # ---- messages ----
@@ -118,6 +124,7 @@ class AcpSession(JsonRpcSession):
     def on_notification(self, method: Any, params: dict[str, Any]) -> None:
         if method == "session/update":
             if params.get("sessionId") == self.session_id:
+                self.steer_seen_update(params.get("update"))  # modes, commands, title: kept between turns too
                 self.deliver(params)
             return
         super().on_notification(method, params)
@@ -145,10 +152,12 @@ class AcpSession(JsonRpcSession):
             url, headers = mcp
             servers.append({"type": "http", "name": "uibus", "url": url,
                             "headers": [{"name": k, "value": v} for k, v in headers.items()]})
-        created = await self.call("session/new", {"cwd": self.options.cwd or os.getcwd(), "mcpServers": servers})
+        self.cwd, self.mcp_servers = self.options.cwd or os.getcwd(), servers
+        created = await self.call("session/new", {"cwd": self.cwd, "mcpServers": servers})
         if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
             raise AgentError("session/new did not return a sessionId")
         self.session_id = created["sessionId"]
+        self.steer_seen_session(created)
 
     # ---- permissions ----
 

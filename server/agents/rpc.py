@@ -49,6 +49,7 @@ from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn
 from uibus.agents.stdio import StdioBackend
 from uibus.agents.stdio import text as _str
+from uibus.agents.steer import PiSteering
 from uibus.agents.turns import Event, StdioSession, TurnRun
 from uibus.agents.views import AGENT as _AGENT
 from uibus.agents.views import TOOL_RESULT as _TOOL_RESULT
@@ -86,7 +87,7 @@ class RpcAgent(StdioBackend):
         return RpcSession(self, ui)
 
 
-class RpcSession(StdioSession):
+class RpcSession(PiSteering, StdioSession):
     """One agent process of one uibus session, spoken to in pi's RPC mode."""
 
     logger = log
@@ -104,7 +105,10 @@ class RpcSession(StdioSession):
 
     async def handshake(self) -> None:
         self.tasks.spawn(self._fire_forever(), name="rpc agent ui")
-        await self.command("get_state")  # a program that is not an RPC agent fails here, clearly
+        state = await self.command("get_state")  # a program that is not an RPC agent fails here, clearly
+        data = state.get("data")
+        # models and commands, for the UIs: in the background, so a start never waits on them
+        self.tasks.spawn(self.steer_refresh(data if isinstance(data, dict) else {}), name="rpc agent state")
 
     async def command(self, kind: str, **fields: Any) -> Event:
         """Sends a command and waits for its response (failed when the process goes)."""

@@ -17,6 +17,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from uibus.agents import SessionUi
+from uibus.agents.diffs import unified
 from uibus.dialog_limits import safe_text as text
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 
@@ -89,11 +90,23 @@ def pi_tool(name: str, args: dict[str, Any], output: str | None) -> str:
             body["regex"] = text(args.get("pattern", ""))
         if name == "write":
             body["content"] = text(args.get("content", ""))
+            body["diff"] = unified(path, None, body["content"])
         elif name == "edit":
-            body["diff"] = f"-{text(args.get('oldText', ''))}\n+{text(args.get('newText', ''))}"
+            body["diff"] = pi_edit_diff(path, args)
         elif output is not None:
             body["content"] = output
     return json.dumps(body)
+
+
+def pi_edit_diff(path: str, args: dict[str, Any]) -> str:
+    """A unified diff of each replacement of pi's `edit` tool (`edits: [{oldText, newText}]`, or the
+    older single `oldText`/`newText`); line numbers count from each replaced block."""
+    edits = args.get("edits")
+    if not isinstance(edits, list):
+        edits = [{"oldText": args.get("oldText", ""), "newText": args.get("newText", "")}]
+    parts = [unified(path, text(e.get("oldText", "")), text(e.get("newText", "")))
+             for e in edits if isinstance(e, dict)]
+    return "\n".join(p for p in parts if p)
 
 
 def acp_tool(call: dict[str, Any]) -> str:
@@ -103,8 +116,13 @@ def acp_tool(call: dict[str, Any]) -> str:
     path = next((text(loc.get("path")) for loc in locations if isinstance(loc, dict)), "")
     tool = ACP_TOOLS.get(call["kind"], text(call["kind"]))
     body: dict[str, Any] = {"tool": tool, "path": path or text(call["title"])}
-    if call["output"]:
-        body["diff" if call["kind"] == "edit" else "content"] = call["output"]
+    output = call["output"]
+    if output:
+        is_diff = output.startswith("--- ")  # ACP `diff` content, made a unified diff by the session
+        body["diff" if call["kind"] == "edit" or is_diff else "content"] = output
+        if is_diff and output.startswith("--- /dev/null") and "\n--- " not in output:
+            body["tool"] = "newFileCreated"  # one diff, from nothing: a file the agent created
+            body["content"] = "\n".join(line[1:] for line in output.splitlines()[3:] if line.startswith("+"))
     if call["status"] == "failed":
         body["error"] = True
     return json.dumps(body)

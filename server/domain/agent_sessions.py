@@ -30,13 +30,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
+from uibus.errors import Cancelled
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -46,6 +47,10 @@ log = logging.getLogger("uibus.agents")
 
 MARKER = "agent/live/"  # + agent name: the store key a live agent session keeps in its uibus session
 SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at most; idle/2 when shorter)
+
+
+def _nothing() -> None:
+    return None
 
 
 class SessionBound:
@@ -100,6 +105,8 @@ class _Live:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
     users: int = 0  # turns running or waiting
     idle_since: float = field(default_factory=time.monotonic)
+    task: asyncio.Task[object] | None = None  # the task running its turn now (StopTurn cancels it)
+    stopping: asyncio.Task[object] | None = None  # the turn task a StopTurn cancelled
 
 
 class AgentSessions:
@@ -119,6 +126,8 @@ class AgentSessions:
         self.closed_idle = 0
         self.closed_evicted = 0
         self.closed_dead = 0
+        # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
+        self.on_change: Callable[[], None] = _nothing
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
         self.mcp_token = ""
@@ -241,6 +250,51 @@ class AgentSessions:
         entry = self._live.pop((session, name), None)
         if entry is not None:
             await self._close((session, name), entry.agent, why, marker=False)
+    # ---- what the sessions API reads and steers (uibus.domain.sessions) ----
+
+    def live_agents(self, session: str) -> list[tuple[str, AgentSession, bool]]:
+        """(agent name, its live agent session, whether it runs a turn now) for `session`."""
+        return [(key[1], entry.agent, entry.task is not None)
+                for key, entry in list(self._live.items()) if key[0] == session]
+
+    def live_agent(self, session: str, name: str) -> AgentSession | None:
+        entry = self._live.get((session, name))
+        return entry.agent if entry is not None else None
+
+    def running(self, session: str, name: str) -> bool:
+        entry = self._live.get((session, name))
+        return entry is not None and entry.task is not None
+
+    def stop(self, session: str, name: str) -> bool:
+        """Cancels the turn `name` runs in `session` now, whoever started it: the agent's own cancel
+        runs (pi `abort`, ACP `session/cancel`) and its caller gets CANCELLED. False: none runs."""
+        entry = self._live.get((session, name))
+        task = entry.task if entry is not None else None
+        if entry is None or task is None or task.done():
+            return False
+        if entry.stopping is not task:
+            entry.stopping = task
+            task.cancel("stopped from a UI of the session")
+        return True
+
+    async def close_session(self, session: str) -> int:
+        """Closes every live agent of `session` (it is being deleted), running turns cancelled
+        first; returns how many were closed."""
+        keys = [key for key in self._live if key[0] == session]
+        for key in keys:
+            self.stop(*key)
+        closed = 0
+        for key in keys:
+            entry = self._live.pop(key, None)
+            if entry is None:
+                continue
+            closed += 1
+            try:
+                await self._close(key, entry.agent, "its session was deleted")
+            except Exception as exc:
+                log.warning("closing an agent session failed", extra={"fields": {
+                    "session": key[0], "agent": key[1], "error": str(exc)}})
+        return closed
 
     # ---- turns ----
 
@@ -300,7 +354,25 @@ class AgentSessions:
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                     entry.agent = await self._open(session, backend)
-                yield entry.agent
+                task = asyncio.current_task()
+                entry.task = task
+                self.on_change()
+                try:
+                    yield entry.agent
+                finally:
+                    entry.task = None
+                    self.on_change()
+                    stopped = entry.stopping is task
+                    if stopped:
+                        entry.stopping = None
+                    # Stopped from another UI (StopTurn) and not also cancelled by its own caller: the
+                    # caller hears CANCELLED with a reason (a gRPC handler that just ends cancelled
+                    # sends no status at all). Raised here, in the turn's exit, it replaces the cancel
+                    # however the engine leaves the turn (its exit stack closes this without the error).
+                    if stopped and task is not None and task.cancelling() == 1:
+                        task.uncancel()
+                        raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
+                                        "the session")
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()

@@ -14,6 +14,7 @@ from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.domain.ownership import Ownership
+from uibus.domain.sessions import Sessions
 from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.pb.cline import ui_pb2
 from uibus.store import Store
@@ -30,6 +31,7 @@ class Core:
     chat: Chat
     dialogs: Dialogs
     agent_sessions: AgentSessions
+    sessions: Sessions
     # With a replicated bus: the agent leases held here and the turns carried to their owners.
     ownership: Ownership | None = None
     forwarding: TurnForwarding | None = None
@@ -41,6 +43,8 @@ class Core:
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
+        listing = Sessions(store, dialogs, sessions, history)
+        sessions.on_change = listing.poke  # a turn starting or ending shows in every watch at once
         chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
         ownership = forwarding = None
@@ -51,7 +55,8 @@ class Core:
                 bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True),
                 lambda session, text: feed.say(session, text, ui_pb2.ERROR))
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
-                   dialogs=dialogs, agent_sessions=sessions, ownership=ownership, forwarding=forwarding)
+                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, ownership=ownership,
+                   forwarding=forwarding)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

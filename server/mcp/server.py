@@ -42,6 +42,7 @@ from uibus.dialog_limits import MAX_TIMEOUT_MS
 from uibus.domain.core import Core
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
+from uibus.mcp.session_tools import SESSION_TOOLS, run_session_tool
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.proto_check import enum_spellings
@@ -178,6 +179,8 @@ class McpServer:
         self.handlers: dict[str, grpc.RpcMethodHandler] = {
             path: wrap(path, grpc.unary_stream_rpc_method_handler(fn)) for path, fn in self._methods().items()}
         self.inflight: dict[tuple[str, Any], asyncio.Task[Any]] = {}
+        # Which sessions a call may list (the pipeline's visible_sessions; the app sets it): list_sessions.
+        self.visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ---- what the transport asks -----------------------------------------------------------
@@ -257,6 +260,8 @@ class McpServer:
                                     "would wait for itself")
             if name in USER_TOOLS:
                 run = self._user_tool(name, session, args)
+            elif name in SESSION_TOOLS:
+                run = self._session_tool(name, session, args, context)
             else:
                 progress = call.message.progress_token if call.streaming else None  # else nowhere to send it
                 run = self._chat(name, session, args, progress, text_metadata(context),
@@ -308,8 +313,16 @@ class McpServer:
         itself (`caller`, from AGENT_HEADER: uibus offers its /mcp to the ACP agents it hosts)."""
         agents = [{"name": info.agent_name, "description": info.description, "inputSchema": self.chat_schema}
                   for info in self.core.chat.directory.agents
-                  if info.agent_name not in USER_TOOLS and info.agent_name != caller]
-        return [*agents, *USER_TOOLS.values()]
+                  if info.agent_name not in USER_TOOLS and info.agent_name not in SESSION_TOOLS
+                  and info.agent_name != caller]
+        return [*agents, *USER_TOOLS.values(), *SESSION_TOOLS.values()]
+
+    async def _session_tool(self, tool: str, session: str, args: dict[str, Any],
+                            context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        visible = self.visible(context.invocation_metadata())
+        async with aclosing(run_session_tool(self.core.sessions, tool, session, args, visible)) as results:
+            async for result in results:
+                yield Reply(result)
 
     async def _chat(self, agent: str, session: str, args: dict[str, Any], progress: str | int | None,
                     metadata: dict[str, str], keep: bool) -> AsyncIterator[Any]:

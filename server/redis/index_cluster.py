@@ -66,6 +66,10 @@ class ClusterIndex:
         self._drop_if_idle, self._take = script(scripts.DROP_IF_IDLE), script(scripts.TAKE)
         self._take_idle, self._release = script(scripts.TAKE_IDLE), script(scripts.RELEASE)
 
+    def index_keys(self) -> list[str]:
+        """The sorted sets that index the sessions (one per index shard)."""
+        return list(self._indexes)
+
     async def probe(self) -> None:
         """CLUSTER INFO on every master the client knows must say cluster_state:ok: while a slot
         range has no master (a master died and no replica took over yet) the store is down, even

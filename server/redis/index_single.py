@@ -33,6 +33,10 @@ class SingleIndex:
         self._evict_over_max_script = script(scripts.EVICT_OVER_MAX)
         self._evict_idle_script = script(scripts.EVICT_IDLE)
 
+    def index_keys(self) -> list[str]:
+        """The sorted sets that index the sessions (here one)."""
+        return [self.key]
+
     async def probe(self) -> None:
         """The tiny SET that expires by itself (a Redis out of memory refuses it)."""
         await self.store.redis.set(f"{self.store.keys.namespace}:probe", now_ms(), px=10_000)

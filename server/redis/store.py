@@ -28,6 +28,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
+from urllib.parse import unquote
 
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import (
@@ -152,6 +153,33 @@ class RedisStore(Store):
     async def sweep(self) -> int:
         await self._ready()
         return await self._sessions.sweep()
+
+    async def sessions(self) -> list[tuple[str, float]]:
+        """ZRANGE of the index (each index on a cluster), merged, most recent first."""
+        await self._ready()
+        found: list[tuple[str, float]] = []
+        with self.guard():
+            for index in self._sessions.index_keys():
+                for member, score in await self.redis.zrange(index, 0, -1, withscores=True):
+                    found.append((unquote(member.decode()), float(score)))
+        return sorted(found, key=lambda item: -item[1])
+
+    async def drop_session(self, session: str) -> bool:
+        """Deletes the session's keys (each list its `lists` hash names, the values, the cluster's
+        `seen`), then its index entry. Not one step: a write racing the delete may leave a key the
+        TTL sweep deletes later, as with any session that is written to after it was deleted."""
+        await self._ready()
+        keys = self.keys
+        base = keys.base(session)
+        member = keys.member(session)
+        with self.guard():
+            lists = [k.decode() for k in await self.redis.hkeys(keys.lists(session))]
+            await self.redis.delete(*(keys.list(session, k) for k in lists), keys.kv(session), keys.lists(session),
+                                    base + ":seen")
+            removed = 0
+            for index in self._sessions.index_keys():
+                removed += int(await self.redis.zrem(index, member))
+        return removed > 0
 
     @store_op("get")
     async def get(self, session: str, key: str) -> Any | None:

@@ -10,7 +10,12 @@
 //               $ACP_FIXTURE_LOG when the cancel arrives)
 //   "mcp"       calls ask_user on the first HTTP MCP server of session/new (with its headers) and
 //               says what the user answered
+//   "refuse"    one chunk, then ends the turn with stopReason `refusal`
+//   "diff"      an edit tool_call with `diff` content (one line changed in 30) and one creating a file,
+//               then a session_info_update title and two available commands
 //   "fail"      answers the prompt with a JSON-RPC error
+// session/new offers two modes (default, plan); session/set_mode is logged and answered with a
+// current_mode_update
 //   anything    echoes it, with the turn number of the session (its conversation lives here)
 //
 // It logs what it was given (initialize, session/new) to $ACP_FIXTURE_LOG as JSON lines.
@@ -99,7 +104,9 @@ const app = agent({ name: "uibus-acp-fixture" })
     const sessionId = `fixture-${++next}`;
     sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null });
     note({ "session/new": params, sessionId });
-    return { sessionId };
+    return { sessionId, modes: { currentModeId: "default", availableModes: [
+      { id: "default", name: "Default", description: "Ask before edits" },
+      { id: "plan", name: "Plan", description: "Plan only, change nothing" }] } };
   })
   .onRequest(methods.agent.session.prompt, async ({ params, client }) => {
     const s = sessions.get(params.sessionId);
@@ -116,12 +123,33 @@ const app = agent({ name: "uibus-acp-fixture" })
     } else if (text === "mcp") {
       const server = (s.mcp || []).find((m) => m.type === "http" || m.url);
       await say(client, params.sessionId, `The user said ${server ? await askUser(server) : "nothing (no MCP server)"}`);
+    } else if (text === "refuse") {
+      await say(client, params.sessionId, "I will not ");
+      return { stopReason: "refusal" };
+    } else if (text === "diff") {
+      const oldText = Array.from({ length: 30 }, (_, i) => `line ${i + 1}`).join("\n") + "\n";
+      await update(client, params.sessionId, { sessionUpdate: "tool_call", toolCallId: "edit-1", title: "Edit notes.txt",
+        kind: "edit", status: "completed", locations: [{ path: "/work/notes.txt" }],
+        content: [{ type: "diff", path: "/work/notes.txt", oldText, newText: oldText.replace("line 15\n", "line fifteen\n") }] });
+      await update(client, params.sessionId, { sessionUpdate: "tool_call", toolCallId: "new-1", title: "Write new.txt",
+        kind: "edit", status: "completed", locations: [{ path: "/work/new.txt" }],
+        content: [{ type: "diff", path: "/work/new.txt", oldText: null, newText: "hello\nworld\n" }] });
+      await update(client, params.sessionId, { sessionUpdate: "session_info_update", title: "Editing notes" });
+      await update(client, params.sessionId, { sessionUpdate: "available_commands_update", availableCommands: [
+        { name: "review", description: "Review the changes" },
+        { name: "test", description: "Run the tests", input: { hint: "which tests" } }] });
+      await say(client, params.sessionId, "Edited.");
     } else if (text === "fail") {
       throw new RequestError(-32603, "the fixture was told to fail");
     } else {
       await say(client, params.sessionId, `Turn ${s.turns}: ${text}`);
     }
     return { stopReason: "end_turn" };
+  })
+  .onRequest(methods.agent.session.setMode, async ({ params, client }) => {
+    note({ "session/set_mode": params });
+    await update(client, params.sessionId, { sessionUpdate: "current_mode_update", currentModeId: params.modeId });
+    return {};
   })
   .onNotification(methods.agent.session.cancel, ({ params }) => {
     const s = sessions.get(params.sessionId);

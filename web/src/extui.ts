@@ -29,7 +29,9 @@ function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls = "", text = ""):
   return e;
 }
 
-export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui: Ui): void {
+// Follows the session's extension UI until `signal` aborts (the page switched to another session):
+// then its dialogs, statuses, widgets and title are cleared and the loop ends.
+export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui: Ui, signal?: AbortSignal): void {
   const open = new Map<string, HTMLElement>();
 
   async function respond(id: string, answer: RespondRequest["answer"], card: HTMLElement): Promise<void> {
@@ -141,9 +143,9 @@ export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui:
   }
 
   async function run(): Promise<void> {
-    for (let attempt = 0; ; attempt++) {
+    for (let attempt = 0; !signal?.aborted; attempt++) {
       try {
-        for await (const ev of client.subscribe({})) {
+        for await (const ev of client.subscribe({}, { signal })) {
           attempt = 0;
           if (ev.event.case === "request") request(ev.event.value);
           else if (ev.event.case === "closed") {
@@ -158,8 +160,13 @@ export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui:
       }
       for (const card of open.values()) card.remove();
       open.clear();  // the replay on resubscribe brings back every dialog still waiting
+      if (signal?.aborted) break;
       await new Promise((r) => setTimeout(r, Math.min(5000, 250 * 2 ** attempt)));
     }
+    ui.statuses.replaceChildren();
+    ui.widgets.replaceChildren();
+    ui.title.textContent = "";
+    ui.title.hidden = true;
   }
 
   void run();

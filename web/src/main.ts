@@ -17,13 +17,15 @@ import { AgentService, ChatRequestSchema } from "./gen/neuro_san/api/grpc/agent_
 import { ChatMessage_ChatMessageType } from "./gen/neuro_san/api/grpc/chat_pb";
 import { ConciergeService } from "./gen/neuro_san/api/grpc/concierge_pb";
 import { ExtensionUiService } from "./gen/uibus/v1/extension_ui_pb";
+import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
+import { startControl } from "./control";
 import { followExtensionUi } from "./extui";
 import { renderBody } from "./render";
 import type { Format } from "./render";
 
 const params = new URLSearchParams(location.search);
-const session = params.get("session") || "default";
+let session = params.get("session") || "default";
 // The token (servers with --auth-token / --tokens-file): the URL fragment `#token=T` (never sent
 // to a server), else the one the sign-in page kept for this tab, else `?token=T` (older links).
 const TOKEN_KEY = "uibus-token";
@@ -63,6 +65,8 @@ const themeName = $<HTMLElement>("theme-name");
 $<HTMLElement>("session").textContent = session;
 $<HTMLElement>("provider").textContent = WebviewProviderType[provider];
 document.title = `uibus · ${session}`;
+// Everything that follows the open session stops when this aborts (switching sessions).
+let following = new AbortController();
 
 function setStatus(state: "connecting" | "live" | "down", text: string): void {
   statusEl.dataset.state = state;
@@ -216,13 +220,13 @@ function applyTheme(json: string): void {
 }
 
 // ---- UI streams -----------------------------------------------------------------------------------
-async function followUi(): Promise<void> {
-  for (let attempt = 0; ; attempt++) {
+async function followUi(signal: AbortSignal): Promise<void> {
+  for (let attempt = 0; !signal.aborted; attempt++) {
     try {
       setStatus("connecting", "connecting…");
-      const stream = webview.subscribe({ clientId, providerType: provider });
+      const stream = webview.subscribe({ clientId, providerType: provider }, { signal });
       let first = true;
-      await ui.initializeWebview(create(EmptyRequestSchema));
+      await ui.initializeWebview(create(EmptyRequestSchema), { signal });
       setStatus("live", "live");
       for await (const ev of stream) {
         if (first) { first = false; attempt = 0; }
@@ -244,11 +248,18 @@ async function followUi(): Promise<void> {
       }
       setStatus("down", "stream ended");
     } catch (err) {
+      if (signal.aborted) return;
       const e = ConnectError.from(err);
       setStatus("down", `disconnected: ${e.rawMessage || Code[e.code]}`);
       if (e.code === Code.Unauthenticated || e.code === Code.InvalidArgument) return;
     }
-    await new Promise((r) => setTimeout(r, Math.min(5000, 250 * 2 ** attempt)));
+    // Back in the foreground (a phone's browser cut the stream meanwhile): reconnect at once.
+    await new Promise<void>((r) => {
+      const wake = () => { if (!document.hidden) done(); };
+      const done = () => { clearTimeout(t); document.removeEventListener("visibilitychange", wake); r(); };
+      const t = setTimeout(done, Math.min(5000, 250 * 2 ** attempt));
+      document.addEventListener("visibilitychange", wake);
+    });
   }
 }
 
@@ -290,7 +301,7 @@ async function send(text: string): Promise<void> {
   renderBody(reply, "markdown", "");
   reply.dataset.agent = agent;
   pendingChat = { el: reply, ts: null };
-  const button = form.querySelector("button")!;
+  const button = form.querySelector<HTMLButtonElement>("button[type=submit]")!;
   button.disabled = true;
   scrollDown();
   try {
@@ -327,9 +338,45 @@ input.addEventListener("keydown", (ev) => {
   }
 });
 
-void followUi();
-void loadAgents();
-followExtensionUi(createClient(ExtensionUiService, transport), {
-  dialogs: $<HTMLElement>("dialogs"), statuses: $<HTMLElement>("statuses"), widgets: $<HTMLElement>("widgets"),
-  title: $<HTMLElement>("ext-title"), input, log: logEvent,
+const extUi = createClient(ExtensionUiService, transport);
+function followSession(): void {
+  void followUi(following.signal);
+  followExtensionUi(extUi, {
+    dialogs: $<HTMLElement>("dialogs"), statuses: $<HTMLElement>("statuses"), widgets: $<HTMLElement>("widgets"),
+    title: $<HTMLElement>("ext-title"), input, log: logEvent,
+  }, following.signal);
+}
+
+// Another session, without a reload: the open one's streams end, its messages and dialogs go,
+// and the new one's state (recent messages, waiting dialogs) comes with its first events.
+function switchTo(name: string, push = true): void {
+  if (name === session) return;
+  following.abort();
+  following = new AbortController();
+  session = name;
+  byTs.clear();
+  sentByMe.length = 0;
+  pendingChat = null;
+  messages.replaceChildren();
+  $<HTMLElement>("dialogs").replaceChildren();
+  $<HTMLElement>("session").textContent = session;
+  document.title = `uibus · ${session}`;
+  if (push) {
+    const url = new URL(location.href);
+    url.searchParams.set("session", session);
+    history.pushState(null, "", url);
+  }
+  logEvent("session", session);
+  followSession();
+  control.sessionChanged();
+}
+addEventListener("popstate", () => switchTo(new URLSearchParams(location.search).get("session") || "default", false));
+
+const control = startControl({
+  sessions: createClient(SessionService, transport), current: () => session, switchTo, log: logEvent,
+  list: $<HTMLUListElement>("session-list"), drawer: $<HTMLElement>("sessions"), newButton: $<HTMLButtonElement>("new-session"),
+  menuButton: $<HTMLButtonElement>("menu"), agentSelect, input, stop: $<HTMLButtonElement>("stop"),
+  mode: $<HTMLSelectElement>("mode"), model: $<HTMLSelectElement>("model"), commands: $<HTMLElement>("commands"),
 });
+followSession();
+void loadAgents().then(() => control.sessionChanged());

@@ -94,6 +94,7 @@ export function renderBody(bubble: HTMLElement, format: Format, text: string): v
 // ClineSayTool fields shown in the tool's head (after its name and path) and, collapsed, below it.
 const TOOL_FACTS = ["regex", "filePattern"] as const;
 const TOOL_DETAILS = ["diff", "content"] as const;
+const DIFF_OPEN_LINES = 40; // a diff this short shows open; a longer one starts collapsed
 
 function toolInfo(text: string): Record<string, unknown> | null {
   try {
@@ -111,7 +112,8 @@ function diffLines(text: string): DocumentFragment {
   const out = document.createDocumentFragment();
   for (const line of text.split("\n")) {
     const c = line[0];
-    const cls = c === "+" && !line.startsWith("+++") ? "add" : c === "-" && !line.startsWith("---") ? "del" : "";
+    const cls = c === "+" && !line.startsWith("+++") ? "add" : c === "-" && !line.startsWith("---") ? "del"
+      : line.startsWith("@@") ? "hunk" : "";
     out.append(el("span", cls, line || " "), "\n");
   }
   out.lastChild?.remove();
@@ -137,15 +139,25 @@ function renderTool(b: HTMLElement, text: string): void {
   for (const k of TOOL_DETAILS) {
     const v = info[k];
     if (typeof v !== "string" || !v) continue;
+    if (k === "content" && typeof info.diff === "string" && info.diff) continue; // the diff shows it
     const details = el("details", "tool-detail");
     details.dataset.field = k;
-    details.open = opened.has(k);
     const pre = el("pre", k === "diff" ? "diff" : "");
     if (k === "diff") pre.append(diffLines(v));
     else pre.textContent = v;
     const lines = v.replace(/\n$/, "").split("\n").length;
-    details.append(el("summary", "", `${k} · ${lines} line${lines === 1 ? "" : "s"}`), pre);
+    // A short diff shows open; a long one (or any other detail) stays collapsed until clicked.
+    details.open = opened.has(k) || (k === "diff" && lines <= DIFF_OPEN_LINES && !b.dataset.seen);
+    let summary = `${k} · ${lines} line${lines === 1 ? "" : "s"}`;
+    if (k === "diff") {
+      const body = v.split("\n");
+      const add = body.filter((l) => l.startsWith("+") && !l.startsWith("+++")).length;
+      const del = body.filter((l) => l.startsWith("-") && !l.startsWith("---")).length;
+      summary = `diff · +${add} −${del}`;
+    }
+    details.append(el("summary", "", summary), pre);
     parts.push(details);
   }
   b.replaceChildren(...parts);
+  b.dataset.seen = "1"; // later updates keep what the user opened or closed
 }

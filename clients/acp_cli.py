@@ -1,0 +1,114 @@
+"""`uibus acp`: uibus as an ACP agent an editor spawns (Zed's `agent_servers`, JetBrains' `acp.json`,
+CodeCompanion, any Agent Client Protocol client).
+
+    uibus acp --agent pi                                  # a local uibus, the agent `pi`
+    uibus acp --agent claude --target uibus.example:443 --tls --token "$UIBUS_TOKEN"
+
+It speaks ACP (JSON-RPC 2.0, one message per line) on stdin/stdout and gRPC to a uibus, local or
+remote, through the same channel `uibus chat` uses; logs go to stderr, never stdout. Each ACP
+session is a uibus session (its sessionId is the session name), shared with every other UI of
+it: the page, a phone, another editor, a neuro-san client. Everything but the framing lives in
+uibus.editors, which `/acp` on the HTTP port serves too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable
+
+from uibus import logs
+from uibus.clients.connection import Connection
+from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
+from uibus.editors.rpc import INVALID_REQUEST, RpcError
+from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
+
+MAX_LINE = 16 * 1024 * 1024  # one incoming message at most this long; a longer one is refused
+
+
+async def _stdio() -> tuple[asyncio.StreamReader, Callable[[str], object]]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=MAX_LINE)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, sys.stdout)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+
+    async def write(line: str) -> None:
+        writer.write(line.encode() + b"\n")
+        await writer.drain()
+    return reader, write
+
+
+async def _skip_line(reader: asyncio.StreamReader) -> bool:
+    """Drops the rest of an overlong line; False at the end of input."""
+    while True:
+        try:
+            await reader.readuntil(b"\n")
+            return True
+        except asyncio.LimitOverrunError as exc:
+            await reader.readexactly(exc.consumed)
+        except asyncio.IncompleteReadError:
+            return False
+
+
+async def serve(ns: argparse.Namespace) -> int:
+    reader, write = await _stdio()
+    async with Connection(ns.target, token=ns.token, tls=ns.tls) as conn:
+        editor = Editor(Uplink(conn.channel, ns.agent), write, prefix=ns.session_prefix)  # type: ignore[arg-type]
+        try:
+            while True:
+                try:
+                    line = await reader.readuntil(b"\n")
+                except asyncio.IncompleteReadError as exc:  # the editor closed our stdin
+                    if exc.partial.strip():
+                        await editor.receive(exc.partial)
+                    break
+                except asyncio.LimitOverrunError:
+                    await editor.send({"jsonrpc": "2.0", "id": None, "error": RpcError(
+                        INVALID_REQUEST, f"a message longer than {MAX_LINE} bytes was dropped").body()})
+                    if not await _skip_line(reader):
+                        break
+                    continue
+                if line.strip():
+                    await editor.receive(line)
+        finally:
+            await editor.aclose()
+    return 0
+
+
+def _command(ns: argparse.Namespace) -> int:
+    try:
+        check_prefix(ns.session_prefix)
+    except InvalidArgument as exc:
+        print(f"uibus acp: --session-prefix: {exc}", file=sys.stderr)
+        return 2
+    logs.setup(ns.log_level)
+    try:
+        return asyncio.run(serve(ns))
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0  # the editor went away
+
+
+def add_parser(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
+               client_options: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser("acp", help="serve a uibus agent to an editor over ACP (stdio)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--agent", default=os.environ.get("UIBUS_AGENT", ""),
+                   help="the agent a prompt runs (env UIBUS_AGENT; default: the server's default agent)")
+    p.add_argument("--session-prefix", default=os.environ.get("UIBUS_SESSION_PREFIX", DEFAULT_PREFIX),
+                   help="how the sessions session/new makes are named, e.g. team-a- for a token that may use "
+                        "team-a-* (env UIBUS_SESSION_PREFIX; default acp-)")
+    p.add_argument("--log-level", default=os.environ.get("UIBUS_LOG_LEVEL", "warning"),
+                   help="stderr log level (env UIBUS_LOG_LEVEL)")
+    # The client options of the other commands but --session: each ACP session is a uibus session.
+    p.add_argument("--target", default=os.environ.get("UIBUS_TARGET", "localhost:26040"),
+                   help="server address (env UIBUS_TARGET)")
+    p.add_argument("--token", default=os.environ.get("UIBUS_TOKEN", ""), help="bearer token (env UIBUS_TOKEN)")
+    p.add_argument("--tls", action="store_true", default=os.environ.get("UIBUS_TLS", "") not in ("", "0", "false"),
+                   help="connect with TLS (env UIBUS_TLS=1)")
+    p.set_defaults(func=_command)

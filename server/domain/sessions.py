@@ -1,0 +1,184 @@
+"""Sessions as a first-class thing: every session at a glance, created and deleted on purpose.
+
+A session existed before only as a name some call carried. The control room (a page listing every
+conversation, a phone stopping a turn a laptop started) needs them listed with what a person wants
+to know first: what it is about (its title), when it last moved, which agents run a turn now, how
+many dialogs wait for an answer, and the state of each hosted agent (modes, models, commands).
+
+Where each part comes from, so nothing is stored twice:
+
+* the sessions and their last activity: the store's own index (`Store.sessions`), which every
+  write stamps, on every replica;
+* the title: what was set for the session (pi's `setTitle`, i.e. the extension-UI title kept per
+  session, else the title given at CreateSession, `META`), else the title a hosted ACP agent gave
+  its conversation (`session_info_update`), else the first user message of the chat history; the
+  stored parts are looked up once per change of the session's last activity (`_Static` cache);
+* the agent a UI should open on: the newest history entry that names one, else CreateSession's;
+* running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
+  Dialogs), read on every listing.
+
+Visibility is the caller's business: `list` takes a predicate (the token's grant), so the domain
+knows nothing of tokens. A watch re-lists every `WATCH_S` and on every local change (`poke`), and
+sends a list only when it differs from the last one sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from uibus.domain.agent_sessions import AgentSessions
+from uibus.domain.dialogs import TITLE, Dialogs
+from uibus.domain.history import ChatHistory
+from uibus.domain.steering import Steering, state_of
+from uibus.errors import NotFound
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.pb.uibus.v1 import sessions_pb2 as pb
+
+META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
+TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title
+WATCH_S = 1.0  # a watch re-lists at least this often (other replicas' changes show within it)
+CACHE = 4096  # sessions whose title and agent are remembered
+RECENT = 20  # history entries read (newest) to find the agent a session last talked to
+
+
+def shorten(text: str, limit: int = TITLE_CHARS) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What a session's stored state says, valid while its last activity stays the same."""
+
+    stamp: float
+    title: str  # set on purpose: pi's setTitle (the extension-UI title), else CreateSession's
+    first: str  # the first user message, shortened
+    agent: str
+
+
+
+class Sessions:
+    """The sessions API over the store, the chat history, the dialogs and the hosted agents."""
+
+    def __init__(self, store: Any, dialogs: Dialogs, agents: AgentSessions, history: ChatHistory,
+                 *, watch_s: float = WATCH_S) -> None:
+        self.store = store
+        self.dialogs = dialogs
+        self.agents = agents
+        self.history = history
+        self.watch_s = watch_s
+        self.steering = Steering(agents)
+        self._static: OrderedDict[str, _Static] = OrderedDict()
+        self._changed = asyncio.Event()  # set (and replaced) by `poke`: every watch waiting wakes
+
+    def poke(self) -> None:
+        """Something listed changed here (a turn started or ended, a mode changed): watches re-list."""
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    # ---- reading ----
+
+    async def _static_of(self, session: str, stamp: float) -> _Static:
+        known = self._static.get(session)
+        if known is not None and known.stamp == stamp:
+            self._static.move_to_end(session)
+            return known
+        meta = await self.store.get(session, META) or {}
+        title = await self.store.get(session, TITLE) or meta.get("title") or ""
+        agent = ""
+        recent = await self.history.read(session, last=RECENT)
+        for entry in reversed(recent):
+            if entry.get("agent"):
+                agent = str(entry["agent"])
+                break
+        first = known.first if known is not None and known.first else ""
+        if not first:
+            first = await self._first_user_message(session, recent)
+        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")))
+        self._static[session] = static
+        while len(self._static) > CACHE:
+            self._static.popitem(last=False)
+        return static
+
+    async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
+        entries = recent
+        if len(recent) >= RECENT:  # the first may be older than the newest few: read it all, once
+            entries = await self.history.read(session)
+        for entry in entries:
+            if entry.get("role") == "user" and entry.get("text"):
+                return shorten(str(entry["text"]))
+        return ""
+
+    async def entry(self, session: str, stamp: float) -> pb.SessionEntry:
+        static = await self._static_of(session, stamp)
+        agents = [state_of(name, agent, running) for name, agent, running in self.agents.live_agents(session)]
+        agents.sort(key=lambda a: a.agent)
+        # what was set for the session, else what an agent titled its conversation, else the first message
+        title = static.title or next((a.title for a in agents if a.title), "") or static.first
+        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
+                   for d in self.dialogs.pending.waiting(session)]
+        return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
+                               running=[a.agent for a in agents if a.running],
+                               waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
+                               agent=static.agent, waiting=waiting)
+
+    async def list(self, visible: Callable[[str], bool], prefix: str = "") -> pb.SessionList:
+        """The sessions `visible` allows (and starting with `prefix`), most recently active first."""
+        listed = pb.SessionList()
+        for session, stamp in await self.store.sessions():
+            if session.startswith(prefix) and visible(session):
+                listed.sessions.append(await self.entry(session, stamp))
+        return listed
+
+    async def get(self, session: str) -> pb.SessionEntry:
+        for name, stamp in await self.store.sessions():
+            if name == session:
+                return await self.entry(session, stamp)
+        raise NotFound(f"no session {session!r}")
+
+    async def watch(self, visible: Callable[[str], bool], prefix: str = "") -> AsyncIterator[pb.SessionList]:
+        """The list now, then again each time it differs (looked at every `watch_s` and on `poke`)."""
+        last: pb.SessionList | None = None
+        while True:
+            changed = self._changed  # taken before listing: a poke during the listing is not missed
+            current = await self.list(visible, prefix)
+            if current != last:
+                last = current
+                yield current
+            try:
+                await asyncio.wait_for(changed.wait(), self.watch_s)
+            except TimeoutError:
+                pass
+
+    # ---- writing ----
+
+    async def create(self, session: str, title: str = "", agent: str = "") -> pb.SessionEntry:
+        """Makes `session` exist (a META value), keeping what it had; sets the title / agent given."""
+        def change(meta: Any | None) -> dict[str, Any]:
+            value = dict(meta or {})
+            if title:
+                value["title"] = title
+            if agent:
+                value["agent"] = agent
+            return value
+
+        await self.store.update(session, META, change)
+        self._static.pop(session, None)
+        self.poke()
+        return await self.get(session)
+
+    async def delete(self, session: str) -> int:
+        """Deletes all of `session`: its hosted agents, its waiting dialogs, its stored state."""
+        closed = await self.agents.close_session(session)
+        for dialog in self.dialogs.pending.waiting(session):
+            self.dialogs.pending.close(dialog, ext_pb.DIALOG_OUTCOME_CANCELLED)
+        existed = await self.store.drop_session(session)
+        self._static.pop(session, None)
+        self.poke()
+        if not existed and not closed:
+            raise NotFound(f"no session {session!r}")
+        return closed

@@ -1,0 +1,120 @@
+"""Steering a hosted agent from any UI of its session: stop its turn, set its mode or model, start
+a new conversation, and read what it offers (modes, models, commands).
+
+A hosted agent session (uibus.agents.AgentSession) offers what its protocol has by implementing
+`Steerable`'s methods (uibus.agents.steer_acp / steer_pi supply them for ACP and pi); what it does
+not implement is refused with FAILED_PRECONDITION naming what the agent lacks, so a UI can hide
+the control and a script learns why. Stopping needs nothing of the agent: it cancels the task
+running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP
+`session/cancel`) exactly as when the turn's caller goes away.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from uibus.domain.agent_sessions import AgentSessions
+from uibus.errors import FailedPrecondition, InvalidArgument
+from uibus.pb.uibus.v1 import sessions_pb2 as pb
+
+
+@runtime_checkable
+class Steerable(Protocol):
+    """What a hosted agent session may offer beyond turns (each method optional in practice: the
+    steering checks for it by name)."""
+
+    def steer_state(self) -> dict[str, Any]:
+        """{"modes": [{"id","name","description"}], "current_mode", "models": [...], "current_model",
+        "commands": [{"name","description","input_hint"}], "title", "conversation",
+        "conversations": [...], "can": ["set_mode", "set_model", "new_conversation"]}"""
+        ...
+
+
+def state_of(name: str, agent: Any, running: bool) -> pb.AgentState:
+    """The AgentState of a live agent session: what every one has, and what it says it offers."""
+    state = pb.AgentState(agent=name, live=True, running=running, can=["stop"])
+    read = getattr(agent, "steer_state", None)
+    if read is None:
+        return state
+    info: dict[str, Any] = read() or {}
+    for mode in info.get("modes") or ():
+        state.modes.append(pb.AgentMode(id=str(mode.get("id", "")), name=str(mode.get("name") or mode.get("id", "")),
+                                        description=str(mode.get("description") or "")))
+    for model in info.get("models") or ():
+        state.models.append(pb.AgentModel(id=str(model.get("id", "")),
+                                          name=str(model.get("name") or model.get("id", "")),
+                                          description=str(model.get("description") or "")))
+    for command in info.get("commands") or ():
+        state.commands.append(pb.AgentCommand(name=str(command.get("name", "")).lstrip("/"),
+                                              description=str(command.get("description") or ""),
+                                              input_hint=str(command.get("input_hint") or "")))
+    state.current_mode = str(info.get("current_mode") or "")
+    state.current_model = str(info.get("current_model") or "")
+    state.title = str(info.get("title") or "")
+    state.conversation = str(info.get("conversation") or "")
+    state.conversations.extend(str(c) for c in info.get("conversations") or ())
+    state.can.extend(str(c) for c in info.get("can") or ())
+    return state
+
+
+class Steering:
+    """The steering calls of the sessions API, on the hosted agents of this process."""
+
+    def __init__(self, agents: AgentSessions) -> None:
+        self.agents = agents
+
+    def _live(self, session: str, name: str) -> Any:
+        if not name:
+            raise InvalidArgument("agent is required: the hosted agent to steer")
+        agent = self.agents.live_agent(session, name)
+        if agent is None:
+            raise FailedPrecondition(f"{name} is not running in session {session!r}: it starts with its "
+                                     "first turn there")
+        return agent
+
+    def state(self, session: str, name: str) -> pb.AgentState:
+        agent = self._live(session, name)
+        return state_of(name, agent, self.agents.running(session, name))
+
+    def stop(self, session: str, name: str) -> bool:
+        if not name:
+            raise InvalidArgument("agent is required: the hosted agent whose turn to stop")
+        return self.agents.stop(session, name)
+
+    @staticmethod
+    def _offered(agent: Any, name: str, what: str, method: str) -> Any:
+        call = getattr(agent, method, None)
+        info = agent.steer_state() if hasattr(agent, "steer_state") else {}
+        if call is None or method.removeprefix("steer_") not in (info.get("can") or ()):
+            raise FailedPrecondition(f"{name} offers no {what}")
+        return call
+
+    async def set_mode(self, session: str, name: str, mode_id: str) -> pb.AgentState:
+        agent = self._live(session, name)
+        call = self._offered(agent, name, "modes (it sent none)", "steer_set_mode")
+        if not mode_id:
+            raise InvalidArgument("mode_id is required")
+        ids = [str(m.get("id")) for m in agent.steer_state().get("modes") or ()]
+        if mode_id not in ids:
+            raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
+        await call(mode_id)
+        return self.state(session, name)
+
+    async def set_model(self, session: str, name: str, model_id: str) -> pb.AgentState:
+        agent = self._live(session, name)
+        call = self._offered(agent, name, "model choice", "steer_set_model")
+        if not model_id:
+            raise InvalidArgument("model_id is required")
+        ids = [str(m.get("id")) for m in agent.steer_state().get("models") or ()]
+        if ids and model_id not in ids:
+            raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
+        await call(model_id)
+        return self.state(session, name)
+
+    async def new_conversation(self, session: str, name: str) -> pb.AgentState:
+        agent = self._live(session, name)
+        call = self._offered(agent, name, "new conversation", "steer_new_conversation")
+        if self.agents.running(session, name):
+            raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
+        await call()
+        return self.state(session, name)

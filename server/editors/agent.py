@@ -1,0 +1,402 @@
+"""`Editor`: one editor's ACP connection to uibus, whatever carries it (stdio lines for `uibus acp`,
+WebSocket frames for `/acp`). The way in hands it each incoming message (`receive`) and gives it a
+`write` for outgoing ones; `Editor` does the rest: the methods, the sessions, the questions.
+
+Sessions are uibus sessions, named by their ACP `sessionId`: `session/new` makes a fresh one,
+`session/load` attaches to one in use (its transcript replayed as `session/update`s before the
+answer), `session/resume` attaches without the replay, `session/close` detaches this editor only.
+A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
+(a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
+them (uibus.editors.rpc).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from uibus import version
+from uibus.editors import updates
+from uibus.editors.attached import Attached
+from uibus.editors.rpc import (
+    AUTH_REQUIRED,
+    CANCEL_REQUEST,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    REQUEST_CANCELLED,
+    RESOURCE_NOT_FOUND,
+    Outgoing,
+    RpcError,
+    dump,
+    parse,
+    valid_id,
+)
+from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.pb.uibus.v1 import sessions_pb2
+from uibus.session import check_session
+from uibus.tasks import Tasks, caller_cancelled, cancel_and_wait
+
+log = logging.getLogger("uibus.editors")
+
+PROTOCOL_VERSION = 1
+MAX_SESSIONS = 64  # sessions one editor connection may hold at once
+DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
+LIST_PAGE = 100  # sessions per session/list answer
+MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
+_STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
+                 grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
+                 grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND,
+                 grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
+
+Write = Callable[[str], Awaitable[None]]
+
+
+def _text_of(blocks: Any) -> str:
+    """A prompt's content blocks as the turn's text: text as it is, embedded resources with their
+    text, links as their URI. Images and audio are not carried by a uibus turn: refused."""
+    if not isinstance(blocks, list) or not blocks:
+        raise RpcError(INVALID_PARAMS, "prompt must be a non-empty array of content blocks")
+    parts = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif kind == "resource" and isinstance(block.get("resource"), dict):
+            resource = block["resource"]
+            if not isinstance(resource.get("text"), str):
+                raise RpcError(INVALID_PARAMS, "an embedded resource must carry text (blobs are not supported)")
+            parts.append(f"\n<resource uri=\"{resource.get('uri', '')}\">\n{resource['text']}\n</resource>\n")
+        elif kind == "resource_link" and isinstance(block.get("uri"), str):
+            parts.append(block["uri"])
+        else:
+            raise RpcError(INVALID_PARAMS, f"content block of type {str(kind)[:40]!r} is not supported here "
+                                           "(text, resource with text, resource_link)")
+    return "".join(parts)
+
+
+def check_prefix(prefix: str) -> str:
+    """A session-name prefix `session/new` can use (InvalidArgument, saying why, if not)."""
+    try:
+        if len(prefix) > 100:
+            raise InvalidArgument("")
+        check_session(prefix + "x")
+    except InvalidArgument:
+        raise InvalidArgument(f"{prefix[:40]!r} cannot start a session name: use at most 100 characters from "
+                              "A-Z a-z 0-9 . _ : @ / + = -") from None
+    return prefix
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _session_id(params: dict[str, Any]) -> str:
+    name = params.get("sessionId")
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "sessionId (a string) is required")
+    try:
+        return check_session(name)
+    except InvalidArgument as exc:
+        raise RpcError(INVALID_PARAMS, str(exc)) from None
+
+
+def _cwd(params: dict[str, Any]) -> None:
+    """cwd and mcpServers as the schema has them. The hosted agent's own working directory and
+    tools are the server's configuration: an editor's are checked, not used."""
+    if not isinstance(params.get("cwd"), str):
+        raise RpcError(INVALID_PARAMS, "cwd (an absolute path) is required")
+    if not isinstance(params.get("mcpServers", []), list):
+        raise RpcError(INVALID_PARAMS, "mcpServers must be an array")
+
+
+class Editor:
+    """One editor connection; `aclose` detaches every session it holds."""
+
+    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX) -> None:
+        """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
+        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match."""
+        self.uplink = uplink
+        self.prefix = prefix
+        self._write = write
+        self._lock = asyncio.Lock()  # one message at a time on the wire
+        self.outgoing = Outgoing(self.send)
+        self.tasks = Tasks("acp editor")
+        self.sessions: dict[str, Attached] = {}
+        self.client: dict[str, Any] = {}  # the editor's clientCapabilities
+        self._running: dict[str, asyncio.Task[None]] = {}  # request id (as JSON) -> the task answering it
+        self._withdrawn: set[str] = set()  # ids the editor cancelled ($/cancel_request)
+        self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
+            "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
+            "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
+            "session/prompt": self.prompt, "session/list": self.list, "session/set_mode": self.set_mode}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self._lock:
+            await self._write(dump(message))
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        await self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def _ask(self, method: str, params: dict[str, Any], sent: Callable[[int], None]) -> Any:
+        return await self.outgoing.request(method, params, sent)
+
+    async def aclose(self) -> None:
+        self.outgoing.close()
+        await self.tasks.aclose(patience=5.0)
+        for attached in list(self.sessions.values()):
+            await attached.detach()
+        self.sessions.clear()
+
+    # ---- incoming ----
+
+    async def receive(self, data: str | bytes) -> None:
+        """One incoming message. Requests run in tasks of their own; a bad message is answered
+        with its error and changes nothing else."""
+        try:
+            message = parse(data)
+        except RpcError as exc:
+            await self.send({"jsonrpc": "2.0", "id": None, "error": exc.body()})
+            return
+        method = message.get("method")
+        if method is None and "id" in message and ("result" in message or "error" in message):
+            self.outgoing.answered(message)
+            return
+        ident = message.get("id")
+        if not isinstance(method, str) or not valid_id(ident):
+            await self.send({"jsonrpc": "2.0", "id": ident if valid_id(ident) else None, "error": RpcError(
+                INVALID_REQUEST, "a request needs a method name and an id that is a string or number").body()})
+            return
+        params = message.get("params", {})
+        if "id" not in message:
+            self._notification(method, params)
+        elif len(self.tasks) >= MAX_IN_FLIGHT:
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
+            ).body()})
+        else:
+            key = json.dumps(ident)
+            self._running[key] = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+
+    def _notification(self, method: str, params: Any) -> None:
+        if not isinstance(params, dict):
+            return
+        if method == "session/cancel":
+            attached = self.sessions.get(params.get("sessionId"))  # type: ignore[arg-type]
+            if attached is not None:
+                attached.cancel()
+        elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
+            key = json.dumps(params.get("requestId"))
+            task = self._running.get(key)
+            if task is not None and not task.done():
+                self._withdrawn.add(key)
+                task.cancel()
+
+    async def _request(self, ident: Any, method: str, params: Any) -> None:
+        key = json.dumps(ident)
+        try:
+            await self._answer(ident, method, params)
+        except asyncio.CancelledError:
+            if key not in self._withdrawn:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
+        finally:
+            self._running.pop(key, None)
+            self._withdrawn.discard(key)
+
+    async def _answer(self, ident: Any, method: str, params: Any) -> None:
+        try:
+            handler = self._methods.get(method)
+            if handler is None:
+                raise RpcError(METHOD_NOT_FOUND, f"{method[:80]} is not a method uibus offers")
+            if not isinstance(params, dict):
+                raise RpcError(INVALID_PARAMS, "params must be an object")
+            body: dict[str, Any] = {"jsonrpc": "2.0", "id": ident, "result": await handler(params)}
+        except RpcError as exc:
+            body = {"jsonrpc": "2.0", "id": ident, "error": exc.body()}
+        except grpc.aio.AioRpcError as exc:  # uibus refused a call: the same words the editor's user reads
+            code = _STATUS_CODES.get(exc.code(), INTERNAL_ERROR)
+            body = {"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                code, f"uibus: {exc.code().name}: {exc.details()}").body()}
+        await self.send(body)
+
+    # ---- methods ----
+
+    async def initialize(self, params: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(params.get("protocolVersion"), int):
+            raise RpcError(INVALID_PARAMS, "protocolVersion (an integer) is required")
+        caps = params.get("clientCapabilities")
+        self.client = caps if isinstance(caps, dict) else {}
+        return {"protocolVersion": PROTOCOL_VERSION, "authMethods": [],
+                "agentInfo": {"name": "uibus", "title": "uibus", "version": version()},
+                "agentCapabilities": {
+                    "loadSession": True,
+                    # A uibus turn carries text: embedded resources are inlined, media is refused.
+                    "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
+                    "mcpCapabilities": {"http": False, "sse": False},
+                    "sessionCapabilities": {"list": {}, "resume": {}, "close": {}}}}
+
+    async def authenticate(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {}  # no methods are offered: the token is the transport's (--token, the upgrade's header)
+
+    def _elicitation(self) -> bool:
+        elicitation = self.client.get("elicitation")
+        return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
+
+    async def _attach(self, name: str, *, replay: bool) -> Attached:
+        if name in self.sessions:
+            await self.sessions.pop(name).detach()
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
+        attached = Attached(name, self.uplink, self.notify, self._ask, self.outgoing.cancel,
+                            elicitation=self._elicitation())
+        self.sessions[name] = attached
+        try:
+            await attached.attach(replay=replay)
+        except BaseException:
+            self.sessions.pop(name, None)
+            await attached.detach()
+            raise
+        return attached
+
+    async def new(self, params: dict[str, Any]) -> dict[str, Any]:
+        _cwd(params)
+        name = f"{self.prefix}{secrets.token_hex(8)}"
+        await self._attach(name, replay=False)
+        return {"sessionId": name}
+
+    async def load(self, params: dict[str, Any]) -> dict[str, Any]:
+        _cwd(params)
+        name = _session_id(params)
+        attached = await self._attach(name, replay=True)
+        if not attached.replayed:
+            self.sessions.pop(name, None)
+            await attached.detach()
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} has no conversation to load "
+                                               "(session/new starts one, session/resume attaches to any)")
+        return await self._offers(attached)
+
+    async def resume(self, params: dict[str, Any]) -> dict[str, Any]:
+        _cwd(params)
+        return await self._offers(await self._attach(_session_id(params), replay=False))
+
+    async def _offers(self, attached: Attached) -> dict[str, Any]:
+        """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
+        the session; an agent that never ran there offers nothing yet."""
+        state = await self.uplink.agent_state(attached.name)
+        update = updates.commands(state)
+        if update is not None:
+            await attached.update(update)
+        offered = updates.modes(state)
+        return {"modes": offered} if offered is not None else {}
+
+    async def set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The hosted agent's mode (its ACP `session/set_mode`), for every UI of the session."""
+        name = _session_id(params)
+        attached = self.sessions.get(name)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection")
+        mode = params.get("modeId")
+        if not isinstance(mode, str) or not mode:
+            raise RpcError(INVALID_PARAMS, "modeId (a string) is required")
+        agent = self.uplink.agent or (await self.uplink.agent_state(name) or sessions_pb2.AgentState()).agent
+        if not agent:
+            raise RpcError(INVALID_REQUEST, "no agent has run in this session yet: it offers no modes")
+        state = await self.uplink.set_mode(name, agent, mode)
+        await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": state.current_mode or mode})
+        return {}
+
+    async def close(self, params: dict[str, Any]) -> dict[str, Any]:
+        attached = self.sessions.pop(_session_id(params), None)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, "this connection holds no session of that id")
+        await attached.detach()
+        return {}
+
+    async def list(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The caller's sessions (every session its token may use), most recently active first, a
+        page at a time. uibus keeps no working directory per session: `cwd` is the filter's, or /."""
+        cursor, cwd = params.get("cursor"), params.get("cwd")
+        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+            raise RpcError(INVALID_PARAMS, "cursor must be a nextCursor this agent returned")
+        if cwd is not None and not isinstance(cwd, str):
+            raise RpcError(INVALID_PARAMS, "cwd must be an absolute path")
+        start = int(cursor or 0)
+        found = (await self.uplink.sessions()).sessions
+        page = [{"sessionId": s.session, "cwd": cwd or "/", "title": s.title or None,
+                 "updatedAt": _iso(s.last_activity_ms) if s.last_activity_ms else None}
+                for s in found[start:start + LIST_PAGE]]
+        result: dict[str, Any] = {"sessions": page}
+        if start + LIST_PAGE < len(found):
+            result["nextCursor"] = str(start + LIST_PAGE)
+        return result
+
+    async def prompt(self, params: dict[str, Any]) -> dict[str, Any]:
+        name = _session_id(params)
+        attached = self.sessions.get(name)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection: "
+                                               "session/new, session/load or session/resume it first")
+        text = _text_of(params.get("prompt"))
+        if not text.strip():
+            raise RpcError(INVALID_PARAMS, "the prompt has no text")
+        request = agent_pb2.ChatRequest(
+            user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text=text),
+            chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
+        turn = asyncio.ensure_future(self._turn(attached, request))
+        try:
+            attached.begin_turn(turn)
+        except RpcError:
+            turn.cancel()
+            raise
+        try:
+            final, streamed = await asyncio.shield(turn)
+        except asyncio.CancelledError:
+            if caller_cancelled():  # the connection is closing, or the editor withdrew the request
+                attached.forget_turn()
+                await cancel_and_wait(turn)
+                raise
+            await attached.end_turn(None)  # session/cancel (or session/close) cancelled the turn
+            return {"stopReason": "cancelled"}
+        except grpc.aio.AioRpcError as exc:
+            await attached.end_turn(None)
+            if exc.code() == grpc.StatusCode.CANCELLED:  # another UI stopped the turn (SessionService StopTurn)
+                return {"stopReason": "cancelled"}
+            raise
+        except BaseException:
+            await attached.end_turn(None)
+            raise
+        await attached.end_turn(final)
+        if final is not None and final.startswith("Error from "):  # the agent failed: the turn's answer says so
+            if "stopReason refusal" in final:  # uibus's words for a hosted ACP agent's refusal
+                return {"stopReason": "refusal"}
+            await attached.update(updates.chunk("agent_message_chunk", f"\n\n{final}" if streamed else final))
+        elif final and not streamed:  # an agent that streams no pieces: its answer at once
+            await attached.update(updates.chunk("agent_message_chunk", final))
+        return {"stopReason": "end_turn"}
+
+    async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool]:
+        """Streams one turn's updates to the editor; (the final answer, whether reply text streamed)."""
+        final, streamed = None, False
+        async for response in self.uplink.chat(attached.name, request):
+            if updates.is_final(response):
+                final = response.response.text
+                continue
+            for u in updates.turn_updates(response):
+                streamed = streamed or u["sessionUpdate"] == "agent_message_chunk"
+                await attached.update(u)
+        return final, streamed

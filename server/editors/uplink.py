@@ -1,0 +1,100 @@
+"""The editor's way to uibus: the public services, called through a channel, as any UI calls them.
+
+`channel` is anything with grpc.aio's `unary_unary` / `unary_stream`: a grpc.aio channel (`uibus
+acp`, to a local or remote uibus) or the app's in-process channel (`/acp`, whose calls the call
+driver runs through the pipeline). The session is named on every call (`x-uibus-session`), so one
+editor connection can hold several sessions over one channel; the token rides on the channel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from uibus.pb.neuro_san.api.grpc import agent_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.pb.uibus.v1 import sessions_pb2, webview_pb2
+from uibus.session import SESSION_KEY
+
+CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+_EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
+_SESSIONS = sessions_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
+_WEBVIEW = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
+
+
+async def each(call: Any) -> AsyncIterator[Any]:
+    """The messages of a server-streaming call; leaving early cancels the call on either kind of
+    channel (a grpc.aio call is cancelled, an in-process one closed: the handler's `finally` runs)."""
+    try:
+        async for message in call:
+            yield message
+    finally:
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        else:
+            with contextlib.suppress(RuntimeError):  # already closing
+                await call.aclose()
+
+
+class Uplink:
+    def __init__(self, channel: Any, agent: str = "") -> None:
+        self.channel = channel
+        self.agent = agent  # "" = the server's default agent (the canonical AgentService path)
+        service = f"{agent}.AgentService" if agent else CANONICAL_AGENT
+        self._chat = channel.unary_stream(f"/{service}/StreamingChat",
+                                          request_serializer=agent_pb2.ChatRequest.SerializeToString,
+                                          response_deserializer=agent_pb2.ChatResponse.FromString)
+        self._webview = channel.unary_stream(f"/{_WEBVIEW}/Subscribe",
+                                             request_serializer=webview_pb2.WebviewSubscribeRequest.SerializeToString,
+                                             response_deserializer=webview_pb2.WebviewEvent.FromString)
+        self._dialogs = channel.unary_stream(f"/{_EXT}/Subscribe",
+                                             request_serializer=ext_pb.SubscribeRequest.SerializeToString,
+                                             response_deserializer=ext_pb.ExtensionUiEvent.FromString)
+        self._respond = channel.unary_unary(f"/{_EXT}/Respond",
+                                            request_serializer=ext_pb.RespondRequest.SerializeToString,
+                                            response_deserializer=ext_pb.RespondReply.FromString)
+        self._set_mode = channel.unary_unary(f"/{_SESSIONS}/SetMode",
+                                             request_serializer=sessions_pb2.SetModeRequest.SerializeToString,
+                                             response_deserializer=sessions_pb2.AgentState.FromString)
+        self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
+                                         request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
+                                         response_deserializer=sessions_pb2.SessionList.FromString)
+
+    @staticmethod
+    def _md(session: str) -> tuple[tuple[str, str], ...]:
+        return ((SESSION_KEY, session),)
+
+    def chat(self, session: str, request: agent_pb2.ChatRequest) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """One turn of the configured agent on `session` (neuro-san's StreamingChat)."""
+        return each(self._chat(request, metadata=self._md(session)))
+
+    def feed(self, session: str, client_id: str) -> Any:
+        """The session's UI feed as a webview gets it: its recent messages first (`replayed`), then
+        live. The call itself (read it with `each`): a grpc.aio call's headers say it is subscribed."""
+        return self._webview(webview_pb2.WebviewSubscribeRequest(client_id=client_id), metadata=self._md(session))
+
+    def dialogs(self, session: str) -> AsyncIterator[ext_pb.ExtensionUiEvent]:
+        """The session's dialogs (those waiting first, `replayed`) and their closings."""
+        return each(self._dialogs(ext_pb.SubscribeRequest(), metadata=self._md(session)))
+
+    async def respond(self, session: str, answer: ext_pb.RespondRequest) -> None:
+        await self._respond(answer, metadata=self._md(session))
+
+    async def sessions(self, prefix: str = "") -> sessions_pb2.SessionList:
+        """The sessions the channel's token may use (named `prefix…`), most recently active first."""
+        return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
+
+    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
+        """What the session's agent (the configured one, else the one it last talked to) offers
+        now: modes, commands. None before it ever ran there."""
+        for entry in (await self.sessions(session)).sessions:
+            if entry.session == session:
+                agent = self.agent or entry.agent
+                return next((state for state in entry.agents if state.agent == agent), None)
+        return None
+
+    async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
+        return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),
+                                    metadata=self._md(session))

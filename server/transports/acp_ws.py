@@ -1,0 +1,87 @@
+"""`/acp` on the HTTP port: remote ACP over the SDK's WebSocket transport (`createWebSocketStream`
+of @agentclientprotocol/sdk: one JSON-RPC message per text frame), so an editor that speaks remote
+ACP needs no local command. Framing only, around the same `Editor` `uibus acp` runs.
+
+Mounted behind the browser policy (Host, Origin) like every route. The upgrade needs a token when
+tokens are configured (`Authorization: Bearer`, as the SDK's `headers` option sends it); each call
+the editor's sessions make then passes the pipeline with that token, through the app's in-process
+channel (the call driver), so a session-bound token reaches only its sessions. `?agent=NAME`
+chooses the agent a prompt runs (default: the server's default agent), `?prefix=` how the sessions
+`session/new` makes are named (default `acp-`; a tenant's token needs its own, e.g. `team-a-`).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+import grpc
+
+from uibus.auth import Tokens, bearer
+from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
+from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
+from uibus.json_input import dump_json
+from uibus.session import SESSION_KEY
+from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse, respond
+from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.transports.inprocess import Channel
+
+PATH = "/acp"
+
+
+class SocketGone(Exception):
+    """The editor's socket closed while a message was being written."""
+
+
+class AcpWebSocket:
+    def __init__(self, lookup: Lookup, tokens: Tokens) -> None:
+        self.lookup = lookup
+        self.tokens = tokens
+        self.open: set[Editor] = set()
+
+    def count(self) -> int:
+        return len(self.open)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "websocket":
+            await respond(send, 426, f"{PATH} is ACP over WebSocket: connect to ws://HOST:PORT{PATH}[?agent=NAME]\n",
+                          headers=[(b"upgrade", b"websocket"), (b"connection", b"upgrade")])
+            return
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
+            await refuse(scope, send, 401, dump_json(error_body(
+                grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
+                "application/json")
+            return
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        agent = (query.get("agent") or [""])[0]
+        try:
+            prefix = check_prefix((query.get("prefix") or [DEFAULT_PREFIX])[0])
+        except InvalidArgument as exc:
+            await refuse(scope, send, 400, dump_json(error_body(grpc.StatusCode.INVALID_ARGUMENT, f"prefix: {exc}")),
+                         "application/json")
+            return
+        metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own
+
+        async def write(text: str) -> None:
+            try:
+                await send({"type": "websocket.send", "text": text})
+            except Exception as exc:  # uvicorn raises its own disconnect errors / OSError
+                raise SocketGone from exc
+
+        await send({"type": "websocket.accept"})
+        editor = Editor(Uplink(Channel(self.lookup, metadata, peer_of(scope)), agent), write, prefix=prefix)
+        self.open.add(editor)
+        try:
+            while True:
+                event = await receive()
+                kind = event["type"]
+                if kind == "websocket.disconnect":
+                    break
+                if kind == "websocket.receive":
+                    data = event.get("text")
+                    await editor.receive(data if data is not None else event.get("bytes") or b"")
+        finally:
+            self.open.discard(editor)
+            await editor.aclose()
