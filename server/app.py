@@ -295,6 +295,12 @@ class App:
                                                           lambda: float(sessions.closed_evicted)),
             "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
                                                        lambda: float(sessions.closed_dead)),
+            "uibus_agent_conversations_resumed_total": (
+                "hosted agents' conversations picked up again by a new process (option resume)",
+                lambda: float(sessions.handles.resumed)),
+            "uibus_agent_resumes_failed_total": (
+                "hosted agents' conversations that could not be resumed: a new one started, the UIs told",
+                lambda: float(sessions.handles.resume_failed)),
         }
         worker = self.worker
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
