@@ -231,6 +231,16 @@ class AgentProcess:
         log.info("agent process started", extra={"fields": {**self.log.where, "pid": self.proc.pid}})
         self._readers.spawn(self._read(), name="agent stdout")
         self._readers.spawn(self._stderr(), name="agent stderr")
+        self._readers.spawn(self._reap(), name="agent exit")
+
+    async def _reap(self) -> None:
+        """Once the agent has exited, what is left of its group goes: the watcher, and whatever the
+        agent started. They may hold its output open (uvloop leaves the child's ends of the stdio
+        socketpairs open in it, and a fork inherits them), and its end would never be read."""
+        proc = self.proc
+        assert proc is not None
+        await proc.wait()
+        self.kill()
 
     def send(self, message: dict[str, Any]) -> None:
         """Writes one JSON line (buffered by the transport; `drain` waits for the pipe)."""
