@@ -11,6 +11,7 @@ fixture agent (tests/acp/fixture-agent.mjs, which with $ACP_FIXTURE_STATE advert
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,9 +19,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from tests.chatkit import AI, write_agents
+from tests.chatkit import AI, MAXIMAL, Agent, request, write_agents
 from tests.conftest import ServerProcess, free_port, require, wait_for
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.scripted_models import Say, claude_model
@@ -173,6 +175,33 @@ async def test_claude_code_continues_its_conversation_across_restarts(spawn: Any
         assert await final(server.target, "cc", "claude", "and now?") == "Still walnut."
         seen = json.dumps(model.requests[-1]["messages"])
         assert "remember walnut" in seen and "which word?" in seen
+
+
+async def test_sigterm_cancels_a_running_turn_after_the_grace_and_the_agent_keeps_it(spawn: Any,
+                                                                                      tmp_path: Path) -> None:
+    """The drain waits the grace period for the running turn, then cancels it: the agent gets
+    session/cancel and records the cut-off turn before it is stopped; the handle stays, so the next
+    uibus resumes the conversation with that turn in it."""
+    _need_acp()
+    entry = loading_fixture(tmp_path)
+    entry["options"]["env"]["ACP_FIXTURE_CANCEL_MS"] = "1500"  # longer than SETTLE_S: the close waits for it
+    agents = write_agents(tmp_path, [entry])
+    server = spawn("--agents", agents, "--grace-seconds", "1")
+    await server.wait_ready()
+    assert await final(server.target, "t", "acp", "one") == "Turn 1: one"
+    async with Connection(server.target, session="t") as conn:
+        call = Agent(conn, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
+        await asyncio.wait_for(call.read(), 30)  # running
+        server.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in call:
+                pass
+        assert await asyncio.to_thread(server.proc.wait, 30) == 0
+    server.stop()
+    assert [e for e in fixture_log(tmp_path) if "cancelled" in e]  # the agent saw the cancel
+    server = spawn("--agents", agents)
+    await server.wait_ready()
+    assert await final(server.target, "t", "acp", "three") == "Turn 3: three"  # turn 2 was kept
 
 
 # ---- in one process: idle close, load replay, fresh starts, the option, the handle's life ----

@@ -137,6 +137,11 @@ const app = agent({ name: "uibus-acp-fixture" })
       await say(client, params.sessionId, "Working ");
       await new Promise((resolve) => { s.cancel = resolve; });
       note({ cancelled: params.sessionId });
+      // $ACP_FIXTURE_CANCEL_MS: how long it takes to wind the cancelled turn down (a real agent
+      // finishes its tool call, writes its transcript) before it records it and answers the prompt
+      await new Promise((resolve) => setTimeout(resolve, Number(process.env.ACP_FIXTURE_CANCEL_MS || 0)));
+      s.transcript.push([text, "Working "]);
+      save(params.sessionId, s);  // what a real agent does with a cancelled turn: it keeps it
       return { stopReason: "cancelled" };
     } else if (text === "mcp") {
       const server = (s.mcp || []).find((m) => m.type === "http" || m.url);
