@@ -24,6 +24,7 @@ import pytest
 
 from tests.chatkit import AI, MAXIMAL, Agent, request, write_agents
 from tests.conftest import ServerProcess, free_port, require, wait_for
+from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.scripted_models import Say, claude_model
 from tests.support import scrape_by_name
@@ -235,28 +236,39 @@ async def test_an_idle_agent_is_closed_and_the_next_turn_resumes_it_with_no_repl
 
 
 async def _fresh_after_idle(config: Config, tmp_path: Path, entry: dict[str, Any], first: str,
-                            second: str) -> tuple[Any, list[ui_pb2.ClineMessage], str]:
+                            second: str) -> tuple[Any, list[ui_pb2.ClineMessage], str, list[str]]:
+    """Two turns with an idle close between them; what a webview opened afterwards is sent, and the
+    notifies an extension UI open meanwhile got."""
     async with hosting(config, tmp_path, [entry]) as app:
         sessions = app.core.agent_sessions
         name = entry["name"]
         async with Connection(f"127.0.0.1:{app.port}", session="fresh") as conn:
             assert (await turn_of(conn, name, "one"))[-1].response.text == first
             await wait_for(lambda: sessions.closed_idle == 1, timeout=10, what="the idle close")
+            (ui,) = await open_uis(app, conn, 1, "fresh")
             answer = (await turn_of(conn, name, "two"))[-1].response.text
+            notified = []
+            with contextlib.suppress(TimeoutError):
+                for _ in range(10):
+                    event = await read(ui, 0.5)
+                    if event.HasField("request") and event.request.HasField("notify"):
+                        notified.append(event.request.notify.message)
+            ui.cancel()
         await app.core.feed.recent.flush()
         shown = await webview_messages(f"127.0.0.1:{app.port}", "fresh")  # what a webview opened now is sent
         assert answer == second
         handle = await app.store.get("fresh", HANDLE + name)
-        return sessions.handles, shown, json.dumps(handle)
+        return sessions.handles, shown, json.dumps(handle), notified
 
 
 async def test_an_acp_agent_without_load_session_starts_fresh_and_says_so_once(config: Config,
                                                                               tmp_path: Path) -> None:
     _need_acp()
-    handles, shown, _ = await _fresh_after_idle(config, tmp_path, fixture_agent(tmp_path, idle_seconds=0.3),
-                                                "Turn 1: one", "Turn 1: two")
+    handles, shown, _, notified = await _fresh_after_idle(
+        config, tmp_path, fixture_agent(tmp_path, idle_seconds=0.3), "Turn 1: one", "Turn 1: two")
     (info,) = infos(shown)
     assert "acp starts a new conversation" in info and "neither session/load nor session/resume" in info
+    assert notified == [info]  # and once at the extension UIs
     assert (handles.resumed, handles.resume_failed) == (0, 1)
 
 
@@ -264,20 +276,21 @@ async def test_pi_without_a_session_file_starts_fresh_and_says_so_once(config: C
     require("pi (npm ci --prefix tests/pi)", PI.exists(), "node")
     async with scripted_model() as model:
         model.script(Reply(text="First."), Reply(text="Fresh."))
-        handles, shown, handle = await _fresh_after_idle(config, tmp_path, pi_agent(tmp_path, model, idle_seconds=0.3),
-                                                         "First.", "Fresh.")
+        handles, shown, handle, notified = await _fresh_after_idle(
+            config, tmp_path, pi_agent(tmp_path, model, idle_seconds=0.3), "First.", "Fresh.")
         assert "First." not in json.dumps(model.requests[1])
     (info,) = infos(shown)
     assert "pi starts a new conversation" in info and "--no-session" in info
+    assert notified == [info]
     assert (handles.resumed, handles.resume_failed) == (0, 1)
     assert handle == '{"sessionFile": null}'
 
 
 async def test_resume_false_starts_fresh_silently_and_keeps_no_handle(config: Config, tmp_path: Path) -> None:
     _need_acp()
-    handles, shown, handle = await _fresh_after_idle(
+    handles, shown, handle, notified = await _fresh_after_idle(
         config, tmp_path, loading_fixture(tmp_path, idle_seconds=0.3, resume=False), "Turn 1: one", "Turn 1: two")
-    assert infos(shown) == [] and handle == "null"
+    assert infos(shown) == [] and notified == [] and handle == "null"
     assert (handles.resumed, handles.resume_failed) == (0, 0)
     assert [e for e in fixture_log(tmp_path) if "session/load" in e] == []
 

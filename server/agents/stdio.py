@@ -5,8 +5,9 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
 
 * `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
   from the agents file only, never from a request; the program must exist then), `cwd`, `env`
-  (added to uibus's environment), `idle_seconds`, `max_processes`, and the bounds on starting,
-  stopping, a turn and a line.
+  (added to uibus's environment), `idle_seconds`, `max_processes`, the bounds on starting,
+  stopping, a turn and a line, and `resume` (keep the conversation's handle and resume it in the
+  next process: uibus.domain.agent_handles).
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
 * `AgentProcess`: one running program in its own process group, owned with `async with`. Its
