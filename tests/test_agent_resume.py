@@ -286,6 +286,26 @@ async def test_pi_without_a_session_file_starts_fresh_and_says_so_once(config: C
     assert handle == '{"sessionFile": null}'
 
 
+async def test_pi_whose_session_file_is_gone_starts_fresh_and_says_so_once(config: Config, tmp_path: Path) -> None:
+    """pi would take a missing session file for a new, empty session and say success."""
+    require("pi (npm ci --prefix tests/pi)", PI.exists(), "node")
+    async with scripted_model() as model:
+        model.script(Reply(text="First."), Reply(text="Fresh."))
+        entry = pi_with_sessions(tmp_path, model, idle_seconds=0.3)
+        async with hosting(config, tmp_path, [entry]) as app:
+            async with Connection(f"127.0.0.1:{app.port}", session="gone") as conn:
+                assert (await turn_of(conn, "pi", "one"))[-1].response.text == "First."
+                await wait_for(lambda: app.core.agent_sessions.closed_idle == 1, timeout=10, what="the idle close")
+                handle = await app.store.get("gone", HANDLE + "pi")
+                Path(handle["sessionFile"]).unlink()  # the storage was lost (no shared volume)
+                assert (await turn_of(conn, "pi", "two"))[-1].response.text == "Fresh."
+            await app.core.feed.recent.flush()
+            (info,) = infos(await webview_messages(f"127.0.0.1:{app.port}", "gone"))
+            assert f"its session file {handle['sessionFile']} is gone" in info
+            assert app.core.agent_sessions.handles.resume_failed == 1
+        assert "First." not in json.dumps(model.requests[1])
+
+
 async def test_resume_false_starts_fresh_silently_and_keeps_no_handle(config: Config, tmp_path: Path) -> None:
     _need_acp()
     handles, shown, handle, notified = await _fresh_after_idle(

@@ -167,6 +167,9 @@ class AcpSession(JsonRpcSession):
         if not isinstance(sid, str) or not sid or not isinstance(cwd, str):
             await self.ui.started_fresh("its stored conversation handle is not usable")
             return False
+        if cwd != (self.options.cwd or os.getcwd()):  # the agent must work where the config says
+            await self.ui.started_fresh(f"its working directory changed from {cwd} (option cwd)")
+            return False
         if self.capabilities.get("loadSession") is True:
             method = "session/load"
         elif isinstance((self.capabilities.get("sessionCapabilities") or {}).get("resume"), dict):

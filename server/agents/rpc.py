@@ -44,6 +44,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -121,6 +122,12 @@ class RpcSession(StdioSession):
         path = handle.get("sessionFile")
         if not isinstance(path, str) or not path:
             await self.ui.started_fresh("the agent kept no session file (is it run with --no-session?)")
+            return False
+        # pi "switches" to a file that is not there as to a new, empty session, and says success:
+        # looked at first (the agent runs on this host, with its files), so that is never silent
+        if not await asyncio.to_thread(os.path.isfile, path):
+            await self.ui.started_fresh(f"its session file {path} is gone (is ~/.pi/agent/sessions on a volume "
+                                        "every replica mounts?)")
             return False
         reply = await self.command("switch_session", sessionPath=path)
         data = reply.get("data") if isinstance(reply.get("data"), dict) else {}
