@@ -365,7 +365,7 @@ async def test_a_sigkilled_uibus_takes_every_agent_group_with_it(spawn: Any, tmp
         assert len(groups) == 2 and all(group_alive(g) for g in groups)
         server.proc.kill()
         await asyncio.to_thread(server.proc.wait, 10)
-        await wait_for(lambda: all(group_alive(g) == [] for g in groups), timeout=8,
+        await wait_for(lambda: all(group_alive(g) == [] for g in groups), timeout=5,
                        what="every agent group to go with its uibus")
 
 

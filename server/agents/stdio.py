@@ -61,8 +61,8 @@ LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, 
 # agent (same pid, so the agent is uibus's child and its group's leader as before). The watcher blocks
 # reading a pipe whose only write end this uibus process holds: when uibus dies in any way (SIGKILL
 # and the OOM killer included), the kernel closes that end, and the watcher sends SIGTERM to the
-# whole group (the agent and everything it started) after SETTLE_S, then SIGKILL after
-# stop_timeout_seconds. No
+# whole group (the agent and everything it started) after SETTLE_S, then SIGKILL once the agent
+# is gone or stop_timeout_seconds have passed. No
 # preexec_fn (unsafe in a threaded process), no PR_SET_PDEATHSIG (it fires on the death of the
 # forking *thread*, and reaches only one process, not its children), no polling; it costs one small
 # shell process per agent (~1 MiB), which ignores the SIGTERM of a normal stop and dies with the
@@ -70,8 +70,11 @@ LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, 
 # claude-code-acp 0.16.2 ran on 10 s after its uibus was SIGKILLed).
 # (The pipe is named /dev/fd/N: a POSIX shell's redirections take one-digit descriptors only. The
 # agent inherits the read end too, which is harmless: only the write end's closing matters.)
-WATCHED = ('fd=$1; grace=$2; shift 2; (trap "" TERM INT HUP; cd /; read _ < "/dev/fd/$fd"; '
-           f'sleep {SETTLE_S:g}; kill -TERM 0; sleep "$grace"; kill -KILL 0) </dev/null >/dev/null 2>&1 & exec "$@"')
+# After the SIGTERM it looks every 0.1 s whether the agent ($$: the shell that became it) is gone,
+# for at most the stop timeout ($2, in tenths), and then kills what is left of the group, itself too.
+WATCHED = ('fd=$1; steps=$2; shift 2; (trap "" TERM INT HUP; cd /; read _ < "/dev/fd/$fd"; '
+           f'sleep {SETTLE_S:g}; kill -TERM 0; i=0; while [ "$i" -lt "$steps" ] && kill -0 "$$" 2>/dev/null; '
+           'do sleep 0.1; i=$((i+1)); done; kill -KILL 0) </dev/null >/dev/null 2>&1 & exec "$@"')
 
 
 class RateLog:
@@ -216,10 +219,11 @@ class AgentProcess:
             why = os.strerror(errno.EACCES if Path(o.program).exists() else errno.ENOENT)  # noqa: ASYNC240
             raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): {why}")
         lifeline, self._lifeline = os.pipe()  # both ends non-inheritable: only this agent's watcher gets one
+        tenths = str(max(1, round(o.stop_timeout * 10)))
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", WATCHED, "uibus-agent", str(lifeline), f"{o.stop_timeout:g}", o.program,
-                *o.command[1:], cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
+                "/bin/sh", "-c", WATCHED, "uibus-agent", str(lifeline), tenths, o.program, *o.command[1:],
+                cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                 limit=o.max_line, pass_fds=(lifeline,))
         except OSError as exc:
