@@ -361,14 +361,31 @@ class AgentProcess:
             self._lost("the agent session was closed")
             try:
                 if proc is not None:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.options.stop_timeout):
-                            await proc.wait()
+                    await self._reaped(proc)
                     log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
                                                                          "code": proc.returncode}})
             finally:
                 self._cut_lifeline()
                 await self._readers.aclose()
+
+    async def _reaped(self, proc: asyncio.subprocess.Process) -> None:
+        """Waits, bounded by stop_timeout_seconds, for the killed process to be gone, through any
+        cancel of the close (re-raised after): a cancelled close must still leave no process, and a
+        second cancel can reach this wait (Tasks cancels a task twice; asyncio.timeout, on 3.11,
+        can hand a cancel on when it expires as the cancel comes)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.stop_timeout
+        waiter = asyncio.ensure_future(proc.wait())
+        cancelled = False
+        while not waiter.done() and loop.time() < deadline:
+            try:
+                await asyncio.wait((waiter,), timeout=deadline - loop.time())
+            except asyncio.CancelledError:
+                cancelled = True
+        if not waiter.done():
+            waiter.cancel()
+        if cancelled:
+            raise asyncio.CancelledError
 
     def _cut_lifeline(self) -> None:
         """Closed once the group is killed (the watcher is gone with it) or never started."""

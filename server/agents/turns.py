@@ -239,6 +239,9 @@ class StdioSession(AgentSession):
             run = self.run
             if run is not None and not run.done() and self.alive:
                 await asyncio.wait((run,), timeout=self.options.stop_timeout)
+        except asyncio.CancelledError:
+            self.process.kill()  # a cancelled close stops at once, its whole group
+            raise
         finally:
             await self._owned.aclose()
 
