@@ -318,6 +318,12 @@ class App:
                 "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
                 "their turns cut, their agent closed",
                 lambda: float(core.ownership.fenced if core.ownership else 0)),
+            "uibus_agent_conversations_resumed_total": (
+                "hosted agents' conversations picked up again by a new process (option resume)",
+                lambda: float(sessions.handles.resumed)),
+            "uibus_agent_resumes_failed_total": (
+                "hosted agents' conversations that could not be resumed: a new one started, the UIs told",
+                lambda: float(sessions.handles.resume_failed)),
         }
         worker = self.worker
         metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {

@@ -90,6 +90,23 @@ class SessionUi(Protocol):
     session's webview streams."""
 
     session: str
+    # The conversation handle the last agent process of this (session, agent) reported (an ACP
+    # sessionId and cwd, a pi sessionFile), or None: resume it rather than start a new conversation.
+    handle: dict[str, Any] | None
+
+    async def keep_handle(self, handle: dict[str, Any]) -> None:
+        """Records the handle of the conversation this process holds (in the session store), so the
+        next process of this (session, agent) can resume it."""
+        ...
+
+    def resumed(self) -> None:
+        """The agent picked up the conversation of `handle` (counted)."""
+        ...
+
+    async def started_fresh(self, why: str) -> None:
+        """The agent could not resume `handle` and started a new conversation: the session's UIs
+        are told, once (never a silent loss of the conversation)."""
+        ...
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
         """Opens a dialog at every UI of the session and waits for its outcome; cancelling the

@@ -13,7 +13,10 @@ session, agent) one process and one ACP session:
   `authenticate` if the agent lists methods and the config names one of them (`auth_method`), then
   `session/new` with the configured `cwd` and — when the agent can speak MCP over HTTP — uibus's own
   `/mcp` (with `x-uibus-session` and the token), so the agent gets `ask_user`, `notify_user` and
-  the other agents as tools;
+  the other agents as tools; with option `resume` (default true) the `sessionId` and `cwd` are
+  the conversation's handle (uibus.domain.agent_handles), and a later process of the same uibus
+  session reopens it with `session/load` (or `session/resume`) instead of `session/new`, its
+  replay dropped;
 * a turn is one `session/prompt`; its `stopReason` ends it (`refusal` is the turn's error, as are
   JSON-RPC errors); `session/update` notifications are its pieces and its webview messages:
   `agent_message_chunk` → reply text, `agent_thought_chunk` → REASONING, `tool_call` and
@@ -152,12 +155,49 @@ class AcpSession(AcpSteering, JsonRpcSession):
             url, headers = mcp
             servers.append({"type": "http", "name": "uibus", "url": url,
                             "headers": [{"name": k, "value": v} for k, v in headers.items()]})
-        self.cwd, self.mcp_servers = self.options.cwd or os.getcwd(), servers
-        created = await self.call("session/new", {"cwd": self.cwd, "mcpServers": servers})
-        if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
-            raise AgentError("session/new did not return a sessionId")
-        self.session_id = created["sessionId"]
-        self.steer_seen_session(created)
+        cwd = self.options.cwd or os.getcwd()
+        self.cwd, self.mcp_servers = cwd, servers
+        if not (self.options.resume and self.ui.handle and await self._resume(self.ui.handle, servers)):
+            created = await self.call("session/new", {"cwd": cwd, "mcpServers": servers})
+            if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
+                raise AgentError("session/new did not return a sessionId")
+            self.session_id = created["sessionId"]
+            self.steer_seen_session(created)
+            if self.options.resume:
+                await self.ui.keep_handle({"sessionId": self.session_id, "cwd": cwd})
+
+    async def _resume(self, handle: dict[str, Any], servers: list[dict[str, Any]]) -> bool:
+        """Picks up the conversation of an earlier process: `session/load` where the agent offers it
+        (it fails at once for a conversation the agent no longer has), else `session/resume`. What
+        the agent replays while loading names a session id that is not ours yet, so it reaches no
+        turn and no webview: the session's UIs already hold the transcript. False (the UIs told
+        why) when it cannot: a new conversation starts."""
+        sid, cwd = handle.get("sessionId"), handle.get("cwd")
+        if not isinstance(sid, str) or not sid or not isinstance(cwd, str):
+            await self.ui.started_fresh("its stored conversation handle is not usable")
+            return False
+        if cwd != (self.options.cwd or os.getcwd()):  # the agent must work where the config says
+            await self.ui.started_fresh(f"its working directory changed from {cwd} (option cwd)")
+            return False
+        if self.capabilities.get("loadSession") is True:
+            method = "session/load"
+        elif isinstance((self.capabilities.get("sessionCapabilities") or {}).get("resume"), dict):
+            method = "session/resume"
+        else:
+            await self.ui.started_fresh("the agent offers neither session/load nor session/resume")
+            return False
+        try:
+            loaded = await self.call(method, {"sessionId": sid, "cwd": cwd, "mcpServers": servers})
+        except AgentError as exc:
+            if not self.alive:
+                raise
+            await self.ui.started_fresh(f"{method} failed: {exc}")
+            return False
+        self.session_id = sid
+        if isinstance(loaded, dict):  # its modes and models, as session/new would have said them
+            self.steer_seen_session(loaded)
+        self.ui.resumed()
+        return True
 
     # ---- permissions ----
 

@@ -8,7 +8,9 @@ U+2029 are ordinary characters inside JSON strings.
 
 One process per (uibus session, agent) — an `RpcSession`, owned by the engine's agent sessions — in
 its own process group, started on the session's first turn and reused, so the agent keeps its own
-conversation. A turn is one `prompt`:
+conversation. With option `resume` (default true) the `sessionFile` that `get_state` names is the
+conversation's handle (uibus.domain.agent_handles): a later process of the same uibus session (after
+an idle close, a restart, on another replica) reopens it with `switch_session`. A turn is one `prompt`:
 
 * it ends at `agent_end`, or at the prompt's `response` for an extension command (`/name`), which
   pi runs at once and answers when it has finished (a model prompt is answered *first* and its run
@@ -42,6 +44,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,9 +109,38 @@ class RpcSession(PiSteering, StdioSession):
     async def handshake(self) -> None:
         self.tasks.spawn(self._fire_forever(), name="rpc agent ui")
         state = await self.command("get_state")  # a program that is not an RPC agent fails here, clearly
+        if self.options.resume:
+            if self.ui.handle and await self._resume(self.ui.handle):
+                state = await self.command("get_state")  # the session file now open
+            data = state.get("data") if isinstance(state.get("data"), dict) else {}
+            path = data.get("sessionFile")
+            await self.ui.keep_handle({"sessionFile": path if isinstance(path, str) and path else None})
         data = state.get("data")
         # models and commands, for the UIs: in the background, so a start never waits on them
         self.tasks.spawn(self.steer_refresh(data if isinstance(data, dict) else {}), name="rpc agent state")
+
+    async def _resume(self, handle: dict[str, Any]) -> bool:
+        """Reopens the session file of an earlier process (`switch_session`); False (the UIs told
+        why) when there is none (pi ran with `--no-session`) or pi refuses it."""
+        path = handle.get("sessionFile")
+        if not isinstance(path, str) or not path:
+            await self.ui.started_fresh("the agent kept no session file (is it run with --no-session?)")
+            return False
+        # pi "switches" to a file that is not there as to a new, empty session, and says success:
+        # looked at first (the agent runs on this host, with its files), so that is never silent
+        if not await asyncio.to_thread(os.path.isfile, path):
+            await self.ui.started_fresh(f"its session file {path} is gone (is ~/.pi/agent/sessions on a volume "
+                                        "every replica mounts?)")
+            return False
+        reply = await self.command("switch_session", sessionPath=path)
+        data = reply.get("data") if isinstance(reply.get("data"), dict) else {}
+        if not reply.get("success") or data.get("cancelled"):
+            why = _str(reply.get("error")) or ("an extension cancelled the switch" if data.get("cancelled")
+                                               else "the agent refused it")
+            await self.ui.started_fresh(f"switch_session failed: {why}")
+            return False
+        self.ui.resumed()
+        return True
 
     async def command(self, kind: str, **fields: Any) -> Event:
         """Sends a command and waits for its response (failed when the process goes)."""

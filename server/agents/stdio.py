@@ -5,8 +5,9 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
 
 * `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
   from the agents file only, never from a request; the program must exist then), `cwd`, `env`
-  (added to uibus's environment), `idle_seconds`, `max_processes`, and the bounds on starting,
-  stopping, a turn and a line.
+  (added to uibus's environment), `idle_seconds`, `max_processes`, the bounds on starting,
+  stopping, a turn and a line, and `resume` (keep the conversation's handle and resume it in the
+  next process: uibus.domain.agent_handles).
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
 * `AgentProcess`: one running program in its own process group, owned with `async with`. Its
@@ -17,14 +18,15 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
   cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
   Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
   nothing it started survives it, and the group is killed on every close (a cancelled one too);
-  if uibus itself dies, the agent's stdin closes and an agent in
-  these protocols exits at the end of its input.
+  if uibus itself dies, a watcher in the group (see WATCHED) stops the group, so no agent outlives
+  its uibus, not even one that ignores the end of its input.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -45,10 +47,35 @@ from uibus.telemetry.spans import process_start
 log = logging.getLogger("uibus.agents.stdio")
 
 OPTIONS = frozenset({"command", "cwd", "env", "idle_seconds", "max_processes", "start_timeout_seconds",
-                     "stop_timeout_seconds", "turn_timeout_seconds", "max_line_bytes"})
+                     "stop_timeout_seconds", "turn_timeout_seconds", "max_line_bytes", "resume"})
 MAX_LINE_BYTES = 16 * 1024 * 1024  # pi's agent_end carries every message of the run
 STDERR_LINE_CHARS = 2000
+# Between the end of an agent's input and its SIGTERM: agents write their conversation behind
+# (Claude Code flushes its transcript every 100 ms, and a SIGTERM loses what is queued: measured, a
+# conversation stopped within that window could not be resumed); an agent that exits at the end of
+# its input (pi) ends sooner.
+SETTLE_S = 0.5
 LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, with the count skipped
+
+
+# How an agent is started: /bin/sh forks a watcher into the agent's new process group, then execs the
+# agent (same pid, so the agent is uibus's child and its group's leader as before). The watcher blocks
+# reading a pipe whose only write end this uibus process holds: when uibus dies in any way (SIGKILL
+# and the OOM killer included), the kernel closes that end, and the watcher sends SIGTERM to the
+# whole group (the agent and everything it started) after SETTLE_S, then SIGKILL once the agent
+# is gone or stop_timeout_seconds have passed. No
+# preexec_fn (unsafe in a threaded process), no PR_SET_PDEATHSIG (it fires on the death of the
+# forking *thread*, and reaches only one process, not its children), no polling; it costs one small
+# shell process per agent (~1 MiB), which ignores the SIGTERM of a normal stop and dies with the
+# group's SIGKILL. Needed because some agents ignore the end of their input (codex-acp;
+# claude-code-acp 0.16.2 ran on 10 s after its uibus was SIGKILLed).
+# (The pipe is named /dev/fd/N: a POSIX shell's redirections take one-digit descriptors only. The
+# agent inherits the read end too, which is harmless: only the write end's closing matters.)
+# After the SIGTERM it looks every 0.1 s whether the agent ($$: the shell that became it) is gone,
+# for at most the stop timeout ($2, in tenths), and then kills what is left of the group, itself too.
+WATCHED = ('fd=$1; steps=$2; shift 2; (trap "" TERM INT HUP; cd /; read _ < "/dev/fd/$fd"; '
+           f'sleep {SETTLE_S:g}; kill -TERM 0; i=0; while [ "$i" -lt "$steps" ] && kill -0 "$$" 2>/dev/null; '
+           'do sleep 0.1; i=$((i+1)); done; kill -KILL 0) </dev/null >/dev/null 2>&1 & exec "$@"')
 
 
 class RateLog:
@@ -85,6 +112,7 @@ class ProcessOptions:
     stop_timeout: float
     turn_timeout: float
     max_line: int
+    resume: bool = True  # keep the conversation's handle and resume it in the next process
 
     @classmethod
     def of(cls, spec: AgentSpec) -> ProcessOptions:
@@ -111,7 +139,8 @@ class ProcessOptions:
                    env=dict(env), idle_seconds=seconds(spec, "idle_seconds", 900), max_processes=max_processes,
                    start_timeout=seconds(spec, "start_timeout_seconds", 30),
                    stop_timeout=seconds(spec, "stop_timeout_seconds", 5),
-                   turn_timeout=seconds(spec, "turn_timeout_seconds", 3600), max_line=max_line)
+                   turn_timeout=seconds(spec, "turn_timeout_seconds", 3600), max_line=max_line,
+                   resume=option(spec, "resume", bool, True))
 
 
 def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> str:
@@ -171,6 +200,7 @@ class AgentProcess:
         self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = ""  # why it is gone; "" while it runs
+        self._lifeline = -1  # the write end of the agent watcher's pipe (see WATCHED), held while it may run
         self._readers = Tasks(f"agent {backend.spec.name} process")
 
     @property
@@ -186,21 +216,40 @@ class AgentProcess:
 
     async def start(self) -> None:
         o = self.options
+        if not os.access(o.program, os.X_OK):  # said here: through the watcher, exec's error is only an exit
+            why = os.strerror(errno.EACCES if Path(o.program).exists() else errno.ENOENT)  # noqa: ASYNC240
+            raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): {why}")
+        lifeline, self._lifeline = os.pipe()  # both ends non-inheritable: only this agent's watcher gets one
+        tenths = str(max(1, round(o.stop_timeout * 10)))
         async with process_start(self.backend.spec.name, o.program) as span:
             try:
                 self.proc = await asyncio.create_subprocess_exec(
-                    o.program, *o.command[1:], cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
+                    "/bin/sh", "-c", WATCHED, "uibus-agent", str(lifeline), tenths, o.program, *o.command[1:],
+                    cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                    limit=o.max_line)
+                    limit=o.max_line, pass_fds=(lifeline,))
             except OSError as exc:
+                self._cut_lifeline()
                 raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
                                  f"{exc.strerror or exc}") from exc
+            finally:
+                os.close(lifeline)
             if span is not None:
                 span.set_attribute("process.pid", self.proc.pid)
         self.backend.started += 1
         log.info("agent process started", extra={"fields": {**self.log.where, "pid": self.proc.pid}})
         self._readers.spawn(self._read(), name="agent stdout")
         self._readers.spawn(self._stderr(), name="agent stderr")
+        self._readers.spawn(self._reap(), name="agent exit")
+
+    async def _reap(self) -> None:
+        """Once the agent has exited, what is left of its group goes: the watcher, and whatever the
+        agent started. They may hold its output open (uvloop leaves the child's ends of the stdio
+        socketpairs open in it, and a fork inherits them), and its end would never be read."""
+        proc = self.proc
+        assert proc is not None
+        await proc.wait()
+        self.kill()
 
     def send(self, message: dict[str, Any]) -> None:
         """Writes one JSON line (buffered by the transport; `drain` waits for the pipe)."""
@@ -303,6 +352,9 @@ class AgentProcess:
                 with contextlib.suppress(Exception):
                     if proc.stdin is not None:
                         proc.stdin.close()
+                with contextlib.suppress(TimeoutError):  # its last writes first (see SETTLE_S)
+                    async with asyncio.timeout(min(SETTLE_S, self.options.stop_timeout)):
+                        await proc.wait()
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGTERM)
                 with contextlib.suppress(TimeoutError):
@@ -313,10 +365,35 @@ class AgentProcess:
             self._lost("the agent session was closed")
             try:
                 if proc is not None:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.options.stop_timeout):
-                            await proc.wait()
+                    await self._reaped(proc)
                     log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
                                                                          "code": proc.returncode}})
             finally:
+                self._cut_lifeline()
                 await self._readers.aclose()
+
+    async def _reaped(self, proc: asyncio.subprocess.Process) -> None:
+        """Waits, bounded by stop_timeout_seconds, for the killed process to be gone, through any
+        cancel of the close (re-raised after): a cancelled close must still leave no process, and a
+        second cancel can reach this wait (Tasks cancels a task twice; asyncio.timeout, on 3.11,
+        can hand a cancel on when it expires as the cancel comes)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.stop_timeout
+        waiter = asyncio.ensure_future(proc.wait())
+        cancelled = False
+        while not waiter.done() and loop.time() < deadline:
+            try:
+                await asyncio.wait((waiter,), timeout=deadline - loop.time())
+            except asyncio.CancelledError:
+                cancelled = True
+        if not waiter.done():
+            waiter.cancel()
+        if cancelled:
+            raise asyncio.CancelledError
+
+    def _cut_lifeline(self) -> None:
+        """Closed once the group is killed (the watcher is gone with it) or never started."""
+        if self._lifeline >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lifeline)
+            self._lifeline = -1

@@ -235,11 +235,22 @@ class StdioSession(AgentSession):
                              f"(option start_timeout_seconds); is command {self.agent_kind}?") from None
 
     async def aclose(self) -> None:
-        """Stops the process, then the session's tasks; counted out of the backend exactly once."""
+        """Waits (bounded by stop_timeout_seconds) for a cancelled run to end — at shutdown the
+        drain cancels the turns still running after the grace period, and the agent should record
+        the cut-off turn before its process is stopped — then stops the process, then the
+        session's tasks; counted out of the backend exactly once."""
         if self._closed:
             return
         self._closed = True
-        await self._owned.aclose()
+        try:  # a turn cut off by shutdown: its cancel was sent; the agent saves its state before it stops
+            run = self.run
+            if run is not None and not run.done() and self.alive:
+                await asyncio.wait((run,), timeout=self.options.stop_timeout)
+        except asyncio.CancelledError:
+            self.process.kill()  # a cancelled close stops at once, its whole group
+            raise
+        finally:
+            await self._owned.aclose()
 
     # ---- a turn ----
 

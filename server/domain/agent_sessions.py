@@ -21,7 +21,9 @@ A caller that named no session (`keep=False`) gets an agent of its own for the t
 a fresh conversation, as the engine gives stateless agents.
 
 `SessionBound` is the `SessionUi` handed to agent sessions: the session's dialogs, fire-and-forget
-UI and webview messages through the domain's `Dialogs` and `UiFeed`, never a transport.
+UI and webview messages through the domain's `Dialogs` and `UiFeed`, never a transport; and the
+agent's conversation handle (uibus.domain.agent_handles), read before the agent opens and written
+when the agent reports one, so a new process resumes the conversation (not for one-shot agents).
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
+from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.errors import Cancelled
@@ -56,11 +60,28 @@ def _nothing() -> None:
 class SessionBound:
     """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
 
-    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None) -> None:
+    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None, *,
+                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None) -> None:
         self.session = session
         self._dialogs = dialogs
         self._feed = feed
         self._owner = owner
+        self._agent = agent
+        self._handles = handles  # None: a one-shot agent, whose conversation is not kept
+        self.handle = handle
+
+    async def keep_handle(self, handle: dict[str, Any]) -> None:
+        if self._handles is not None:
+            await self._handles.keep(self.session, self._agent, handle)
+            self.handle = handle
+
+    def resumed(self) -> None:
+        if self._handles is not None:
+            self._handles.note_resumed(self.session, self._agent)
+
+    async def started_fresh(self, why: str) -> None:
+        if self._handles is not None:
+            await self._handles.started_fresh(self.session, self._agent, why)
 
     def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
         owner = self._owner
@@ -116,6 +137,7 @@ class AgentSessions:
         self.dialogs = dialogs
         self.feed = feed
         self.store = store
+        self.handles = Handles(store, feed, dialogs)
         self.sweep_s = sweep_s
         self._live: dict[tuple[str, str], _Live] = {}
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
@@ -298,8 +320,13 @@ class AgentSessions:
 
     # ---- turns ----
 
-    async def _open(self, session: str, backend: SessionBackend) -> AgentSession:
-        agent = backend.open_session(SessionBound(session, self.dialogs, self.feed, self))
+    async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True) -> AgentSession:
+        name = backend.spec.name
+        ui = SessionBound(session, self.dialogs, self.feed, self, agent=name)
+        if keep:  # a conversation that outlives its process: the handle of the last one, if any
+            ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, handles=self.handles,
+                              handle=await self.handles.read(session, name))
+        agent = backend.open_session(ui)
         try:
             await agent.start()
         except BaseException:
@@ -318,7 +345,7 @@ class AgentSessions:
         if not keep:
             self._one_shot += 1
             try:
-                agent = await self._open(session, backend)
+                agent = await self._open(session, backend, keep=False)
                 try:
                     yield agent
                 finally:

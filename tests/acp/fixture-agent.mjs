@@ -19,14 +19,25 @@
 //   anything    echoes it, with the turn number of the session (its conversation lives here)
 //
 // It logs what it was given (initialize, session/new) to $ACP_FIXTURE_LOG as JSON lines.
-import { appendFileSync } from "node:fs";
+//
+// With $ACP_FIXTURE_STATE (a directory) it advertises `loadSession` and keeps each session's turns
+// there, as a real agent keeps its conversations: `session/load` replays the transcript as
+// session/update notifications (user_message_chunk, agent_message_chunk) before it answers, and
+// fails for a session it does not have. Without it, `loadSession` is false.
+import { appendFileSync, existsSync, readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
 import { Readable, Writable } from "node:stream";
 import { agent, methods, ndJsonStream, RequestError } from "@agentclientprotocol/sdk";
 
 const logFile = process.env.ACP_FIXTURE_LOG;
 const note = (obj) => { if (logFile) appendFileSync(logFile, JSON.stringify(obj) + "\n"); };
-const sessions = new Map(); // sessionId -> { turns, mcp, cancel }
+const sessions = new Map(); // sessionId -> { turns, mcp, cancel, transcript }
+const stateDir = process.env.ACP_FIXTURE_STATE;
 let next = 0;
+const stateFile = (sessionId) => join(stateDir, `${sessionId}.json`);
+const save = (sessionId, s) => {
+  if (stateDir) writeFileSync(stateFile(sessionId), JSON.stringify({ turns: s.turns, transcript: s.transcript }));
+};
 
 async function update(client, sessionId, u) {
   await client.notify(methods.client.session.update, { sessionId, update: u });
@@ -97,16 +108,30 @@ async function askUser(server) {
 const app = agent({ name: "uibus-acp-fixture" })
   .onRequest(methods.agent.initialize, ({ params }) => {
     note({ initialize: params });
-    return { protocolVersion: 1, agentCapabilities: { loadSession: false, mcpCapabilities: { http: true, sse: false },
+    return { protocolVersion: 1, agentCapabilities: { loadSession: Boolean(stateDir), mcpCapabilities: { http: true, sse: false },
       promptCapabilities: { image: false, audio: false, embeddedContext: false } }, authMethods: [] };
   })
   .onRequest(methods.agent.session.new, ({ params }) => {
-    const sessionId = `fixture-${++next}`;
-    sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null });
+    const sessionId = stateDir ? `fixture-${process.pid}-${++next}` : `fixture-${++next}`;
+    sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null, transcript: [] });
     note({ "session/new": params, sessionId });
     return { sessionId, modes: { currentModeId: "default", availableModes: [
       { id: "default", name: "Default", description: "Ask before edits" },
       { id: "plan", name: "Plan", description: "Plan only, change nothing" }] } };
+  })
+  .onRequest(methods.agent.session.load, async ({ params, client }) => {
+    if (!stateDir || !existsSync(stateFile(params.sessionId))) {
+      throw RequestError.invalidParams({ sessionId: params.sessionId }, "Session not found");
+    }
+    const kept = JSON.parse(readFileSync(stateFile(params.sessionId), "utf8"));
+    const s = { turns: kept.turns, transcript: kept.transcript, mcp: params.mcpServers, cancel: null };
+    sessions.set(params.sessionId, s);
+    for (const [user, reply] of s.transcript) {
+      await update(client, params.sessionId, { sessionUpdate: "user_message_chunk", content: { type: "text", text: user } });
+      await update(client, params.sessionId, { sessionUpdate: "agent_message_chunk", content: { type: "text", text: reply } });
+    }
+    note({ "session/load": params, replayed: s.transcript.length });
+    return {};
   })
   .onRequest(methods.agent.session.prompt, async ({ params, client }) => {
     const s = sessions.get(params.sessionId);
@@ -119,6 +144,11 @@ const app = agent({ name: "uibus-acp-fixture" })
       await say(client, params.sessionId, "Working ");
       await new Promise((resolve) => { s.cancel = resolve; });
       note({ cancelled: params.sessionId });
+      // $ACP_FIXTURE_CANCEL_MS: how long it takes to wind the cancelled turn down (a real agent
+      // finishes its tool call, writes its transcript) before it records it and answers the prompt
+      await new Promise((resolve) => setTimeout(resolve, Number(process.env.ACP_FIXTURE_CANCEL_MS || 0)));
+      s.transcript.push([text, "Working "]);
+      save(params.sessionId, s);  // what a real agent does with a cancelled turn: it keeps it
       return { stopReason: "cancelled" };
     } else if (text === "mcp") {
       const server = (s.mcp || []).find((m) => m.type === "http" || m.url);
@@ -142,8 +172,11 @@ const app = agent({ name: "uibus-acp-fixture" })
     } else if (text === "fail") {
       throw new RequestError(-32603, "the fixture was told to fail");
     } else {
-      await say(client, params.sessionId, `Turn ${s.turns}: ${text}`);
+      const reply = `Turn ${s.turns}: ${text}`;
+      await say(client, params.sessionId, reply);
+      s.transcript.push([text, reply]);
     }
+    save(params.sessionId, s);
     return { stopReason: "end_turn" };
   })
   .onRequest(methods.agent.session.setMode, async ({ params, client }) => {
