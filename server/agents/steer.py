@@ -66,6 +66,8 @@ class AcpSteering:
     session_id: str
     mcp_servers: list[dict[str, Any]]  # what the first session/new offered (the next one offers the same)
     cwd: str
+    options: Any  # StdioSession's ProcessOptions and SessionUi (the handle of a new conversation is kept)
+    ui: Any
 
     if TYPE_CHECKING:  # JsonRpcSession's (declared for the type checker only: a body here would shadow it)
         async def call(self, method: str, params: dict[str, Any]) -> Any: ...
@@ -133,10 +135,15 @@ class AcpSteering:
         self.session_id = created["sessionId"]
         c.title, c.commands = "", []
         self.steer_seen_session(created)
+        if self.options.resume:  # the next process resumes the new conversation, not the old one
+            await self.ui.keep_handle({"sessionId": self.session_id, "cwd": self.cwd})
 
 
 class PiSteering:
     """pi's models, commands and sessions (mixed into RpcSession)."""
+
+    options: Any  # StdioSession's ProcessOptions and SessionUi (the handle of a new conversation is kept)
+    ui: Any
 
     if TYPE_CHECKING:  # RpcSession's
         async def command(self, kind: str, **fields: Any) -> dict[str, Any]: ...
@@ -204,3 +211,8 @@ class PiSteering:
         if old:
             self.controls.conversations.append(old)
         await self.steer_refresh()
+        if self.options.resume:  # the next process reopens the new session file, not the old one
+            state = await self.command("get_state")
+            data = state.get("data") if isinstance(state.get("data"), dict) else {}
+            path = data.get("sessionFile")
+            await self.ui.keep_handle({"sessionFile": path if isinstance(path, str) and path else None})
