@@ -162,3 +162,28 @@ async def test_phone_drawer_no_horizontal_scroll_and_one_tap_answers(acp_web: Ap
             assert (await asyncio.wait_for(asking, 10)).value == "dev"
         finally:
             await context.close()
+
+
+async def test_an_image_attached_on_the_page_reaches_the_agent(acp_web: App, browser: Any, tmp_path: Path) -> None:
+    import base64
+
+    png = tmp_path / "dot.png"
+    png.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx"
+                                     "0gAAAABJRU5ErkJggg=="))
+    context, page = await open_page(browser, acp_web, "attach-page", 1100, 800)
+    try:
+        await page.wait_for_function("() => [...document.querySelectorAll('#agent option')].some(o => o.value"
+                                     " === 'acp')", timeout=10_000)
+        await page.select_option("#agent", "acp")
+        await page.set_input_files("#file", str(png))
+        await page.wait_for_selector('#attachments .attachment:text("dot.png")', timeout=5000)
+        await page.fill("#input", "what is this?")
+        await page.press("#input", "Enter")
+        await page.wait_for_function("() => document.querySelector('.msg.agent.done .text')?.textContent"
+                                     ".includes('Turn 1: what is this?')", timeout=30_000)
+        attached = [e["attached"] for e in fixture_log(tmp_path) if "attached" in e]
+        assert attached == [[{"type": "image", "mimeType": "image/png",
+                              "bytes": len(base64.b64encode(png.read_bytes()))}]]
+        assert await page.is_hidden("#attachments")  # sent with the message, then cleared
+    finally:
+        await context.close()
