@@ -25,6 +25,7 @@ sends a list only when it differs from the last one sent.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ TITLE_CHARS = 80  # a first user message longer than this is shortened to be a t
 WATCH_S = 1.0  # a watch re-lists at least this often (other replicas' changes show within it)
 CACHE = 4096  # sessions whose title and agent are remembered
 RECENT = 20  # history entries read (newest) to find the agent a session last talked to
+MAX_LISTED = 500  # sessions one listing shows (the most recently active): a UI's list, not an export
+SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
 
 
 def shorten(text: str, limit: int = TITLE_CHARS) -> str:
@@ -74,6 +77,7 @@ class Sessions:
         self.steering = Steering(agents)
         self._static: OrderedDict[str, _Static] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) by `poke`: every watch waiting wakes
+        self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
 
     def poke(self) -> None:
         """Something listed changed here (a turn started or ended, a mode changed): watches re-list."""
@@ -126,16 +130,30 @@ class Sessions:
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
                                agent=static.agent, waiting=waiting)
 
-    async def list(self, visible: Callable[[str], bool], prefix: str = "") -> pb.SessionList:
-        """The sessions `visible` allows (and starting with `prefix`), most recently active first."""
+    async def _stamps(self, shared: bool = False) -> list[tuple[str, float]]:
+        """The store's sessions and last activity; `shared` (the watches): read at most once per
+        SNAPSHOT_S however many watches ask (a poke makes the next read fresh)."""
+        now = time.monotonic()
+        taken, stamps, changed = self._snapshot
+        if shared and now - taken < SNAPSHOT_S and changed is self._changed:
+            return stamps
+        stamps = await self.store.sessions()
+        self._snapshot = (now, stamps, self._changed)
+        return stamps
+
+    async def list(self, visible: Callable[[str], bool], prefix: str = "", *, shared: bool = False) -> pb.SessionList:
+        """The sessions `visible` allows (and starting with `prefix`), most recently active first, at
+        most MAX_LISTED of them; `shared`: from the snapshot the watches share."""
         listed = pb.SessionList()
-        for session, stamp in await self.store.sessions():
+        for session, stamp in await self._stamps(shared):
             if session.startswith(prefix) and visible(session):
                 listed.sessions.append(await self.entry(session, stamp))
+                if len(listed.sessions) >= MAX_LISTED:
+                    break
         return listed
 
     async def get(self, session: str) -> pb.SessionEntry:
-        for name, stamp in await self.store.sessions():
+        for name, stamp in await self._stamps():
             if name == session:
                 return await self.entry(session, stamp)
         raise NotFound(f"no session {session!r}")
@@ -145,7 +163,7 @@ class Sessions:
         last: pb.SessionList | None = None
         while True:
             changed = self._changed  # taken before listing: a poke during the listing is not missed
-            current = await self.list(visible, prefix)
+            current = await self.list(visible, prefix, shared=True)
             if current != last:
                 last = current
                 yield current
