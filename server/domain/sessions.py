@@ -15,7 +15,8 @@ Where each part comes from, so nothing is stored twice:
   stored parts are looked up once per change of the session's last activity (`_Static` cache);
 * the agent a UI should open on: the newest history entry that names one, else CreateSession's;
 * running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
-  Dialogs), read on every listing.
+  Dialogs), read on every listing; with replicas (Redis), the dialogs other replicas hold come from
+  their shared store entries (uibus.domain.dialog_sharing), read with the stored parts.
 
 Visibility is the caller's business: `list` takes a predicate (the token's grant), so the domain
 knows nothing of tokens. A watch re-lists every `WATCH_S` and on every local change (`poke`), and
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from uibus.domain.agent_sessions import AgentSessions
+from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.steering import Steering, state_of
@@ -61,6 +63,7 @@ class _Static:
     title: str  # set on purpose: pi's setTitle (the extension-UI title), else CreateSession's
     first: str  # the first user message, shortened
     agent: str
+    remote: tuple[pb.WaitingDialog, ...] = ()  # dialogs other replicas hold (with Redis), oldest first
 
 
 
@@ -102,11 +105,23 @@ class Sessions:
         first = known.first if known is not None and known.first else ""
         if not first:
             first = await self._first_user_message(session, recent)
-        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")))
+        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")),
+                         await self._remote_dialogs(session))
         self._static[session] = static
         while len(self._static) > CACHE:
             self._static.popitem(last=False)
         return static
+
+    async def _remote_dialogs(self, session: str) -> tuple[pb.WaitingDialog, ...]:
+        """With replicas (Redis), the dialogs other replicas hold: their shared store entries, whose
+        writes stamp the session, so they are read again whenever one opens or closes anywhere."""
+        shared = self.dialogs.shared
+        if shared is None:
+            return ()
+        kept = await self.store.scan(session, SHARED_KEY)
+        return tuple(pb.WaitingDialog(id=r.id, kind=r.WhichOneof("method") or "",
+                                      title=getattr(r, r.WhichOneof("method") or "select").title)
+                     for r in shared.others(session, kept))
 
     async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
         entries = recent
@@ -125,6 +140,7 @@ class Sessions:
         title = static.title or next((a.title for a in agents if a.title), "") or static.first
         waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
                    for d in self.dialogs.pending.waiting(session)]
+        waiting += [d for d in static.remote if all(d.id != w.id for w in waiting)]
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
