@@ -187,3 +187,42 @@ async def test_an_image_attached_on_the_page_reaches_the_agent(acp_web: App, bro
         assert await page.is_hidden("#attachments")  # sent with the message, then cleared
     finally:
         await context.close()
+
+
+async def test_the_page_catches_up_after_the_background_once(acp_web: App, browser: Any) -> None:
+    """A phone's browser cuts the page's streams in the background (window.stop() does the same
+    here): back in the foreground it reconnects and shows what happened meanwhile — a message and a
+    waiting dialog — each once, beside what it showed before."""
+    from uibus.pb.cline import ui_pb2
+    from uibus.pb.uibus.v1 import host_pb2_grpc
+
+    app = acp_web
+    context, page = await open_page(browser, app, "bg", 390, 844)
+    hidden = "h => { Object.defineProperty(document, 'hidden', {value: h, configurable: true}); " \
+             "document.dispatchEvent(new Event('visibilitychange')); }"
+    try:
+        async with Connection(f"127.0.0.1:{app.port}", session="bg") as conn:
+            host = host_pb2_grpc.HostServiceStub(conn.channel)
+            say = ui_pb2.ClineMessage(ts=1_800_000_000_001, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="before")
+            await host.PublishPartialMessage(say)
+            await page.wait_for_selector("[data-ts='1800000000001']", timeout=10_000)
+            await page.evaluate(hidden, True)
+            await page.evaluate("() => window.stop()")  # the streams are cut
+            await page.wait_for_selector('#status[data-state="down"], #status[data-state="connecting"]',
+                                         timeout=5000)
+            later = ui_pb2.ClineMessage(ts=1_800_000_000_002, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="while away")
+            await host.PublishPartialMessage(later)
+            asking = asyncio.ensure_future(ext_grpc.ExtensionUiServiceStub(conn.channel).Confirm(
+                ext.ConfirmRequest(title="Still there?")))
+            await page.evaluate(hidden, False)
+            await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
+            await page.wait_for_selector("[data-ts='1800000000002']", timeout=10_000)
+            await page.wait_for_selector('.dialog[data-kind="confirm"]', timeout=10_000)
+            await asyncio.sleep(0.5)  # anything shown twice would be by now
+            assert await page.locator("[data-ts='1800000000001']").count() == 1
+            assert await page.locator("[data-ts='1800000000002']").count() == 1
+            assert await page.locator(".dialog").count() == 1
+            await page.click('.dialog button:text("Yes")')
+            assert (await asyncio.wait_for(asking, 10)).confirmed is True
+    finally:
+        await context.close()
