@@ -46,7 +46,9 @@ NOTES = """
 async def acp_web(config: Config, tmp_path: Path) -> AsyncIterator[App]:
     require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
             "node")
-    async with hosting(config, tmp_path, [fixture_agent(tmp_path)], http_port=free_port()) as app:
+    # "aardvark" is listed first (a page defaults to it), so opening on "acp" is a choice
+    agents = [fixture_agent(tmp_path, name="aardvark"), fixture_agent(tmp_path)]
+    async with hosting(config, tmp_path, agents, http_port=free_port()) as app:
         yield app
 
 
@@ -185,6 +187,12 @@ async def test_an_image_attached_on_the_page_reaches_the_agent(acp_web: App, bro
         assert attached == [[{"type": "image", "mimeType": "image/png",
                               "bytes": len(base64.b64encode(png.read_bytes()))}]]
         assert await page.is_hidden("#attachments")  # sent with the message, then cleared
+        # Another page of this session opens on the agent it talks to (not the first agent listed).
+        other = await context.new_page()
+        await other.goto(page.url)
+        await other.wait_for_function("() => document.querySelector('#agent').value === 'acp'", timeout=10_000)
+        first = await other.evaluate("() => document.querySelector('#agent option').value")
+        assert first != "acp"  # so it was chosen, not defaulted
     finally:
         await context.close()
 
