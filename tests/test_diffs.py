@@ -86,3 +86,13 @@ async def test_an_acp_edit_reaches_the_webview_as_a_line_diff(config: Config, tm
         assert stats(edit["diff"]) == (1, 1)
         assert created["tool"] == "newFileCreated" and created["content"] == "hello\nworld"
         webview.cancel()
+
+
+def test_an_agents_image_shows_inline_when_small_and_is_named_when_not() -> None:
+    from uibus.agents.attachments import INLINE_IMAGE_B64, image_markdown
+
+    assert image_markdown("image/png", "iVBORw0KGgo=") == "\n![image](data:image/png;base64,iVBORw0KGgo=)\n"
+    assert image_markdown("image/svg+xml", "PHN2Zz4=") == "\n[image: image/svg+xml, 6 bytes]\n"  # no SVG inline
+    big = "A" * (INLINE_IMAGE_B64 + 4)
+    assert image_markdown("image/png", big).startswith("\n[image: image/png, ")
+    assert image_markdown("image/png", "a)b") == "\n[image: image/png, 2 bytes]\n"  # not base64: never markdown

@@ -5,6 +5,7 @@ sees a session appear and go."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -168,3 +169,17 @@ async def test_mcp_list_sessions_tool_is_tenant_scoped(tenants: App) -> None:
         assert stop.structured_content == {"stopped": False}
         with pytest.raises(MCPError, match="pi is not running in session 'team-b-x'"):
             await client.call_tool("set_agent_mode", {"agent": "pi", "mode_id": "plan"})
+
+
+async def test_http_watch_streams_json_lines(tenants: App) -> None:
+    base = f"http://127.0.0.1:{tenants.http_port}/api/v1/sessions"
+    async with httpx.AsyncClient(timeout=10) as http, \
+            http.stream("GET", base + "/watch", headers=dict(auth("team-b-token"))) as watch:
+        assert watch.status_code == 200 and watch.headers["content-type"] == "application/json-lines"
+        lines = watch.aiter_lines()
+        assert json.loads(await asyncio.wait_for(anext(lines), 5)) == {}
+        made = await http.post(base + "/CreateSession", json={"title": "watched"},
+                               headers=dict(auth("team-b-token", "team-b-w")))
+        assert made.status_code == 200
+        seen = json.loads(await asyncio.wait_for(anext(lines), 5))
+        assert [(s["session"], s["title"]) for s in seen["sessions"]] == [("team-b-w", "watched")]

@@ -139,3 +139,30 @@ async def test_pi_models_commands_and_a_new_session(hosted: tuple[App, Model]) -
         assert (await api(ui).SetModel(pb.SetModelRequest(agent="pi", model_id="scripted"))).current_model == "scripted"
         state = await api(ui).NewConversation(pb.AgentRequest(agent="pi"))
         assert state.live and len(state.conversations) == 1
+
+
+async def test_claude_codes_modes_and_commands_and_a_mode_set_from_a_ui(config: Config, tmp_path: Path) -> None:
+    """The real Claude Code (its ACP adapter, offline on the scripted model): its modes and models
+    arrive in session/new and are listed; a mode and a model set through the sessions API reach it
+    (it answers session/set_mode and session/set_model), and the conversation goes on.
+    (Offline, Claude Code sends no available_commands_update; the fixture's cover commands.)"""
+    from tests.scripted_models import Say, claude_model
+    from tests.test_acp_agent import CLAUDE_ACP, claude_agent
+
+    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
+    async with claude_model() as model, \
+            hosting(config, tmp_path, [claude_agent(tmp_path, model)], http_port=free_port()) as app, \
+            Connection(f"127.0.0.1:{app.port}", session="cc-modes") as ui:
+        model.script(Say("Hello."))
+        await turn_of(ui, "claude", "hi")
+        state = agent_state(await entry(ui, "cc-modes"), "claude")
+        modes = [m.id for m in state.modes]
+        assert "plan" in modes and state.current_mode in modes and "set_mode" in state.can
+        assert "haiku" in [m.id for m in state.models] and "set_model" in state.can
+        state = await api(ui).SetMode(pb.SetModeRequest(agent="claude", mode_id="plan"))  # Claude Code answers it
+        assert state.current_mode == "plan"
+        assert (await api(ui).SetModel(pb.SetModelRequest(agent="claude", model_id="haiku"))).current_model == "haiku"
+        # the agent goes on after both (the same process and conversation)
+        model.script(Say("Planned."))
+        assert (await turn_of(ui, "claude", "plan it"))[-1].response.text == "Planned."
+        assert app.core.chat.agents.backends["claude"].started == 1

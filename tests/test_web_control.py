@@ -46,7 +46,9 @@ NOTES = """
 async def acp_web(config: Config, tmp_path: Path) -> AsyncIterator[App]:
     require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
             "node")
-    async with hosting(config, tmp_path, [fixture_agent(tmp_path)], http_port=free_port()) as app:
+    # "aardvark" is listed first (a page defaults to it), so opening on "acp" is a choice
+    agents = [fixture_agent(tmp_path, name="aardvark"), fixture_agent(tmp_path)]
+    async with hosting(config, tmp_path, agents, http_port=free_port()) as app:
         yield app
 
 
@@ -162,3 +164,73 @@ async def test_phone_drawer_no_horizontal_scroll_and_one_tap_answers(acp_web: Ap
             assert (await asyncio.wait_for(asking, 10)).value == "dev"
         finally:
             await context.close()
+
+
+async def test_an_image_attached_on_the_page_reaches_the_agent(acp_web: App, browser: Any, tmp_path: Path) -> None:
+    import base64
+
+    png = tmp_path / "dot.png"
+    png.write_bytes(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx"
+                                     "0gAAAABJRU5ErkJggg=="))
+    context, page = await open_page(browser, acp_web, "attach-page", 1100, 800)
+    try:
+        await page.wait_for_function("() => [...document.querySelectorAll('#agent option')].some(o => o.value"
+                                     " === 'acp')", timeout=10_000)
+        await page.select_option("#agent", "acp")
+        await page.set_input_files("#file", str(png))
+        await page.wait_for_selector('#attachments .attachment:text("dot.png")', timeout=5000)
+        await page.fill("#input", "what is this?")
+        await page.press("#input", "Enter")
+        await page.wait_for_function("() => document.querySelector('.msg.agent.done .text')?.textContent"
+                                     ".includes('Turn 1: what is this?')", timeout=30_000)
+        attached = [e["attached"] for e in fixture_log(tmp_path) if "attached" in e]
+        assert attached == [[{"type": "image", "mimeType": "image/png",
+                              "bytes": len(base64.b64encode(png.read_bytes()))}]]
+        assert await page.is_hidden("#attachments")  # sent with the message, then cleared
+        # Another page of this session opens on the agent it talks to (not the first agent listed).
+        other = await context.new_page()
+        await other.goto(page.url)
+        await other.wait_for_function("() => document.querySelector('#agent').value === 'acp'", timeout=10_000)
+        first = await other.evaluate("() => document.querySelector('#agent option').value")
+        assert first != "acp"  # so it was chosen, not defaulted
+    finally:
+        await context.close()
+
+
+async def test_the_page_catches_up_after_the_background_once(acp_web: App, browser: Any) -> None:
+    """A phone's browser cuts the page's streams in the background (window.stop() does the same
+    here): back in the foreground it reconnects and shows what happened meanwhile — a message and a
+    waiting dialog — each once, beside what it showed before."""
+    from uibus.pb.cline import ui_pb2
+    from uibus.pb.uibus.v1 import host_pb2_grpc
+
+    app = acp_web
+    context, page = await open_page(browser, app, "bg", 390, 844)
+    hidden = "h => { Object.defineProperty(document, 'hidden', {value: h, configurable: true}); " \
+             "document.dispatchEvent(new Event('visibilitychange')); }"
+    try:
+        async with Connection(f"127.0.0.1:{app.port}", session="bg") as conn:
+            host = host_pb2_grpc.HostServiceStub(conn.channel)
+            say = ui_pb2.ClineMessage(ts=1_800_000_000_001, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="before")
+            await host.PublishPartialMessage(say)
+            await page.wait_for_selector("[data-ts='1800000000001']", timeout=10_000)
+            await page.evaluate(hidden, True)
+            await page.evaluate("() => window.stop()")  # the streams are cut
+            await page.wait_for_selector('#status[data-state="down"], #status[data-state="connecting"]',
+                                         timeout=5000)
+            later = ui_pb2.ClineMessage(ts=1_800_000_000_002, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="while away")
+            await host.PublishPartialMessage(later)
+            asking = asyncio.ensure_future(ext_grpc.ExtensionUiServiceStub(conn.channel).Confirm(
+                ext.ConfirmRequest(title="Still there?")))
+            await page.evaluate(hidden, False)
+            await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
+            await page.wait_for_selector("[data-ts='1800000000002']", timeout=10_000)
+            await page.wait_for_selector('.dialog[data-kind="confirm"]', timeout=10_000)
+            await asyncio.sleep(0.5)  # anything shown twice would be by now
+            assert await page.locator("[data-ts='1800000000001']").count() == 1
+            assert await page.locator("[data-ts='1800000000002']").count() == 1
+            assert await page.locator(".dialog").count() == 1
+            await page.click('.dialog button:text("Yes")')
+            assert (await asyncio.wait_for(asking, 10)).confirmed is True
+    finally:
+        await context.close()

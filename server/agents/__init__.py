@@ -66,6 +66,9 @@ class Turn:
     sly_data: dict[str, Any]
     chat_context: chat_pb2.ChatContext  # the conversation state as neuro-san carries it (for proxies)
     metadata: dict[str, str] = field(default_factory=dict)  # call metadata worth forwarding (user_id, …)
+    # (mime type, bytes) of each image or file sent with the message (ChatMessage.mime_data);
+    # hosted agents pass them on in their protocol's words (uibus.agents.attachments)
+    attachments: list[tuple[str, bytes]] = field(default_factory=list)
 
 
 @dataclass

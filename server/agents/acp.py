@@ -48,6 +48,7 @@ from typing import Any
 
 from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn, option
+from uibus.agents.attachments import acp_prompt, image_markdown
 from uibus.agents.diffs import unified
 from uibus.agents.jsonrpc import JsonRpcSession
 from uibus.agents.stdio import StdioBackend
@@ -75,6 +76,8 @@ def _content(blocks: Any) -> str:
             return _str(blocks.get("text"))
         if blocks.get("type") == "content":
             return _content(blocks.get("content"))
+        if blocks.get("type") == "image":  # shown inline (markdown) when small; named otherwise
+            return image_markdown(_str(blocks.get("mimeType")), _str(blocks.get("data")))
         if blocks.get("type") == "diff":  # a real line diff (old text null: a new file)
             old = blocks.get("oldText")
             return unified(_str(blocks.get("path")), _str(old) if old is not None else None,
@@ -235,8 +238,12 @@ class AcpSession(AcpSteering, JsonRpcSession):
 
     async def run_turn(self, turn: Turn, run: TurnRun) -> AsyncIterator[Piece]:
         view = _AcpView(self.ui)
-        prompt = self._prompt = self.request("session/prompt", {"sessionId": self.session_id,
-                                                                "prompt": [{"type": "text", "text": turn.text}]})
+        try:
+            blocks = acp_prompt(turn, self.capabilities, self.acp.spec.name)  # text, images, files
+        except AgentError:
+            run.ended = True  # refused before anything was sent: no prompt to cancel
+            raise
+        prompt = self._prompt = self.request("session/prompt", {"sessionId": self.session_id, "prompt": blocks})
         prompt.add_done_callback(lambda f: run.put(_ANSWERED) or
                                  (f.cancelled() or f.exception()))  # retrieved: a cancelled turn never reads it
         try:

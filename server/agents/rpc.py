@@ -50,6 +50,7 @@ from typing import Any
 
 from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn
+from uibus.agents.attachments import pi_images
 from uibus.agents.stdio import StdioBackend
 from uibus.agents.stdio import text as _str
 from uibus.agents.steer import PiSteering
@@ -288,7 +289,12 @@ class RpcSession(PiSteering, StdioSession):
         ident = f"uibus-{next(self._ids)}"
         is_command, responded = self._command_turn, False
         try:
-            self.process.send({"type": "prompt", "message": turn.text, "id": ident})
+            try:
+                images = pi_images(turn, self.backend.spec.name)
+            except AgentError:
+                run.ended = True  # refused before anything was sent: no run to abort
+                raise
+            self.process.send({"type": "prompt", "message": turn.text, "id": ident, **images})
             while True:
                 message = await run.next()
                 kind = message.get("type")

@@ -44,7 +44,8 @@ class Core:
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
         listing = Sessions(store, dialogs, sessions, history)
-        sessions.on_change = listing.poke  # a turn starting or ending shows in every watch at once
+        sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
+        dialogs.pending.on_change = listing.poke  # shows in every watch at once
         chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
         ownership = forwarding = None

@@ -116,6 +116,8 @@ class PendingDialogs:
         self._by_session: dict[str, dict[str, Dialog]] = {}  # insertion order = replay order
         self._closed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, outcome)
         self.closing = False
+        # Told when a dialog opens or closes here (the sessions API's watches re-list at once).
+        self.on_change: Callable[[], None] = lambda: None
 
     def count(self, session: str | None = None) -> int:
         if session is None:
@@ -153,6 +155,7 @@ class PendingDialogs:
         self._by_session.setdefault(dialog.session, {})[dialog.id] = dialog
         self.bus.publish(dialog.session, kinds.EXTENSION_UI, pb.ExtensionUiEvent(request=dialog.request),
                          key=dialog.id)
+        self.on_change()
 
     async def wait(self, dialog: Dialog) -> Answer:
         """The dialog's answer; if the caller goes away first, the dialog closes for every UI."""
@@ -184,6 +187,7 @@ class PendingDialogs:
         else:  # the store entry goes first: a UI that subscribes after the event must not replay it
             self.shared.remove(session, dialog.id,
                                lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
+        self.on_change()
         return True
 
     def find(self, session: str, dialog_id: str) -> Dialog | None:

@@ -15,7 +15,8 @@ Where each part comes from, so nothing is stored twice:
   stored parts are looked up once per change of the session's last activity (`_Static` cache);
 * the agent a UI should open on: the newest history entry that names one, else CreateSession's;
 * running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
-  Dialogs), read on every listing.
+  Dialogs), read on every listing; with replicas (Redis), the dialogs other replicas hold come from
+  their shared store entries (uibus.domain.dialog_sharing), read with the stored parts.
 
 Visibility is the caller's business: `list` takes a predicate (the token's grant), so the domain
 knows nothing of tokens. A watch re-lists every `WATCH_S` and on every local change (`poke`), and
@@ -25,12 +26,14 @@ sends a list only when it differs from the last one sent.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from uibus.domain.agent_sessions import AgentSessions
+from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.steering import Steering, state_of
@@ -43,6 +46,8 @@ TITLE_CHARS = 80  # a first user message longer than this is shortened to be a t
 WATCH_S = 1.0  # a watch re-lists at least this often (other replicas' changes show within it)
 CACHE = 4096  # sessions whose title and agent are remembered
 RECENT = 20  # history entries read (newest) to find the agent a session last talked to
+MAX_LISTED = 500  # sessions one listing shows (the most recently active): a UI's list, not an export
+SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
 
 
 def shorten(text: str, limit: int = TITLE_CHARS) -> str:
@@ -58,6 +63,7 @@ class _Static:
     title: str  # set on purpose: pi's setTitle (the extension-UI title), else CreateSession's
     first: str  # the first user message, shortened
     agent: str
+    remote: tuple[pb.WaitingDialog, ...] = ()  # dialogs other replicas hold (with Redis), oldest first
 
 
 
@@ -74,6 +80,7 @@ class Sessions:
         self.steering = Steering(agents)
         self._static: OrderedDict[str, _Static] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) by `poke`: every watch waiting wakes
+        self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
 
     def poke(self) -> None:
         """Something listed changed here (a turn started or ended, a mode changed): watches re-list."""
@@ -98,11 +105,23 @@ class Sessions:
         first = known.first if known is not None and known.first else ""
         if not first:
             first = await self._first_user_message(session, recent)
-        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")))
+        static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")),
+                         await self._remote_dialogs(session))
         self._static[session] = static
         while len(self._static) > CACHE:
             self._static.popitem(last=False)
         return static
+
+    async def _remote_dialogs(self, session: str) -> tuple[pb.WaitingDialog, ...]:
+        """With replicas (Redis), the dialogs other replicas hold: their shared store entries, whose
+        writes stamp the session, so they are read again whenever one opens or closes anywhere."""
+        shared = self.dialogs.shared
+        if shared is None:
+            return ()
+        kept = await self.store.scan(session, SHARED_KEY)
+        return tuple(pb.WaitingDialog(id=r.id, kind=r.WhichOneof("method") or "",
+                                      title=getattr(r, r.WhichOneof("method") or "select").title)
+                     for r in shared.others(session, kept))
 
     async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
         entries = recent
@@ -121,21 +140,36 @@ class Sessions:
         title = static.title or next((a.title for a in agents if a.title), "") or static.first
         waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
                    for d in self.dialogs.pending.waiting(session)]
+        waiting += [d for d in static.remote if all(d.id != w.id for w in waiting)]
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
                                agent=static.agent, waiting=waiting)
 
-    async def list(self, visible: Callable[[str], bool], prefix: str = "") -> pb.SessionList:
-        """The sessions `visible` allows (and starting with `prefix`), most recently active first."""
+    async def _stamps(self, shared: bool = False) -> list[tuple[str, float]]:
+        """The store's sessions and last activity; `shared` (the watches): read at most once per
+        SNAPSHOT_S however many watches ask (a poke makes the next read fresh)."""
+        now = time.monotonic()
+        taken, stamps, changed = self._snapshot
+        if shared and now - taken < SNAPSHOT_S and changed is self._changed:
+            return stamps
+        stamps = await self.store.sessions()
+        self._snapshot = (now, stamps, self._changed)
+        return stamps
+
+    async def list(self, visible: Callable[[str], bool], prefix: str = "", *, shared: bool = False) -> pb.SessionList:
+        """The sessions `visible` allows (and starting with `prefix`), most recently active first, at
+        most MAX_LISTED of them; `shared`: from the snapshot the watches share."""
         listed = pb.SessionList()
-        for session, stamp in await self.store.sessions():
+        for session, stamp in await self._stamps(shared):
             if session.startswith(prefix) and visible(session):
                 listed.sessions.append(await self.entry(session, stamp))
+                if len(listed.sessions) >= MAX_LISTED:
+                    break
         return listed
 
     async def get(self, session: str) -> pb.SessionEntry:
-        for name, stamp in await self.store.sessions():
+        for name, stamp in await self._stamps():
             if name == session:
                 return await self.entry(session, stamp)
         raise NotFound(f"no session {session!r}")
@@ -145,7 +179,7 @@ class Sessions:
         last: pb.SessionList | None = None
         while True:
             changed = self._changed  # taken before listing: a poke during the listing is not missed
-            current = await self.list(visible, prefix)
+            current = await self.list(visible, prefix, shared=True)
             if current != last:
                 last = current
                 yield current

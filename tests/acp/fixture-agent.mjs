@@ -14,6 +14,7 @@
 //   "diff"      an edit tool_call with `diff` content (one line changed in 30) and one creating a file,
 //               then a session_info_update title and two available commands
 //   "fail"      answers the prompt with a JSON-RPC error
+// A prompt's non-text blocks are logged ({attached}); it takes images, not embedded files.
 // session/new offers two modes (default, plan); session/set_mode is logged and answered with a
 // current_mode_update
 //   anything    echoes it, with the turn number of the session (its conversation lives here)
@@ -109,7 +110,7 @@ const app = agent({ name: "uibus-acp-fixture" })
   .onRequest(methods.agent.initialize, ({ params }) => {
     note({ initialize: params });
     return { protocolVersion: 1, agentCapabilities: { loadSession: Boolean(stateDir), mcpCapabilities: { http: true, sse: false },
-      promptCapabilities: { image: false, audio: false, embeddedContext: false } }, authMethods: [] };
+      promptCapabilities: { image: true, audio: false, embeddedContext: false } }, authMethods: [] };
   })
   .onRequest(methods.agent.session.new, ({ params }) => {
     const sessionId = stateDir ? `fixture-${process.pid}-${++next}` : `fixture-${++next}`;
@@ -138,6 +139,8 @@ const app = agent({ name: "uibus-acp-fixture" })
     if (!s) throw RequestError.invalidParams({ sessionId: params.sessionId }, "unknown session");
     s.turns += 1;
     const text = params.prompt.filter((b) => b.type === "text").map((b) => b.text).join("");
+    const attached = params.prompt.filter((b) => b.type !== "text");
+    if (attached.length) note({ attached: attached.map((b) => ({ type: b.type, mimeType: b.mimeType, bytes: (b.data || "").length })) });
     if (text === "tour") {
       await tour(client, params.sessionId);
     } else if (text === "slow") {

@@ -291,11 +291,50 @@ async function loadAgents(): Promise<void> {
   }
 }
 
+// ---- attachments: picked or pasted images and files, sent with the next message (mime_data) ----------
+const attachments: { name: string; type: string; bytes: Uint8Array }[] = [];
+const attachList = $<HTMLElement>("attachments");
+const MAX_ATTACHMENT_BYTES = 2 * 1024 * 1024; // the whole request must stay within the server's 4 MiB
+
+function showAttachments(): void {
+  attachList.hidden = attachments.length === 0;
+  attachList.replaceChildren(...attachments.map((a, i) => {
+    const chip = document.createElement("span");
+    chip.className = "attachment";
+    chip.textContent = a.name;
+    const drop = document.createElement("button");
+    drop.type = "button";
+    drop.textContent = "×";
+    drop.title = "remove";
+    drop.addEventListener("click", () => { attachments.splice(i, 1); showAttachments(); });
+    chip.append(drop);
+    return chip;
+  }));
+}
+
+async function attach(files: Iterable<File>): Promise<void> {
+  for (const f of files) {
+    if (f.size > MAX_ATTACHMENT_BYTES) { logEvent("attachment too large", `${f.name}: over 2 MiB`); continue; }
+    attachments.push({ name: f.name || f.type, type: f.type || "application/octet-stream",
+                       bytes: new Uint8Array(await f.arrayBuffer()) });
+  }
+  showAttachments();
+}
+const filePicker = $<HTMLInputElement>("file");
+$<HTMLButtonElement>("attach").addEventListener("click", () => filePicker.click());
+filePicker.addEventListener("change", () => { void attach(filePicker.files ?? []); filePicker.value = ""; });
+input.addEventListener("paste", (ev) => {
+  const files = [...(ev.clipboardData?.files ?? [])];
+  if (files.length) { ev.preventDefault(); void attach(files); }
+});
+
 async function send(text: string): Promise<void> {
   const agent = agentSelect.value;
   if (!text.trim() || !agent) return;
+  const files = attachments.splice(0);
+  showAttachments();
   const mine = bubble("user", "you");
-  renderBody(mine, "plain", text);
+  renderBody(mine, "plain", files.length ? `${text}\n📎 ${files.map((f) => f.name).join(", ")}` : text);
   sentByMe.push({ text, el: mine });
   const reply = bubble("agent partial", agent);
   renderBody(reply, "markdown", "");
@@ -305,7 +344,8 @@ async function send(text: string): Promise<void> {
   button.disabled = true;
   scrollDown();
   try {
-    const request = create(ChatRequestSchema, { userMessage: { type: ChatMessage_ChatMessageType.HUMAN, text } });
+    const request = create(ChatRequestSchema, { userMessage: { type: ChatMessage_ChatMessageType.HUMAN, text,
+      mimeData: files.map((f) => ({ mimeType: f.type, mimeBytes: f.bytes })) } });
     for await (const res of agentClient(agent).streamingChat(request)) {
       const m = res.response;
       if (m && m.text && (m.type === ChatMessage_ChatMessageType.AGENT_FRAMEWORK || m.type === ChatMessage_ChatMessageType.AI)) {
