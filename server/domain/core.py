@@ -55,6 +55,8 @@ class Core:
             forwarding = chat.routing = TurnForwarding(
                 bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True),
                 lambda session, text: feed.say(session, text, ui_pb2.ERROR))
+            # steering an agent another replica hosts goes to that replica, the same way
+            listing.steering.route, forwarding.steer_here = forwarding.steer, listing.steering.here
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
                    dialogs=dialogs, agent_sessions=sessions, sessions=listing, ownership=ownership,
                    forwarding=forwarding)

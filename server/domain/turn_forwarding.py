@@ -21,6 +21,12 @@ one conversation whatever replica or worker a client's connection landed on:
   again (the next turn takes the lease over once it expired). Both ways: the forwarder says
   "alive" every lease_s / 4, and a turn whose forwarder went silent as long is cancelled at the
   owner (the forwarder's replica died: nobody would read it, and the agent must not run on).
+
+Steering (StopTurn, SetMode, SetModel, NewConversation: uibus.domain.steering) of an agent hosted
+elsewhere takes the same way: an AGENT_TURN "steer" to the owner, whose listener runs it
+(`steer_here`) and answers "accepted" at once, then "end" with the result or the error's status and
+message. A stop cancels the owner's run of a forwarded turn like a local one, so that turn's
+forwarder hears CANCELLED with the owner's "stopped from a UI" message.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import base64
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
@@ -49,9 +55,12 @@ ACCEPT_S = 2.0  # how long a forwarded turn waits for the owner to take it (at l
 RETRY_S = 0.2  # between claims while the owner does not answer
 SEEN_MAX = 4096  # turn ids remembered against a redelivery
 REPLY_QUEUE = 1 << 20  # a forwarded turn's mailbox, in events: bounded by the mailbox's bytes instead
+STEER_S = 45.0  # how long an accepted steering call may take at the owner (pi answers each state read within 10 s)
 _UNAVAILABLE = STATUS_NUMBERS["UNAVAILABLE"]
 
 RunHere = Callable[[str, str, agent_pb2.ChatRequest, Mapping[str, str]], AsyncIterator[agent_pb2.ChatResponse]]
+# (session, agent, action, args) -> the result (uibus.domain.steering.Steering.here)
+SteerHere = Callable[[str, str, str, dict[str, str]], Awaitable[dict[str, Any]]]
 
 
 class _Moved(Exception):
@@ -138,6 +147,7 @@ class TurnForwarding:
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
         self.served = 0  # turns other replicas carried here
         self.interrupted = 0  # forwarded turns whose owner went silent
+        self.steer_here: SteerHere | None = None  # set by the core: runs a steering call carried here
         ownership.on_session = self._on_session
 
     # ---- the forwarder's side ----
@@ -245,6 +255,48 @@ class TurnForwarding:
                 bus.publish(session, kinds.AGENT_TURN, {"op": "cancel", "id": turn_id}, target=owner)
             bus.unsubscribe(sub)
 
+    async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
+        """A steering call of (`session`, `agent`) run by its owner: None when that is this replica
+        (the caller acts here), else the owner's result; its error raised with the owner's status;
+        UNAVAILABLE when the owner does not answer within `accept_s`, or not finish within STEER_S."""
+        ownership = self.ownership
+        owner = await ownership.claim(session, agent)
+        if owner == ownership.owner_id:
+            return None
+        unanswered = (f"the uibus replica hosting agent {agent!r} for this session did not answer the {action} "
+                      "request; try again shortly")
+        ask_id = uuid.uuid4().hex
+        bus = self.bus
+        await bus.ready(session)
+        try:
+            sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, ask_id, maxsize=16)
+        except (SubscriptionLimit, BusClosed) as exc:
+            raise Unavailable(f"cannot carry the {action} request to the replica hosting agent {agent!r}: {exc}") \
+                from exc
+        try:
+            if bus.publish(session, kinds.AGENT_TURN, {"op": "steer", "id": ask_id, "agent": agent, "action": action,
+                                                       "args": args}, target=owner) == 0:
+                raise Unavailable(unanswered)
+            replies, wait = aiter(sub), self.accept_s
+            while True:
+                try:
+                    async with asyncio.timeout(wait):
+                        item = await anext(replies)
+                except (TimeoutError, StopAsyncIteration):
+                    raise Unavailable(unanswered) from None
+                op = item.get("op") if type(item) is dict else None
+                if op == "accepted":
+                    wait = STEER_S
+                elif op == "moved":
+                    raise Unavailable(f"agent {agent!r} of this session is changing replicas; try again shortly")
+                elif op == "end":
+                    if item.get("code"):
+                        raise error_of(int(item["code"]), str(item.get("message", "")))
+                    result = item.get("result")
+                    return result if isinstance(result, dict) else {}
+        finally:
+            bus.unsubscribe(sub)
+
     # ---- the owner's side ----
 
     def _on_session(self, session: str, holding: bool) -> None:
@@ -280,6 +332,8 @@ class TurnForwarding:
                         task.cancel()
                 elif item.get("op") == "alive" and item["id"] in self._turns:
                     self._alive[item["id"]] = time.monotonic()
+                elif item.get("op") == "steer":
+                    self._serving.spawn(self._steer(session, item), name="forwarded steering")
         except UibusError:  # the mailbox overflowed: stop listening (forwarders wait for the lease)
             pass
         finally:
@@ -337,6 +391,30 @@ class TurnForwarding:
             self._alive.pop(turn_id, None)
             if beat is not None:
                 beat.cancel()  # joined with the other serving tasks
+
+    async def _steer(self, session: str, item: dict[str, Any]) -> None:
+        """Runs a steering call carried here and answers it (see `steer`)."""
+        def reply(value: dict[str, Any]) -> None:
+            self.bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=item["id"])
+
+        agent, args = item.get("agent"), item.get("args")
+        if type(agent) is not str or self.steer_here is None or not self.ownership.holds(session, agent):
+            reply({"op": "moved"})
+            return
+        reply({"op": "accepted"})
+        try:
+            result = await self.steer_here(session, agent, str(item.get("action", "")),
+                                           {str(k): str(v) for k, v in args.items()} if isinstance(args, dict) else {})
+            reply({"op": "end", "code": 0, "result": result})
+        except asyncio.CancelledError:
+            reply({"op": "end", "code": _UNAVAILABLE,
+                   "message": "the uibus replica hosting the agent is shutting down"})
+            raise
+        except UibusError as exc:
+            reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
+        except Exception as exc:  # a bug of ours (or the agent's reply): the caller gets INTERNAL
+            log.error("forwarded steering failed", exc_info=exc)
+            reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
 
     async def _beat(self, once: Callable[[], object]) -> None:
         """`once()` every lease_s / 4: the owner's heartbeat to a forwarder, and the forwarder's
