@@ -275,6 +275,8 @@ class App:
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
+        if core.agent_states is not None:  # closed after the agent sessions: their removals are written
+            await res.enter("agent state sharing", core.agent_states)
         await res.enter("agent sessions", core.agent_sessions)
         if core.ownership is not None and core.forwarding is not None:  # closed before the agent sessions
             await res.enter("agent ownership", core.ownership)

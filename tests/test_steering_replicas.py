@@ -2,12 +2,14 @@
 redis-server, the ACP fixture agent hosted by one of them (its lease owner, A). A turn sent to B runs
 at A; a StopTurn sent to C reaches A over the bus: B's caller gets CANCELLED with the "stopped from
 a UI" message and the agent gets `session/cancel`. SetMode, SetModel and NewConversation sent to C
-act at A and answer with A's result or A's error; the listing served by C shows A's agent state."""
+act at A and answer with A's result or A's error; the listings served by B and C show A's agent
+state (running, modes), and no longer once A stopped."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -32,6 +34,18 @@ def api(conn: Connection) -> Any:
     return sessions_pb2_grpc.SessionServiceStub(conn.channel)
 
 
+async def listed_until(conn: Connection, session: str, ok: Callable[[pb.SessionEntry], bool]) -> pb.SessionEntry:
+    """The session's entry in `conn`'s listing once `ok` holds (the owner's state write crossed the store)."""
+    seen = None
+    for _ in range(250):
+        listed = await api(conn).ListSessions(pb.ListSessionsRequest(prefix=session))
+        seen = next((s for s in listed.sessions if s.session == session), None)
+        if seen is not None and ok(seen):
+            return seen
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the listing never showed what was expected; last: {seen}")
+
+
 async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path, redis_server: RedisProcess) -> None:
     need_fixture()
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=3) as apps:
@@ -46,6 +60,9 @@ async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path
 
             call = Agent(on_b, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
             assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
+            seen = await listed_until(on_c, "x", lambda e: list(e.running) == ["acp"])  # A's agent, listed on C
+            assert [(s.agent, s.live, list(s.modes)) for s in seen.agents][0][:2] == ("acp", True)
+            assert [m.id for m in seen.agents[0].modes] == ["default", "plan"]
             assert (await api(on_c).StopTurn(pb.AgentRequest(agent="acp"))).stopped is True
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 async for _ in call:
@@ -58,6 +75,8 @@ async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path
             state = await api(on_c).SetMode(pb.SetModeRequest(agent="acp", mode_id="plan"))
             assert state.current_mode == "plan" and state.agent == "acp"
             assert any(e.get("session/set_mode", {}).get("modeId") == "plan" for e in fixture_log(tmp_path))
+            seen = await listed_until(on_b, "x", lambda e: bool(e.agents) and e.agents[0].current_mode == "plan")
+            assert list(seen.running) == [] and [a.agent for a in seen.agents] == ["acp"]
             # the owner's errors come back with their status and message
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await api(on_c).SetMode(pb.SetModeRequest(agent="acp", mode_id="yolo"))
@@ -74,3 +93,5 @@ async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path
             assert await final(on_c, "acp", "hello") == "Turn 1: hello"  # the fresh conversation, at A
             assert started(apps, "acp") == 1
             assert all(x.bus.count(kinds.AGENT_TURN_REPLY) == 0 for x in (b, c))
+            await a.aclose(grace=0.5)  # the owner stops: its agent leaves the other replicas' listings
+            await listed_until(on_c, "x", lambda e: not e.agents)

@@ -150,6 +150,9 @@ class AgentSessions:
         self.closed_dead = 0
         # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
         self.on_change: Callable[[], None] = _nothing
+        # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
+        # was steered, it closed (uibus.domain.agent_state_sharing writes it for other replicas).
+        self.on_agent: Callable[[str, str], None] = lambda session, name: None
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
         self.mcp_token = ""
@@ -221,6 +224,8 @@ class AgentSessions:
             with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
                 if marker:
                     await self.store.put(key[0], MARKER + key[1], None)
+            if marker and key not in self._live:  # not another replica's now, nor replaced here
+                self.on_agent(*key)
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
@@ -384,11 +389,13 @@ class AgentSessions:
                 task = asyncio.current_task()
                 entry.task = task
                 self.on_change()
+                self.on_agent(session, name)
                 try:
                     yield entry.agent
                 finally:
                     entry.task = None
                     self.on_change()
+                    self.on_agent(session, name)
                     stopped = entry.stopping is task
                     if stopped:
                         entry.stopping = None

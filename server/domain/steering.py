@@ -156,6 +156,7 @@ class Steering:
         if mode_id not in ids:
             raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
         await call(mode_id)
+        self.agents.on_agent(session, name)
         return self.state(session, name)
 
     async def _set_model_here(self, session: str, name: str, model_id: str) -> pb.AgentState:
@@ -167,6 +168,7 @@ class Steering:
         if ids and model_id not in ids:
             raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
         await call(model_id)
+        self.agents.on_agent(session, name)
         return self.state(session, name)
 
     async def _new_conversation_here(self, session: str, name: str) -> pb.AgentState:
@@ -175,4 +177,5 @@ class Steering:
         if self.agents.running(session, name):
             raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
         await call()
+        self.agents.on_agent(session, name)
         return self.state(session, name)
