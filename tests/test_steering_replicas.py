@@ -2,7 +2,7 @@
 redis-server, the ACP fixture agent hosted by one of them (its lease owner, A). A turn sent to B runs
 at A; a StopTurn sent to C reaches A over the bus: B's caller gets CANCELLED with the "stopped from
 a UI" message and the agent gets `session/cancel`. SetMode, SetModel and NewConversation sent to C
-act at A and answer with A's result or A's error; the listings served by B and C show A's agent
+act at A and answer with A's result or A's error; a turn sent to B runs in B's caller's trace; the listings served by B and C show A's agent
 state (running, modes), and no longer once A stopped."""
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.test_acp_agent import fixture_agent, fixture_log
 from tests.test_agent_ownership import final, need_fixture, owner_of, replicas, started
+from tests.test_tracing import TRACE_ID, TRACEPARENT, http_receiver, otlp_http
 from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 
-__all__ = ["redis_server"]  # the fixture
+__all__ = ["otlp_http", "redis_server"]  # the fixtures
 
 pytestmark = [pytest.mark.redis, pytest.mark.node, pytest.mark.timeout(120)]
 
@@ -95,3 +96,27 @@ async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path
             assert all(x.bus.count(kinds.AGENT_TURN_REPLY) == 0 for x in (b, c))
             await a.aclose(grace=0.5)  # the owner stops: its agent leaves the other replicas' listings
             await listed_until(on_c, "x", lambda e: not e.agents)
+
+
+async def test_a_forwarded_turn_stays_in_its_callers_trace(tmp_path: Path, redis_server: RedisProcess,
+                                                          otlp_http: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The turn sent to B runs at A: A's turn span is a child of B's call span, in the caller's trace."""
+    need_fixture()
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)]) as apps:
+            a, b = apps
+            async with Connection(f"127.0.0.1:{a.port}", session="t") as on_a, \
+                    Connection(f"127.0.0.1:{b.port}", session="t") as on_b:
+                assert await final(on_a, "acp", "one") == "Turn 1: one"  # A owns the agent
+                stream = Agent(on_b, "acp").StreamingChat(request("two", filter_type=MAXIMAL),
+                                                          metadata=(("traceparent", TRACEPARENT),))
+                assert [r async for r in stream][-1].response.text == "Turn 2: two"
+    calls = [s for s in got.named("acp.AgentService/StreamingChat") if s.trace_id == TRACE_ID]
+    assert len(calls) == 1 and calls[0].resource["service.instance.id"] != ""
+    (call,) = calls
+    turns = [s for s in got.children(call) if s.name == "chat turn acp"]
+    assert len(turns) == 1, [s.name for s in got.spans if s.trace_id == TRACE_ID]
+    (turn,) = turns
+    assert turn.trace_id == TRACE_ID and turn.attributes["uibus.chat.outcome"] == "completed"
+    assert turn.attributes["uibus.session"] == "t"

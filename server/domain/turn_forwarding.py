@@ -42,7 +42,7 @@ from typing import Any
 
 from google.protobuf import wrappers_pb2
 
-from uibus import kinds
+from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.domain.ownership import Interrupted, Ownership, interrupted
 from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
@@ -110,6 +110,15 @@ class _Replies:
     def control(self, value: dict[str, Any]) -> None:
         self.flush()
         self._publish(value)
+
+
+def _trace_of(item: dict[str, Any]) -> Any:
+    """The forwarder's trace context a forwarded turn carries (W3C headers), for its run here to
+    adopt (owned tasks start outside any trace); None when tracing is off or it carries none."""
+    carried = item.get("trace")
+    if telemetry.tracer is None or not isinstance(carried, dict) or not carried:
+        return None
+    return telemetry.extract((str(k), str(v)) for k, v in carried.items())
 
 
 def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
@@ -203,10 +212,12 @@ class TurnForwarding:
             raise Unavailable(f"cannot carry the turn to the replica hosting agent {agent!r}: {exc}") from exc
         sent = ended = False
         alive: asyncio.Task[None] | None = None
+        turn: dict[str, Any] = {"op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
+                                "request": base64.b64encode(request.SerializeToString()).decode()}
+        if telemetry.tracer is not None and telemetry.recording():  # the owner's turn span joins the call's trace
+            turn["trace"] = telemetry.inject({})
         try:
-            sent = bus.publish(session, kinds.AGENT_TURN, {
-                "op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
-                "request": base64.b64encode(request.SerializeToString()).decode()}, target=owner) > 0
+            sent = bus.publish(session, kinds.AGENT_TURN, turn, target=owner) > 0
             if not sent:
                 raise _Moved
             alive = self._serving.spawn(self._beat(lambda: bus.publish(
@@ -325,7 +336,8 @@ class TurnForwarding:
                     self._seen[item["id"]] = None
                     if len(self._seen) > SEEN_MAX:
                         del self._seen[next(iter(self._seen))]
-                    self._turns[item["id"]] = self._serving.spawn(self._run(session, item), name="forwarded agent turn")
+                    self._turns[item["id"]] = self._serving.spawn(
+                        telemetry.adopted(_trace_of(item), self._run(session, item)), name="forwarded agent turn")
                 elif item.get("op") == "cancel":
                     task = self._turns.get(item["id"])
                     if task is not None:
