@@ -2,27 +2,32 @@
 redis-server, the ACP fixture agent hosted by one of them (its lease owner, A). A turn sent to B runs
 at A; a StopTurn sent to C reaches A over the bus: B's caller gets CANCELLED with the "stopped from
 a UI" message and the agent gets `session/cancel`. SetMode, SetModel and NewConversation sent to C
-act at A and answer with A's result or A's error; a turn sent to B runs in B's caller's trace; the listings served by B and C show A's agent
-state (running, modes), and no longer once A stopped."""
+act at A and answer with A's result or A's error; the listings served by B and C show A's agent
+state (running, modes), and no longer once A stopped. A turn sent to B runs in B's caller's trace.
+A turn cut off by A's shutdown (SIGTERM, after the grace) ends UNAVAILABLE saying the conversation
+is kept, and the session's webviews (on B) get an ERROR saying so."""
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import signal
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from tests.chatkit import MAXIMAL, Agent, request
+from tests.chatkit import MAXIMAL, Agent, request, write_agents
 from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.test_acp_agent import fixture_agent, fixture_log
-from tests.test_agent_ownership import final, need_fixture, owner_of, replicas, started
+from tests.test_agent_ownership import LEASE_S, final, need_fixture, owner_of, replicas, started
 from tests.test_tracing import TRACE_ID, TRACEPARENT, http_receiver, otlp_http
 from uibus import kinds
 from uibus.clients.connection import Connection
+from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 
@@ -62,7 +67,7 @@ async def test_steering_sent_to_a_third_replica_acts_at_the_owner(tmp_path: Path
             call = Agent(on_b, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
             assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
             seen = await listed_until(on_c, "x", lambda e: list(e.running) == ["acp"])  # A's agent, listed on C
-            assert [(s.agent, s.live, list(s.modes)) for s in seen.agents][0][:2] == ("acp", True)
+            assert [(s.agent, s.live) for s in seen.agents] == [("acp", True)]
             assert [m.id for m in seen.agents[0].modes] == ["default", "plan"]
             assert (await api(on_c).StopTurn(pb.AgentRequest(agent="acp"))).stopped is True
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -120,3 +125,38 @@ async def test_a_forwarded_turn_stays_in_its_callers_trace(tmp_path: Path, redis
     (turn,) = turns
     assert turn.trace_id == TRACE_ID and turn.attributes["uibus.chat.outcome"] == "completed"
     assert turn.attributes["uibus.session"] == "t"
+
+
+async def test_a_turn_cut_off_by_shutdown_says_the_conversation_is_kept(tmp_path: Path, redis_server: RedisProcess,
+                                                                       spawn: Any) -> None:
+    """SIGTERM at the replica running the turn: after its grace (1 s) the turn is cut by uibus, not by
+    gRPC's "Cancelling all calls": its caller gets UNAVAILABLE with the message, a webview of the
+    session on another replica an ERROR with the same text; the process exits 0."""
+    need_fixture()
+    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
+    owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
+                  "--grace-seconds", "1")
+    await owner.wait_ready()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
+        (b,) = apps
+        async with Connection(owner.target, session="z") as on_owner, \
+                Connection(f"127.0.0.1:{b.port}", session="z") as on_b:
+            webview = ui_pb2_grpc.UiServiceStub(on_b.channel).subscribeToPartialMessage(common_pb2.EmptyRequest())
+            await wait_for(lambda: b.bus.count(kinds.PARTIAL_MESSAGE, "z") == 1, what="the webview on B")
+            call = Agent(on_owner, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
+            assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
+            owner.proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for _ in call:
+                    pass
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
+            assert error.value.details() == ("the turn of acp was interrupted: the uibus server hosting it is "
+                                             "shutting down; the conversation is kept, send the turn again")
+            assert 0.9 < time.monotonic() - signalled < 5  # the grace was given
+            async with asyncio.timeout(5):
+                while not ((m := await webview.read()).say == ui_pb2.ERROR and m.text == error.value.details()):
+                    pass
+            webview.cancel()
+            assert await asyncio.to_thread(owner.proc.wait, 30) == 0
+        assert any("cancelled" in e for e in fixture_log(tmp_path))  # the agent got session/cancel

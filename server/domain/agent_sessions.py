@@ -41,7 +41,7 @@ from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
-from uibus.errors import Cancelled
+from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -128,6 +128,13 @@ class _Live:
     idle_since: float = field(default_factory=time.monotonic)
     task: asyncio.Task[object] | None = None  # the task running its turn now (StopTurn cancels it)
     stopping: asyncio.Task[object] | None = None  # the turn task a StopTurn cancelled
+    cut: asyncio.Task[object] | None = None  # the turn task shutdown cut off after the grace
+
+
+def cut_by_shutdown(agent: str) -> str:
+    """The message of a turn cut off because this uibus stopped (its caller's status, an ERROR at its webviews)."""
+    return (f"the turn of {agent} was interrupted: the uibus server hosting it is shutting down; the "
+            "conversation is kept, send the turn again")
 
 
 class AgentSessions:
@@ -304,6 +311,19 @@ class AgentSessions:
             task.cancel("stopped from a UI of the session")
         return True
 
+    def cut_turns(self) -> int:
+        """Shutdown, after the grace: cancels every turn still running here, each caller getting
+        UNAVAILABLE (the conversation is kept, send the turn again) and each session's webviews an
+        ERROR saying so, rather than the transport's bare cancel. Returns how many were cut."""
+        n = 0
+        for entry in list(self._live.values()):
+            task = entry.task
+            if task is not None and not task.done() and entry.cut is not task and entry.stopping is not task:
+                entry.cut = task
+                task.cancel("the server is shutting down")
+                n += 1
+        return n
+
     async def close_session(self, session: str) -> int:
         """Closes every live agent of `session` (it is being deleted), running turns cancelled
         first; returns how many were closed."""
@@ -407,6 +427,14 @@ class AgentSessions:
                         task.uncancel()
                         raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
                                         "the session")
+                    cut = entry.cut is task
+                    if cut:
+                        entry.cut = None
+                    if cut and task is not None and task.cancelling() == 1:  # shutdown's cut (cut_turns)
+                        task.uncancel()
+                        message = cut_by_shutdown(name)
+                        self.feed.say(session, message, ui_pb2.ERROR)
+                        raise Unavailable(message)
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()
