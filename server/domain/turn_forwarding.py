@@ -234,8 +234,9 @@ class TurnForwarding:
                         raise _Moved from None
                     self.interrupted += 1
                     raise Interrupted(interrupted(agent)) from None
-                except StopAsyncIteration:
-                    raise Unavailable("the server is shutting down") from None
+                except StopAsyncIteration:  # this replica shuts down (the bus ended its streams)
+                    raise Interrupted(f"the turn of {agent} was interrupted: the uibus server it reached is "
+                                      "shutting down; the conversation is kept, send the turn again") from None
                 if type(item) is wrappers_pb2.BytesValue:
                     seq = int.from_bytes(item.value[:4], "big")
                     if seq > last:
