@@ -160,3 +160,31 @@ async def test_a_turn_cut_off_by_shutdown_says_the_conversation_is_kept(tmp_path
             webview.cancel()
             assert await asyncio.to_thread(owner.proc.wait, 30) == 0
         assert any("cancelled" in e for e in fixture_log(tmp_path))  # the agent got session/cancel
+
+
+async def test_steering_an_owner_that_does_not_answer_is_unavailable(tmp_path: Path, redis_server: RedisProcess,
+                                                                    spawn: Any) -> None:
+    """The owner frozen (SIGSTOP) while its lease still runs: a StopTurn at B ends UNAVAILABLE within
+    the accept bound, saying the owner did not answer."""
+    need_fixture()
+    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
+    owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", "10")
+    await owner.wait_ready()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
+        (b,) = apps
+        async with Connection(owner.target, session="f") as on_owner, \
+                Connection(f"127.0.0.1:{b.port}", session="f") as on_b:
+            assert await final(on_owner, "acp", "one") == "Turn 1: one"
+            assert (await api(on_b).StopTurn(pb.AgentRequest(agent="acp"))).stopped is False  # it answers
+            owner.proc.send_signal(signal.SIGSTOP)
+            try:
+                asked = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await api(on_b).StopTurn(pb.AgentRequest(agent="acp"))
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert err.value.details() == ("the uibus replica hosting agent 'acp' for this session did not "
+                                               "answer the stop request; try again shortly")
+                assert time.monotonic() - asked < 10
+            finally:
+                owner.proc.send_signal(signal.SIGCONT)
+            assert b.bus.count(kinds.AGENT_TURN_REPLY) == 0
