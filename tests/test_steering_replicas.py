@@ -20,7 +20,8 @@ import grpc
 import pytest
 
 from tests.chatkit import MAXIMAL, Agent, request, write_agents
-from tests.conftest import wait_for
+from tests.conftest import require, wait_for
+from tests.pikit import PI, Reply, pi_agent, scripted_model
 from tests.redisproc import RedisProcess, redis_server
 from tests.test_acp_agent import fixture_agent, fixture_log
 from tests.test_agent_ownership import LEASE_S, final, need_fixture, owner_of, replicas, started
@@ -188,3 +189,35 @@ async def test_steering_an_owner_that_does_not_answer_is_unavailable(tmp_path: P
             finally:
                 owner.proc.send_signal(signal.SIGCONT)
             assert b.bus.count(kinds.AGENT_TURN_REPLY) == 0
+
+
+async def test_a_forwarded_pi_turn_stopped_and_pi_steered_from_the_forwarder(tmp_path: Path,
+                                                                            redis_server: RedisProcess) -> None:
+    """pi hosted by A; B carries a turn to it and a UI on B stops it (pi `abort`: the model request
+    is dropped), sets pi's model and starts a new session there; B's listing shows pi's models."""
+    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
+    async with scripted_model() as model, replicas(tmp_path, redis_server, [pi_agent(tmp_path, model)]) as apps:
+        model.script(Reply(text="Hi."), Reply(text="Thinking very hard ", hang=True), Reply(text="Recovered."))
+        a, b = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="p") as on_a, \
+                Connection(f"127.0.0.1:{b.port}", session="p") as on_b:
+            assert await final(on_a, "pi", "hello") == "Hi."
+            assert owner_of(apps, "p", "pi") is a
+            seen = await listed_until(on_b, "p", lambda e: bool(e.agents) and bool(e.agents[0].models))
+            assert [m.id for m in seen.agents[0].models] == ["scripted"] and "set_model" in seen.agents[0].can
+            call = Agent(on_b, "pi").StreamingChat(request("take forever", filter_type=MAXIMAL))
+            await asyncio.wait_for(call.read(), 30)
+            await wait_for(lambda: model.open_requests == 1, timeout=10, what="the model request")
+            assert (await api(on_b).StopTurn(pb.AgentRequest(agent="pi"))).stopped is True
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in call:
+                    pass
+            assert err.value.code() == grpc.StatusCode.CANCELLED and "stopped from a UI" in (err.value.details() or "")
+            await wait_for(lambda: model.open_requests == 0, timeout=10, what="the model request dropped (abort)")
+            assert model.cancelled == 1
+            state = await api(on_b).SetModel(pb.SetModelRequest(agent="pi", model_id="scripted"))
+            assert state.current_model == "scripted"
+            state = await api(on_b).NewConversation(pb.AgentRequest(agent="pi"))
+            assert state.live and len(state.conversations) == 1
+            assert await final(on_b, "pi", "are you there?") == "Recovered."
+            assert started(apps, "pi") == 1
