@@ -130,9 +130,10 @@ async def test_a_forwarded_turn_stays_in_its_callers_trace(tmp_path: Path, redis
 
 async def test_a_turn_cut_off_by_shutdown_says_the_conversation_is_kept(tmp_path: Path, redis_server: RedisProcess,
                                                                        spawn: Any) -> None:
-    """SIGTERM at the replica running the turn: after its grace (1 s) the turn is cut by uibus, not by
-    gRPC's "Cancelling all calls": its caller gets UNAVAILABLE with the message, a webview of the
-    session on another replica an ERROR with the same text; the process exits 0."""
+    """SIGTERM at the replica running the turns: after its grace (1 s) they are cut by uibus, not by
+    gRPC's "Cancelling all calls": their callers (one at the owner, one at B whose turn was carried
+    to the owner) get UNAVAILABLE with the message, a webview of the session on B an ERROR with the
+    same text; the process exits 0."""
     need_fixture()
     path = write_agents(tmp_path, [fixture_agent(tmp_path)])
     owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
@@ -141,19 +142,27 @@ async def test_a_turn_cut_off_by_shutdown_says_the_conversation_is_kept(tmp_path
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
         (b,) = apps
         async with Connection(owner.target, session="z") as on_owner, \
-                Connection(f"127.0.0.1:{b.port}", session="z") as on_b:
+                Connection(f"127.0.0.1:{b.port}", session="z") as on_b, \
+                Connection(f"127.0.0.1:{b.port}", session="z2") as on_b2:
             webview = ui_pb2_grpc.UiServiceStub(on_b.channel).subscribeToPartialMessage(common_pb2.EmptyRequest())
             await wait_for(lambda: b.bus.count(kinds.PARTIAL_MESSAGE, "z") == 1, what="the webview on B")
             call = Agent(on_owner, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
             assert (await asyncio.wait_for(call.read(), 20)).response.text == "Working "
+            # and a turn of another session, sent to B and carried to the owner
+            async with Connection(owner.target, session="z2") as other:
+                assert await final(other, "acp", "one") == "Turn 1: one"
+            forwarded = Agent(on_b2, "acp").StreamingChat(request("slow", filter_type=MAXIMAL))
+            assert (await asyncio.wait_for(forwarded.read(), 20)).response.text == "Working "
             owner.proc.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                async for _ in call:
-                    pass
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
-            assert error.value.details() == ("the turn of acp was interrupted: the uibus server hosting it is "
-                                             "shutting down; the conversation is kept, send the turn again")
+            message = ("the turn of acp was interrupted: the uibus server hosting it is shutting down; the "
+                       "conversation is kept, send the turn again")
+            for cut in (call, forwarded):
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    async for _ in cut:
+                        pass
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE, error.value
+                assert error.value.details() == message
             assert 0.9 < time.monotonic() - signalled < 5  # the grace was given
             async with asyncio.timeout(5):
                 while not ((m := await webview.read()).say == ui_pb2.ERROR and m.text == error.value.details()):
