@@ -230,3 +230,22 @@ async def test_a_forwarded_pi_turn_stopped_and_pi_steered_from_the_forwarder(tmp
             assert state.live and len(state.conversations) == 1
             assert await final(on_b, "pi", "are you there?") == "Recovered."
             assert started(apps, "pi") == 1
+
+
+async def test_steering_a_name_that_is_no_hosted_agent_claims_nothing(tmp_path: Path,
+                                                                     redis_server: RedisProcess) -> None:
+    """Bad input is answered where it arrived: no lease is taken for a name no agent has."""
+    need_fixture()
+    async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)]) as apps:
+        a, _ = apps
+        async with Connection(f"127.0.0.1:{a.port}", session="n") as on_a:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await api(on_a).SetMode(pb.SetModeRequest(agent="nobody", mode_id="plan"))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "nobody is not running in session 'n'" in (err.value.details() or "")
+            assert (await api(on_a).StopTurn(pb.AgentRequest(agent="nobody"))).stopped is False
+            assert a.core.ownership is not None and not a.core.ownership.held
+            # a hosted agent that runs nowhere: the same answer, from whichever replica claims it
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await api(on_a).SetMode(pb.SetModeRequest(agent="acp", mode_id="plan"))
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION

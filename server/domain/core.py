@@ -59,6 +59,7 @@ class Core:
                 lambda session, text: feed.say(session, text, ui_pb2.ERROR))
             # steering an agent another replica hosts goes to that replica, the same way
             listing.steering.route, forwarding.steer_here = forwarding.steer, listing.steering.here
+            listing.steering.hosted = chat.hosted
             # and the listing shows the agents other replicas host
             agent_states = listing.agent_states = AgentStateSharing(
                 store, sessions, replica_id, getattr(bus, "announced", None))

@@ -78,10 +78,13 @@ class Steering:
     def __init__(self, agents: AgentSessions) -> None:
         self.agents = agents
         self.route: Route | None = None
+        # Which names are hosted agents (set with `route`): any other name is answered here, so a
+        # bad name never claims a lease in the shared store.
+        self.hosted: Callable[[str], bool] = lambda name: True
 
     async def _remote(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
         """The owner's answer when `name` is hosted by another replica; None: act here."""
-        if self.route is None or self.agents.live_agent(session, name) is not None:
+        if self.route is None or self.agents.live_agent(session, name) is not None or not self.hosted(name):
             return None
         return await self.route(session, name, action, args)
 
