@@ -29,6 +29,7 @@ from tests.test_tracing import TRACE_ID, TRACEPARENT, http_receiver, otlp_http
 from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
+from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 
@@ -249,3 +250,54 @@ async def test_steering_a_name_that_is_no_hosted_agent_claims_nothing(tmp_path: 
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await api(on_a).SetMode(pb.SetModeRequest(agent="acp", mode_id="plan"))
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_steering_through_either_of_two_workers_reaches_the_one_agent(tmp_path: Path,
+                                                                           redis_server: RedisProcess,
+                                                                           spawn: Any) -> None:
+    """`--workers 2` on Redis: each worker, whichever hosts the agent, sets its mode and lists it."""
+    need_fixture()
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.test_workers import fresh_channel
+    from tests.test_workers import started as workers_started
+    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
+    server, _ = await workers_started(lambda *args: spawn(*args, "--agents", path, "--agent-lease-seconds",
+                                                              str(LEASE_S)), redis_server)
+    by_worker: dict[str, grpc.aio.Channel] = {}
+    opened: list[grpc.aio.Channel] = []
+    try:
+        for _ in range(40):
+            channel = fresh_channel(server.target)
+            opened.append(channel)
+            call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            by_worker.setdefault((await call.initial_metadata())["x-uibus-worker"], channel)
+            await call
+            if len(by_worker) == 2:
+                break
+        assert len(by_worker) == 2, "40 connections all went to one worker"
+        meta = (("x-uibus-session", "w"),)
+        first = next(iter(by_worker.values()))
+        chat = first.unary_stream("/acp.AgentService/StreamingChat",
+                                  request_serializer=agent_pb2.ChatRequest.SerializeToString,
+                                  response_deserializer=agent_pb2.ChatResponse.FromString)
+        assert [r async for r in chat(request("one"), metadata=meta)][-1].response.text == "Turn 1: one"
+        for mode, channel in zip(("plan", "default"), by_worker.values(), strict=True):
+            stub = sessions_pb2_grpc.SessionServiceStub(channel)
+            state = await stub.SetMode(pb.SetModeRequest(agent="acp", mode_id=mode), metadata=meta)
+            assert state.current_mode == mode
+            for other in by_worker.values():  # every worker lists the mode just set
+                listing = sessions_pb2_grpc.SessionServiceStub(other)
+                for _ in range(250):
+                    listed = await listing.ListSessions(pb.ListSessionsRequest(prefix="w"))
+                    if listed.sessions and listed.sessions[0].agents \
+                            and listed.sessions[0].agents[0].current_mode == mode:
+                        break
+                    await asyncio.sleep(0.02)
+                assert listed.sessions[0].agents[0].current_mode == mode
+        assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1  # one agent process
+        assert [e["session/set_mode"]["modeId"] for e in fixture_log(tmp_path) if "session/set_mode" in e] \
+            == ["plan", "default"]
+    finally:
+        for channel in opened:
+            await channel.close()
