@@ -41,7 +41,7 @@ from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
 from uibus.sqlite_store import SqliteStore
 from uibus.store import Store
-from uibus.tasks import cancel_and_wait
+from uibus.tasks import Tasks, cancel_and_wait
 from uibus.transports.http import HttpServer, read_pem, server_tls
 from uibus.transports.inprocess import Channel
 from uibus.transports.mcp_http import PATH as MCP_PATH
@@ -52,6 +52,7 @@ from uibus.worker_table import Worker
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
+CUT_S = 1.0  # after the grace: how long the turns cut by shutdown have to send their status
 HEALTH_POLL_S = 0.5  # how often readiness is re-read besides store changes (the bus's connection has no event)
 T = TypeVar("T")
 
@@ -275,6 +276,8 @@ class App:
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
+        if core.agent_states is not None:  # closed after the agent sessions: their removals are written
+            await res.enter("agent state sharing", core.agent_states)
         await res.enter("agent sessions", core.agent_sessions)
         if core.ownership is not None and core.forwarding is not None:  # closed before the agent sessions
             await res.enter("agent ownership", core.ownership)
@@ -428,13 +431,26 @@ class App:
             log.warning("recent messages not all written before exit", extra={"fields": {"within_s": self._grace}})
 
     async def _stop_servers(self) -> None:
-        """Stops accepting calls, lets running ones finish within the grace period, cancels the rest."""
+        """Stops accepting calls, lets running ones finish within the grace period, cancels the rest.
+        Hosted agent turns still running at the grace are cut by us first (AgentSessions.cut_turns),
+        so their callers hear UNAVAILABLE saying the conversation is kept; gRPC's own cancel of what
+        is left comes CUT_S later, once those statuses are sent."""
         stops: list[Awaitable[Any]] = []
         if self._server is not None:
-            stops.append(self._server.stop(self._grace))
+            stops.append(self._server.stop(self._grace + CUT_S))
         if self._http is not None:
             stops.append(self._http.stop())
-        await asyncio.gather(*stops)
+        cutter = Tasks("turns cut at shutdown")
+        cutter.spawn(self._cut_turns_after_grace(), name="cut turns after the grace")
+        try:
+            await asyncio.gather(*stops)
+        finally:
+            await cutter.aclose()
+
+    async def _cut_turns_after_grace(self) -> None:
+        await asyncio.sleep(self._grace)
+        if self.core is not None and (cut := self.core.agent_sessions.cut_turns()):
+            log.info("turns cut off by shutdown", extra={"fields": {"turns": cut, "grace_s": self._grace}})
 
     async def begin_shutdown(self) -> None:
         """Phase one: NOT_SERVING, the drain, then no new work and every open stream ended."""

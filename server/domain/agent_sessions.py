@@ -41,7 +41,7 @@ from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
-from uibus.errors import Cancelled
+from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -128,6 +128,13 @@ class _Live:
     idle_since: float = field(default_factory=time.monotonic)
     task: asyncio.Task[object] | None = None  # the task running its turn now (StopTurn cancels it)
     stopping: asyncio.Task[object] | None = None  # the turn task a StopTurn cancelled
+    cut: asyncio.Task[object] | None = None  # the turn task shutdown cut off after the grace
+
+
+def cut_by_shutdown(agent: str) -> str:
+    """The message of a turn cut off because this uibus stopped (its caller's status, an ERROR at its webviews)."""
+    return (f"the turn of {agent} was interrupted: the uibus server hosting it is shutting down; the "
+            "conversation is kept, send the turn again")
 
 
 class AgentSessions:
@@ -150,6 +157,9 @@ class AgentSessions:
         self.closed_dead = 0
         # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
         self.on_change: Callable[[], None] = _nothing
+        # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
+        # was steered, it closed (uibus.domain.agent_state_sharing writes it for other replicas).
+        self.on_agent: Callable[[str, str], None] = lambda session, name: None
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
         self.mcp_token = ""
@@ -221,6 +231,8 @@ class AgentSessions:
             with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
                 if marker:
                     await self.store.put(key[0], MARKER + key[1], None)
+            if marker and key not in self._live:  # not another replica's now, nor replaced here
+                self.on_agent(*key)
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
@@ -298,6 +310,19 @@ class AgentSessions:
             entry.stopping = task
             task.cancel("stopped from a UI of the session")
         return True
+
+    def cut_turns(self) -> int:
+        """Shutdown, after the grace: cancels every turn still running here, each caller getting
+        UNAVAILABLE (the conversation is kept, send the turn again) and each session's webviews an
+        ERROR saying so, rather than the transport's bare cancel. Returns how many were cut."""
+        n = 0
+        for entry in list(self._live.values()):
+            task = entry.task
+            if task is not None and not task.done() and entry.cut is not task and entry.stopping is not task:
+                entry.cut = task
+                task.cancel("the server is shutting down")
+                n += 1
+        return n
 
     async def close_session(self, session: str) -> int:
         """Closes every live agent of `session` (it is being deleted), running turns cancelled
@@ -384,11 +409,13 @@ class AgentSessions:
                 task = asyncio.current_task()
                 entry.task = task
                 self.on_change()
+                self.on_agent(session, name)
                 try:
                     yield entry.agent
                 finally:
                     entry.task = None
                     self.on_change()
+                    self.on_agent(session, name)
                     stopped = entry.stopping is task
                     if stopped:
                         entry.stopping = None
@@ -400,6 +427,14 @@ class AgentSessions:
                         task.uncancel()
                         raise Cancelled(f"the turn of {name} in session {session!r} was stopped from a UI of "
                                         "the session")
+                    cut = entry.cut is task
+                    if cut:
+                        entry.cut = None
+                    if cut and task is not None and task.cancelling() == 1:  # shutdown's cut (cut_turns)
+                        task.uncancel()
+                        message = cut_by_shutdown(name)
+                        self.feed.say(session, message, ui_pb2.ERROR)
+                        raise Unavailable(message)
         finally:
             entry.users -= 1
             entry.idle_since = time.monotonic()

@@ -205,6 +205,10 @@ class Chat:
             raise UnknownAgent(f"agent {agent!r} is not served here; known agents: {', '.join(self.agents.names())}")
         return spec
 
+    def hosted(self, agent: str) -> bool:
+        """Whether `agent` is a hosted agent (a process per session, with a lease across replicas)."""
+        return isinstance(self.agents.backends.get(agent), SessionBackend)
+
     def backend(self, agent: str) -> Backend:
         self.spec(agent)
         return self.agents.backends[agent]

@@ -8,6 +8,7 @@ from uibus.agents.config import AgentTable
 from uibus.bus import Bus
 from uibus.config import Config
 from uibus.domain.agent_sessions import AgentSessions
+from uibus.domain.agent_state_sharing import AgentStateSharing
 from uibus.domain.chat import Chat
 from uibus.domain.clock import TsClock
 from uibus.domain.dialogs import Dialogs
@@ -35,6 +36,7 @@ class Core:
     # With a replicated bus: the agent leases held here and the turns carried to their owners.
     ownership: Ownership | None = None
     forwarding: TurnForwarding | None = None
+    agent_states: AgentStateSharing | None = None  # the state of the agents hosted here, for the others
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
@@ -48,16 +50,22 @@ class Core:
         dialogs.pending.on_change = listing.poke  # shows in every watch at once
         chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
-        ownership = forwarding = None
+        ownership = forwarding = agent_states = None
         replica_id = getattr(bus, "replica_id", "")
         if bus.replicated and replica_id:  # one owner per hosted agent across replicas and workers
             ownership = Ownership(store, sessions, replica_id, lease_s=config.agent_lease_seconds)
             forwarding = chat.routing = TurnForwarding(
                 bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True),
                 lambda session, text: feed.say(session, text, ui_pb2.ERROR))
+            # steering an agent another replica hosts goes to that replica, the same way
+            listing.steering.route, forwarding.steer_here = forwarding.steer, listing.steering.here
+            listing.steering.hosted = chat.hosted
+            # and the listing shows the agents other replicas host
+            agent_states = listing.agent_states = AgentStateSharing(
+                store, sessions, replica_id, getattr(bus, "announced", None))
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
                    dialogs=dialogs, agent_sessions=sessions, sessions=listing, ownership=ownership,
-                   forwarding=forwarding)
+                   forwarding=forwarding, agent_states=agent_states)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

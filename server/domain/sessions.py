@@ -15,8 +15,9 @@ Where each part comes from, so nothing is stored twice:
   stored parts are looked up once per change of the session's last activity (`_Static` cache);
 * the agent a UI should open on: the newest history entry that names one, else CreateSession's;
 * running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
-  Dialogs), read on every listing; with replicas (Redis), the dialogs other replicas hold come from
-  their shared store entries (uibus.domain.dialog_sharing), read with the stored parts.
+  Dialogs), read on every listing; with replicas (Redis), the dialogs other replicas hold and the
+  agents they host come from their shared store entries (uibus.domain.dialog_sharing,
+  uibus.domain.agent_state_sharing), read with the stored parts.
 
 Visibility is the caller's business: `list` takes a predicate (the token's grant), so the domain
 knows nothing of tokens. A watch re-lists every `WATCH_S` and on every local change (`poke`), and
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from uibus.domain.agent_sessions import AgentSessions
+from uibus.domain.agent_state_sharing import KEY as STATE_KEY
+from uibus.domain.agent_state_sharing import AgentStateSharing
 from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
@@ -64,6 +67,7 @@ class _Static:
     first: str  # the first user message, shortened
     agent: str
     remote: tuple[pb.WaitingDialog, ...] = ()  # dialogs other replicas hold (with Redis), oldest first
+    agents: tuple[pb.AgentState, ...] = ()  # agents other replicas host (with Redis)
 
 
 
@@ -78,6 +82,8 @@ class Sessions:
         self.history = history
         self.watch_s = watch_s
         self.steering = Steering(agents)
+        # With replicas: the state of the agents other replicas host (set by the core)
+        self.agent_states: AgentStateSharing | None = None
         self._static: OrderedDict[str, _Static] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) by `poke`: every watch waiting wakes
         self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
@@ -106,7 +112,7 @@ class Sessions:
         if not first:
             first = await self._first_user_message(session, recent)
         static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")),
-                         await self._remote_dialogs(session))
+                         await self._remote_dialogs(session), await self._remote_agents(session))
         self._static[session] = static
         while len(self._static) > CACHE:
             self._static.popitem(last=False)
@@ -123,6 +129,13 @@ class Sessions:
                                       title=getattr(r, r.WhichOneof("method") or "select").title)
                      for r in shared.others(session, kept))
 
+    async def _remote_agents(self, session: str) -> tuple[pb.AgentState, ...]:
+        """With replicas, the state of the agents other replicas host (uibus.domain.agent_state_sharing)."""
+        sharing = self.agent_states
+        if sharing is None:
+            return ()
+        return tuple(sharing.others(session, await self.store.scan(session, STATE_KEY)))
+
     async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
         entries = recent
         if len(recent) >= RECENT:  # the first may be older than the newest few: read it all, once
@@ -135,6 +148,7 @@ class Sessions:
     async def entry(self, session: str, stamp: float) -> pb.SessionEntry:
         static = await self._static_of(session, stamp)
         agents = [state_of(name, agent, running) for name, agent, running in self.agents.live_agents(session)]
+        agents += [a for a in static.agents if all(a.agent != b.agent for b in agents)]
         agents.sort(key=lambda a: a.agent)
         # what was set for the session, else what an agent titled its conversation, else the first message
         title = static.title or next((a.title for a in agents if a.title), "") or static.first

@@ -7,10 +7,16 @@ not implement is refused with FAILED_PRECONDITION naming what the agent lacks, s
 the control and a script learns why. Stopping needs nothing of the agent: it cancels the task
 running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP
 `session/cancel`) exactly as when the turn's caller goes away.
+
+With replicas the agent lives at one replica only (its lease owner, uibus.domain.ownership): a
+steering call arriving anywhere else is carried to the owner (`route`, set by the core to
+TurnForwarding.steer) and answered with the owner's result or error; the owner runs it with `here`.
 """
 
 from __future__ import annotations
 
+import base64
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
@@ -57,11 +63,44 @@ def state_of(name: str, agent: Any, running: bool) -> pb.AgentState:
     return state
 
 
+# (session, agent, action, args) -> the owner's result, or None when this replica is the owner
+Route = Callable[[str, str, str, dict[str, str]], Awaitable[dict[str, Any] | None]]
+
+
+def _state_from(result: dict[str, Any]) -> pb.AgentState:
+    return pb.AgentState.FromString(base64.b64decode(str(result.get("state", ""))))
+
+
 class Steering:
-    """The steering calls of the sessions API, on the hosted agents of this process."""
+    """The steering calls of the sessions API, on the hosted agents of this process, or (with
+    replicas) of the replica hosting the agent."""
 
     def __init__(self, agents: AgentSessions) -> None:
         self.agents = agents
+        self.route: Route | None = None
+        # Which names are hosted agents (set with `route`): any other name is answered here, so a
+        # bad name never claims a lease in the shared store.
+        self.hosted: Callable[[str], bool] = lambda name: True
+
+    async def _remote(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
+        """The owner's answer when `name` is hosted by another replica; None: act here."""
+        if self.route is None or self.agents.live_agent(session, name) is not None or not self.hosted(name):
+            return None
+        return await self.route(session, name, action, args)
+
+    async def here(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any]:
+        """Runs a steering call another replica carried here (this replica hosts the agent)."""
+        if action == "stop":
+            return {"stopped": self._stop_here(session, name)}
+        if action == "set_mode":
+            state = await self._set_mode_here(session, name, args.get("mode_id", ""))
+        elif action == "set_model":
+            state = await self._set_model_here(session, name, args.get("model_id", ""))
+        elif action == "new_conversation":
+            state = await self._new_conversation_here(session, name)
+        else:
+            raise InvalidArgument(f"unknown steering action {action!r}")
+        return {"state": base64.b64encode(state.SerializeToString()).decode()}
 
     def _live(self, session: str, name: str) -> Any:
         if not name:
@@ -76,10 +115,32 @@ class Steering:
         agent = self._live(session, name)
         return state_of(name, agent, self.agents.running(session, name))
 
-    def stop(self, session: str, name: str) -> bool:
+    async def stop(self, session: str, name: str) -> bool:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent whose turn to stop")
+        remote = await self._remote(session, name, "stop", {})
+        return bool(remote.get("stopped")) if remote is not None else self._stop_here(session, name)
+
+    def _stop_here(self, session: str, name: str) -> bool:
         return self.agents.stop(session, name)
+
+    async def set_mode(self, session: str, name: str, mode_id: str) -> pb.AgentState:
+        if not name:
+            raise InvalidArgument("agent is required: the hosted agent to steer")
+        remote = await self._remote(session, name, "set_mode", {"mode_id": mode_id})
+        return _state_from(remote) if remote is not None else await self._set_mode_here(session, name, mode_id)
+
+    async def set_model(self, session: str, name: str, model_id: str) -> pb.AgentState:
+        if not name:
+            raise InvalidArgument("agent is required: the hosted agent to steer")
+        remote = await self._remote(session, name, "set_model", {"model_id": model_id})
+        return _state_from(remote) if remote is not None else await self._set_model_here(session, name, model_id)
+
+    async def new_conversation(self, session: str, name: str) -> pb.AgentState:
+        if not name:
+            raise InvalidArgument("agent is required: the hosted agent to steer")
+        remote = await self._remote(session, name, "new_conversation", {})
+        return _state_from(remote) if remote is not None else await self._new_conversation_here(session, name)
 
     @staticmethod
     def _offered(agent: Any, name: str, what: str, method: str) -> Any:
@@ -89,7 +150,7 @@ class Steering:
             raise FailedPrecondition(f"{name} offers no {what}")
         return call
 
-    async def set_mode(self, session: str, name: str, mode_id: str) -> pb.AgentState:
+    async def _set_mode_here(self, session: str, name: str, mode_id: str) -> pb.AgentState:
         agent = self._live(session, name)
         call = self._offered(agent, name, "modes (it sent none)", "steer_set_mode")
         if not mode_id:
@@ -98,9 +159,10 @@ class Steering:
         if mode_id not in ids:
             raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
         await call(mode_id)
+        self.agents.on_agent(session, name)
         return self.state(session, name)
 
-    async def set_model(self, session: str, name: str, model_id: str) -> pb.AgentState:
+    async def _set_model_here(self, session: str, name: str, model_id: str) -> pb.AgentState:
         agent = self._live(session, name)
         call = self._offered(agent, name, "model choice", "steer_set_model")
         if not model_id:
@@ -109,12 +171,14 @@ class Steering:
         if ids and model_id not in ids:
             raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
         await call(model_id)
+        self.agents.on_agent(session, name)
         return self.state(session, name)
 
-    async def new_conversation(self, session: str, name: str) -> pb.AgentState:
+    async def _new_conversation_here(self, session: str, name: str) -> pb.AgentState:
         agent = self._live(session, name)
         call = self._offered(agent, name, "new conversation", "steer_new_conversation")
         if self.agents.running(session, name):
             raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
         await call()
+        self.agents.on_agent(session, name)
         return self.state(session, name)

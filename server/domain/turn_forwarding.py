@@ -21,6 +21,12 @@ one conversation whatever replica or worker a client's connection landed on:
   again (the next turn takes the lease over once it expired). Both ways: the forwarder says
   "alive" every lease_s / 4, and a turn whose forwarder went silent as long is cancelled at the
   owner (the forwarder's replica died: nobody would read it, and the agent must not run on).
+
+Steering (StopTurn, SetMode, SetModel, NewConversation: uibus.domain.steering) of an agent hosted
+elsewhere takes the same way: an AGENT_TURN "steer" to the owner, whose listener runs it
+(`steer_here`) and answers "accepted" at once, then "end" with the result or the error's status and
+message. A stop cancels the owner's run of a forwarded turn like a local one, so that turn's
+forwarder hears CANCELLED with the owner's "stopped from a UI" message.
 """
 
 from __future__ import annotations
@@ -30,13 +36,13 @@ import base64
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
 
 from google.protobuf import wrappers_pb2
 
-from uibus import kinds
+from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.domain.ownership import Interrupted, Ownership, interrupted
 from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
@@ -49,9 +55,12 @@ ACCEPT_S = 2.0  # how long a forwarded turn waits for the owner to take it (at l
 RETRY_S = 0.2  # between claims while the owner does not answer
 SEEN_MAX = 4096  # turn ids remembered against a redelivery
 REPLY_QUEUE = 1 << 20  # a forwarded turn's mailbox, in events: bounded by the mailbox's bytes instead
+STEER_S = 45.0  # how long an accepted steering call may take at the owner (pi answers each state read within 10 s)
 _UNAVAILABLE = STATUS_NUMBERS["UNAVAILABLE"]
 
 RunHere = Callable[[str, str, agent_pb2.ChatRequest, Mapping[str, str]], AsyncIterator[agent_pb2.ChatResponse]]
+# (session, agent, action, args) -> the result (uibus.domain.steering.Steering.here)
+SteerHere = Callable[[str, str, str, dict[str, str]], Awaitable[dict[str, Any]]]
 
 
 class _Moved(Exception):
@@ -103,6 +112,15 @@ class _Replies:
         self._publish(value)
 
 
+def _trace_of(item: dict[str, Any]) -> Any:
+    """The forwarder's trace context a forwarded turn carries (W3C headers), for its run here to
+    adopt (owned tasks start outside any trace); None when tracing is off or it carries none."""
+    carried = item.get("trace")
+    if telemetry.tracer is None or not isinstance(carried, dict) or not carried:
+        return None
+    return telemetry.extract((str(k), str(v)) for k, v in carried.items())
+
+
 def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
     """The ChatResponses of one batch (see _Replies: its number, then length-prefixed pieces)."""
     view = memoryview(batch)
@@ -138,6 +156,7 @@ class TurnForwarding:
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
         self.served = 0  # turns other replicas carried here
         self.interrupted = 0  # forwarded turns whose owner went silent
+        self.steer_here: SteerHere | None = None  # set by the core: runs a steering call carried here
         ownership.on_session = self._on_session
 
     # ---- the forwarder's side ----
@@ -193,10 +212,12 @@ class TurnForwarding:
             raise Unavailable(f"cannot carry the turn to the replica hosting agent {agent!r}: {exc}") from exc
         sent = ended = False
         alive: asyncio.Task[None] | None = None
+        turn: dict[str, Any] = {"op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
+                                "request": base64.b64encode(request.SerializeToString()).decode()}
+        if telemetry.tracer is not None and telemetry.recording():  # the owner's turn span joins the call's trace
+            turn["trace"] = telemetry.inject({})
         try:
-            sent = bus.publish(session, kinds.AGENT_TURN, {
-                "op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
-                "request": base64.b64encode(request.SerializeToString()).decode()}, target=owner) > 0
+            sent = bus.publish(session, kinds.AGENT_TURN, turn, target=owner) > 0
             if not sent:
                 raise _Moved
             alive = self._serving.spawn(self._beat(lambda: bus.publish(
@@ -213,8 +234,9 @@ class TurnForwarding:
                         raise _Moved from None
                     self.interrupted += 1
                     raise Interrupted(interrupted(agent)) from None
-                except StopAsyncIteration:
-                    raise Unavailable("the server is shutting down") from None
+                except StopAsyncIteration:  # this replica shuts down (the bus ended its streams)
+                    raise Interrupted(f"the turn of {agent} was interrupted: the uibus server it reached is "
+                                      "shutting down; the conversation is kept, send the turn again") from None
                 if type(item) is wrappers_pb2.BytesValue:
                     seq = int.from_bytes(item.value[:4], "big")
                     if seq > last:
@@ -245,6 +267,48 @@ class TurnForwarding:
                 bus.publish(session, kinds.AGENT_TURN, {"op": "cancel", "id": turn_id}, target=owner)
             bus.unsubscribe(sub)
 
+    async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
+        """A steering call of (`session`, `agent`) run by its owner: None when that is this replica
+        (the caller acts here), else the owner's result; its error raised with the owner's status;
+        UNAVAILABLE when the owner does not answer within `accept_s`, or not finish within STEER_S."""
+        ownership = self.ownership
+        owner = await ownership.claim(session, agent)
+        if owner == ownership.owner_id:
+            return None
+        unanswered = (f"the uibus replica hosting agent {agent!r} for this session did not answer the {action} "
+                      "request; try again shortly")
+        ask_id = uuid.uuid4().hex
+        bus = self.bus
+        await bus.ready(session)
+        try:
+            sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, ask_id, maxsize=16)
+        except (SubscriptionLimit, BusClosed) as exc:
+            raise Unavailable(f"cannot carry the {action} request to the replica hosting agent {agent!r}: {exc}") \
+                from exc
+        try:
+            if bus.publish(session, kinds.AGENT_TURN, {"op": "steer", "id": ask_id, "agent": agent, "action": action,
+                                                       "args": args}, target=owner) == 0:
+                raise Unavailable(unanswered)
+            replies, wait = aiter(sub), self.accept_s
+            while True:
+                try:
+                    async with asyncio.timeout(wait):
+                        item = await anext(replies)
+                except (TimeoutError, StopAsyncIteration):
+                    raise Unavailable(unanswered) from None
+                op = item.get("op") if type(item) is dict else None
+                if op == "accepted":
+                    wait = STEER_S
+                elif op == "moved":
+                    raise Unavailable(f"agent {agent!r} of this session is changing replicas; try again shortly")
+                elif op == "end":
+                    if item.get("code"):
+                        raise error_of(int(item["code"]), str(item.get("message", "")))
+                    result = item.get("result")
+                    return result if isinstance(result, dict) else {}
+        finally:
+            bus.unsubscribe(sub)
+
     # ---- the owner's side ----
 
     def _on_session(self, session: str, holding: bool) -> None:
@@ -273,13 +337,16 @@ class TurnForwarding:
                     self._seen[item["id"]] = None
                     if len(self._seen) > SEEN_MAX:
                         del self._seen[next(iter(self._seen))]
-                    self._turns[item["id"]] = self._serving.spawn(self._run(session, item), name="forwarded agent turn")
+                    self._turns[item["id"]] = self._serving.spawn(
+                        telemetry.adopted(_trace_of(item), self._run(session, item)), name="forwarded agent turn")
                 elif item.get("op") == "cancel":
                     task = self._turns.get(item["id"])
                     if task is not None:
                         task.cancel()
                 elif item.get("op") == "alive" and item["id"] in self._turns:
                     self._alive[item["id"]] = time.monotonic()
+                elif item.get("op") == "steer":
+                    self._serving.spawn(self._steer(session, item), name="forwarded steering")
         except UibusError:  # the mailbox overflowed: stop listening (forwarders wait for the lease)
             pass
         finally:
@@ -337,6 +404,30 @@ class TurnForwarding:
             self._alive.pop(turn_id, None)
             if beat is not None:
                 beat.cancel()  # joined with the other serving tasks
+
+    async def _steer(self, session: str, item: dict[str, Any]) -> None:
+        """Runs a steering call carried here and answers it (see `steer`)."""
+        def reply(value: dict[str, Any]) -> None:
+            self.bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=item["id"])
+
+        agent, args = item.get("agent"), item.get("args")
+        if type(agent) is not str or self.steer_here is None or not self.ownership.holds(session, agent):
+            reply({"op": "moved"})
+            return
+        reply({"op": "accepted"})
+        try:
+            result = await self.steer_here(session, agent, str(item.get("action", "")),
+                                           {str(k): str(v) for k, v in args.items()} if isinstance(args, dict) else {})
+            reply({"op": "end", "code": 0, "result": result})
+        except asyncio.CancelledError:
+            reply({"op": "end", "code": _UNAVAILABLE,
+                   "message": "the uibus replica hosting the agent is shutting down"})
+            raise
+        except UibusError as exc:
+            reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
+        except Exception as exc:  # a bug of ours (or the agent's reply): the caller gets INTERNAL
+            log.error("forwarded steering failed", exc_info=exc)
+            reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
 
     async def _beat(self, once: Callable[[], object]) -> None:
         """`once()` every lease_s / 4: the owner's heartbeat to a forwarder, and the forwarder's

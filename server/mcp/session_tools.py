@@ -69,7 +69,7 @@ async def run_session_tool(sessions: Sessions, tool: str, session: str, args: di
         return
     agent = _arg(args, tool, "agent", True)
     if tool == "stop_turn":
-        stopped = sessions.steering.stop(session, agent)
+        stopped = await sessions.steering.stop(session, agent)
         sessions.poke()
         yield protocol.text_result(f"Stopped the turn of {agent}." if stopped else f"{agent} runs no turn now.",
                                    {"stopped": stopped})

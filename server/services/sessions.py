@@ -52,7 +52,7 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
         return pb.DeleteSessionReply(agents_closed=await self.sessions.delete(session_of(context)))
 
     async def StopTurn(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.StopTurnReply:
-        stopped = self.sessions.steering.stop(session_of(context), request.agent)
+        stopped = await self.sessions.steering.stop(session_of(context), request.agent)
         self.sessions.poke()
         return pb.StopTurnReply(stopped=stopped)
 

@@ -195,8 +195,16 @@ def current() -> Context:
 
 
 def recording(ctx: Context | None = None) -> bool:
-    """Whether a sampled span is current (children are worth making)."""
-    return trace.get_current_span(ctx).is_recording()
+    """Whether a sampled span is current (children are worth making): a recording one of ours, or
+    a sampled remote one adopted as the parent (a turn another replica forwarded, `adopted`)."""
+    return _traced(trace.get_current_span(ctx))
+
+
+def _traced(span: Span) -> bool:
+    if span.is_recording():
+        return True
+    sc = span.get_span_context()
+    return sc.is_valid and sc.is_remote and sc.trace_flags.sampled
 
 
 def caller() -> list[str] | None:
@@ -248,7 +256,7 @@ def start_span(name: str, kind: SpanKind = SpanKind.INTERNAL, ctx: Context | Non
     """A span child of `ctx` (default: the current context) when a recording span is there to be
     its parent; None when tracing is off or nothing is being traced (no root spans from inside)."""
     t = tracer
-    if t is None or not trace.get_current_span(ctx).is_recording():
+    if t is None or not _traced(trace.get_current_span(ctx)):
         return None
     return t.start_span(name, context=ctx, kind=kind, attributes=attributes)
 
