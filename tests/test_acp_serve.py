@@ -239,6 +239,9 @@ async def test_a_neuro_san_turn_shows_live_and_a_second_editor_loads_the_session
         assert answer == "Answer to another UI."
         await first.until(lambda _: first.text(session, start=mark) == "Answer to another UI.", 10,
                           "the other UI's turn, live")
+        live = [(u["sessionUpdate"], u["content"]["text"]) for u in first.updates(session, mark) if "content" in u]
+        assert live[0] == ("user_message_chunk", "from elsewhere")  # the question too, before its answer
+        assert first.text(session, "user_message_chunk") == "from elsewhere"  # its own question not echoed
 
         second = await spawned(app, "pi")
         listed = {s["sessionId"]: s for s in (await second.call("session/list", {}))["sessions"]}
@@ -256,8 +259,10 @@ async def test_a_neuro_san_turn_shows_live_and_a_second_editor_loads_the_session
         asked = [m["content"] for m in model.requests[-1]["messages"] if m["role"] == "user"]
         assert [a if isinstance(a, str) else a[0]["text"] for a in asked] == ["hello", "from elsewhere", "and now?"]
         await first.until(lambda _: first.text(session, start=mark) == "Continued here.", 10, "the turn, live")
+        assert first.text(session, "user_message_chunk", start=mark) == "and now?"
         await asyncio.sleep(0.3)
         assert second.text(session, start=mark2) == "Continued here."  # its own turn not shown twice
+        assert second.text(session, "user_message_chunk", start=mark2) == ""
     finally:
         await first.close()
         if second is not None:
@@ -505,3 +510,49 @@ async def test_inputs_reach_an_editor_that_can_elicit_and_confirms_reach_every_e
             assert (await asyncio.wait_for(asking, 10)).confirmed is True
     finally:
         await ed.close()
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+async def test_initialize_passes_the_hosted_agents_prompt_capabilities_and_images_become_attachments(
+        app: App, tmp_path: Path) -> None:
+    first = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
+    pi = await editor("stdio", UIBUS, "acp", "--agent", "pi", "--target", f"127.0.0.1:{app.port}")
+    second = None
+    try:
+        init = await first.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        # the ACP agent never started here: uibus's own baseline (text, embedded text inlined)
+        assert init["agentCapabilities"]["promptCapabilities"] == {"image": False, "audio": False,
+                                                                   "embeddedContext": True}
+        init = await pi.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        assert init["agentCapabilities"]["promptCapabilities"]["image"] is True  # pi's prompt takes images
+        session = (await first.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+        image = {"type": "image", "mimeType": "image/png", "data": PNG}
+        code, message = await first.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "look"}, image]})
+        assert code == -32602 and "takes no images" in message  # not advertised: refused, nothing sent
+        assert (await first.call("session/prompt", prompt(session, "hello")))["stopReason"] == "end_turn"
+
+        second = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
+        init = await second.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        # what the fixture's initialize said (image: true, embeddedContext: false), embedded text inlined
+        assert init["agentCapabilities"]["promptCapabilities"] == {"image": True, "audio": False,
+                                                                   "embeddedContext": True}
+        await second.call("session/resume", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+        answer = await second.call("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "what is this?"}, image]})
+        assert answer == {"stopReason": "end_turn"}
+        assert {"attached": [{"type": "image", "mimeType": "image/png", "bytes": len(PNG)}]} in fixture_log(tmp_path)
+        blob = {"type": "resource", "resource": {"uri": "file:///a.bin", "mimeType": "application/zip",
+                                                 "blob": "UEsDBA=="}}
+        code, message = await second.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "unzip"}, blob]})
+        assert code == -32602 and "takes no attached files" in message
+        code, message = await second.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "x"}, {**image, "data": "not base64!"}]})
+        assert code == -32602 and "base64" in message
+    finally:
+        for ed in (first, pi, second):
+            if ed is not None:
+                await ed.close()

@@ -8,9 +8,13 @@ editor connection can hold several sessions over one channel; the token rides on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
+
+import grpc
+from google.protobuf import json_format
 
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -21,6 +25,7 @@ CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_nam
 _EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
 _SESSIONS = sessions_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
 _WEBVIEW = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
+CONNECTIVITY_S = 3.0  # initialize waits at most this long to learn what the hosted agent takes
 
 
 async def each(call: Any) -> AsyncIterator[Any]:
@@ -46,6 +51,9 @@ class Uplink:
         self._chat = channel.unary_stream(f"/{service}/StreamingChat",
                                           request_serializer=agent_pb2.ChatRequest.SerializeToString,
                                           response_deserializer=agent_pb2.ChatResponse.FromString)
+        self._connectivity = channel.unary_unary(
+            f"/{service}/Connectivity", request_serializer=agent_pb2.ConnectivityRequest.SerializeToString,
+            response_deserializer=agent_pb2.ConnectivityResponse.FromString)
         self._webview = channel.unary_stream(f"/{_WEBVIEW}/Subscribe",
                                              request_serializer=webview_pb2.WebviewSubscribeRequest.SerializeToString,
                                              response_deserializer=webview_pb2.WebviewEvent.FromString)
@@ -69,6 +77,18 @@ class Uplink:
     def chat(self, session: str, request: agent_pb2.ChatRequest) -> AsyncIterator[agent_pb2.ChatResponse]:
         """One turn of the configured agent on `session` (neuro-san's StreamingChat)."""
         return each(self._chat(request, metadata=self._md(session)))
+
+    async def prompt_capabilities(self) -> dict[str, bool] | None:
+        """What the configured agent takes with a prompt besides text (ACP's promptCapabilities,
+        from Connectivity's metadata); None where uibus does not know (yet) or cannot be reached."""
+        try:
+            reply = await asyncio.wait_for(self._connectivity(agent_pb2.ConnectivityRequest()), CONNECTIVITY_S)
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return None
+        found = json_format.MessageToDict(reply.metadata).get("prompt_capabilities")
+        if not isinstance(found, dict):
+            return None
+        return {k: found.get(k) is True for k in ("image", "audio", "embeddedContext")}
 
     def feed(self, session: str, client_id: str) -> Any:
         """The session's UI feed as a webview gets it: its recent messages first (`replayed`), then
