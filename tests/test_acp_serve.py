@@ -28,7 +28,7 @@ from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.pb.uibus.v1 import sessions_pb2
+from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.node]
 EDITOR = REPO / "tests" / "acp" / "editor.mjs"
@@ -351,6 +351,24 @@ async def test_an_attached_editor_gets_the_agents_modes_and_commands_and_sets_a_
         assert {"sessionUpdate": "current_mode_update", "currentModeId": "plan"} in two.updates(session)
         assert any(line.get("session/set_mode", {}).get("modeId") == "plan" for line in fixture_log(tmp_path))
         assert (await two.fails("session/set_mode", {"sessionId": session, "modeId": "nope"}))[0] == -32602
+        # the other editor hears of the mode an editor set, and of the commands its own turn brought
+        await one.until(lambda e: e.get("params", {}).get("update") == {
+            "sessionUpdate": "current_mode_update", "currentModeId": "plan"}, 5, what="the mode set elsewhere")
+        offered = [u for u in one.updates(session) if u["sessionUpdate"] == "available_commands_update"]
+        assert [c["name"] for c in offered[-1]["availableCommands"]] == ["review", "test"]
+        # a mode set through the sessions API (the page, a phone) reaches every attached editor
+        marks = len(one.events), len(two.events)
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            state = await sessions_pb2_grpc.SessionServiceStub(conn.channel).SetMode(
+                sessions_pb2.SetModeRequest(agent="acp", mode_id="default"))
+        assert state.current_mode == "default"
+        news = {"sessionUpdate": "current_mode_update", "currentModeId": "default"}
+        for ed, mark in zip((one, two), marks, strict=True):
+            await ed.until(lambda _, ed=ed, mark=mark: news in ed.updates(session, mark), 5,
+                           what="the mode the sessions API set")
+        await asyncio.sleep(0.3)
+        for ed, mark in zip((one, two), marks, strict=True):  # once each, and the commands not sent again
+            assert ed.updates(session, mark) == [news]
     finally:
         await one.close()
         await two.close()

@@ -335,9 +335,9 @@ class Editor:
         """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
         the session; an agent that never ran there offers nothing yet."""
         state = await self.uplink.agent_state(attached.name)
-        update = updates.commands(state)
-        if update is not None:
-            await attached.update(update)
+        for update in attached.offered(state):
+            if update["sessionUpdate"] != "current_mode_update":  # the answer's `modes` says it
+                await attached.update(update)
         offered = updates.modes(state)
         return {"modes": offered} if offered is not None else {}
 
@@ -354,7 +354,9 @@ class Editor:
         if not agent:
             raise RpcError(INVALID_REQUEST, "no agent has run in this session yet: it offers no modes")
         state = await self.uplink.set_mode(name, agent, mode)
-        await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": state.current_mode or mode})
+        now = state.current_mode or mode
+        if attached.now_in_mode(now):
+            await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": now})
         return {}
 
     async def close(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,9 @@ class Uplink:
         self._set_mode = channel.unary_unary(f"/{_SESSIONS}/SetMode",
                                              request_serializer=sessions_pb2.SetModeRequest.SerializeToString,
                                              response_deserializer=sessions_pb2.AgentState.FromString)
+        self._watch = channel.unary_stream(f"/{_SESSIONS}/WatchSessions",
+                                           request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
+                                           response_deserializer=sessions_pb2.SessionList.FromString)
         self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
                                          request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
                                          response_deserializer=sessions_pb2.SessionList.FromString)
@@ -106,14 +109,24 @@ class Uplink:
         """The sessions the channel's token may use (named `prefix…`), most recently active first."""
         return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
 
-    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
-        """What the session's agent (the configured one, else the one it last talked to) offers
-        now: modes, commands. None before it ever ran there."""
-        for entry in (await self.sessions(session)).sessions:
+    def _state_in(self, listed: sessions_pb2.SessionList, session: str) -> sessions_pb2.AgentState | None:
+        for entry in listed.sessions:
             if entry.session == session:
                 agent = self.agent or entry.agent
                 return next((state for state in entry.agents if state.agent == agent), None)
         return None
+
+    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
+        """What the session's agent (the configured one, else the one it last talked to) offers
+        now: modes, commands. None before it ever ran there."""
+        return self._state_in(await self.sessions(session), session)
+
+    async def agent_states(self, session: str) -> AsyncIterator[sessions_pb2.AgentState | None]:
+        """`agent_state` now and again each time the session's listing changes (WatchSessions:
+        a mode set from any UI, the agent's own mode or commands, a turn starting or ending)."""
+        async for listed in each(self._watch(sessions_pb2.ListSessionsRequest(prefix=session),
+                                             metadata=self._md(session))):
+            yield self._state_in(listed, session)
 
     async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
         return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),
