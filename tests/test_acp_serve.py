@@ -506,6 +506,53 @@ async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_forei
                 await refused.close()
 
 
+async def test_the_same_over_acp_streamable_http_with_a_token_and_refused_from_a_foreign_origin(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    model.script(Reply(text="Hello over HTTP."), Reply(text="Seen by the gRPC client too."))
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], auth_token="s3cret",
+                       http_port=free_port()) as app:
+        url = f"http://127.0.0.1:{app.http_port}/acp?agent=pi"
+        token = json.dumps({"Authorization": "Bearer s3cret"})
+        ed = await editor("http", url, token)
+        try:
+            init = await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            assert init["agentCapabilities"]["loadSession"] is True
+            session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+            assert (await ed.call("session/prompt", prompt(session, "hi")))["stopReason"] == "end_turn"
+            assert ed.text(session) == "Hello over HTTP."  # the session's stream (SSE) carried the reply
+            mark = len(ed.events)
+            async with Connection(f"127.0.0.1:{app.port}", session=session, token="s3cret") as conn:
+                assert (await turn_of(conn, "pi", "and you?"))[-1].response.text == "Seen by the gRPC client too."
+            await ed.until(lambda _: ed.text(session, start=mark) == "Seen by the gRPC client too.", 10,
+                           "the gRPC client's turn, live over HTTP")
+            assert ed.text(session, "user_message_chunk", start=mark) == "and you?"
+            assert streams(app, session) == (1, 1)
+        finally:
+            await ed.close()
+        await wait_for(lambda: streams(app, session) == (0, 0), 5, what="the closed connection's streams ended")
+        again = await editor("http", url, token)  # the transcript, replayed before session/load's answer
+        try:
+            await again.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            assert await again.call("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []}) == {}
+            assert [(u["sessionUpdate"], u["content"]["text"]) for u in again.updates(session) if "content" in u] == [
+                ("user_message_chunk", "hi"), ("agent_message_chunk", "Hello over HTTP."),
+                ("user_message_chunk", "and you?"), ("agent_message_chunk", "Seen by the gRPC client too.")]
+            assert (await again.fails("session/prompt", prompt("acp-nobody", "hi")))[0] == -32002
+        finally:
+            await again.close()
+        for headers in ({}, {"Authorization": "Bearer wrong"},
+                        {"Authorization": "Bearer s3cret", "Origin": "https://evil.example"}):
+            refused = await editor("http", url, json.dumps(headers))
+            try:
+                event = await refused.answer_of(refused.start("initialize", {"protocolVersion": 1,
+                                                                             "clientCapabilities": {}}), 10)
+                assert event["ev"] == "error", (headers, event)
+                status = 403 if "Origin" in headers else 401
+                assert event["message"].startswith(f"ACP initialize failed: {status}"), (headers, event)
+            finally:
+                await refused.close()
+
+
 async def test_inputs_reach_an_editor_that_can_elicit_and_confirms_reach_every_editor(app: App) -> None:
     ed = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
     try:
