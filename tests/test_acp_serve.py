@@ -13,12 +13,14 @@ import json
 import shutil
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.conftest import REPO, free_port, require, wait_for
+from tests.conftest import REPO, free_port, require, running, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
 from tests.support import ext, needs
@@ -621,3 +623,40 @@ async def test_initialize_passes_the_hosted_agents_prompt_capabilities_and_image
         for ed in (first, pi, second):
             if ed is not None:
                 await ed.close()
+
+
+async def test_acp_over_http_refuses_what_the_transport_does_not_allow(config: Config) -> None:
+    """The Streamable HTTP framing's own errors, as the SDK's server gives them, over raw HTTP."""
+    tokens = replace(config, http_port=free_port(), auth_token="s3cret")
+    async with running(tokens) as app, httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}") as http:
+        auth = {"Authorization": "Bearer s3cret"}
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        assert (await http.post("/acp", content=json.dumps(init), headers=auth)).status_code == 415
+        assert (await http.post("/acp", json=init)).status_code == 401
+        opened = await http.post("/acp", json=init, headers=auth)
+        assert opened.status_code == 200 and opened.json()["result"]["protocolVersion"] == 1
+        conn = {**auth, "Acp-Connection-Id": opened.headers["acp-connection-id"]}
+        assert (await http.post("/acp", json=init, headers=conn)).status_code == 400  # initialize once
+        new = {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": CWD, "mcpServers": []}}
+        assert (await http.post("/acp", json=new, headers=auth)).status_code == 400  # no connection named
+        assert (await http.post("/acp", json=new, headers={**auth, "Acp-Connection-Id": "nope"})).status_code == 404
+        prompting = {"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": prompt("s1", "hi")}
+        missing = await http.post("/acp", json=prompting, headers=conn)
+        assert (missing.status_code, missing.text) == (400, "Missing Acp-Session-Id")
+        mismatched = await http.post("/acp", json=prompting, headers={**conn, "Acp-Session-Id": "s2"})
+        assert (mismatched.status_code, mismatched.text) == (400, "Mismatched Acp-Session-Id")
+        assert (await http.post("/acp", json=[new], headers=conn)).json()["error"]["code"] == -32600
+        assert (await http.get("/acp", headers=conn)).status_code == 406  # not asking for SSE
+        assert (await http.put("/acp", headers=conn)).status_code == 405
+        async with http.stream("GET", "/acp", headers={**conn, "Accept": "text/event-stream"}) as events:
+            assert events.status_code == 200
+            again = await http.get("/acp", headers={**conn, "Accept": "text/event-stream"})
+            assert again.status_code == 409  # one reader per stream
+            assert (await http.post("/acp", json=new, headers=conn)).status_code == 202
+            lines = events.aiter_lines()
+            line = await asyncio.wait_for(anext(lines), 10)
+            assert json.loads(line.removeprefix("data: "))["result"]["sessionId"].startswith("acp-")
+        assert app.bus.count(kinds.PARTIAL_MESSAGE) == 1  # the session stays attached while its connection lives
+        assert (await http.delete("/acp", headers=conn)).status_code == 202
+        await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 0, 5, what="the connection's session detached")
+        assert (await http.post("/acp", json=new, headers=conn)).status_code == 404  # gone
