@@ -10,7 +10,9 @@ runs --turns turns, one at a time, each way:
 * acp-stdio: `uibus acp --agent local` spawned as an editor spawns it, spoken to with JSON-RPC
   lines on its stdio: from writing `session/prompt` to reading the first `agent_message_chunk`
   (the gRPC call above plus `uibus acp`'s process hop and its JSON framing);
-* acp-ws: `/acp` on the HTTP port over a WebSocket (the in-process channel, no second process).
+* acp-ws: `/acp` on the HTTP port over a WebSocket (the in-process channel, no second process);
+* acp-http: `/acp` over ACP's Streamable HTTP (each message a POST, what uibus says on SSE streams
+  of the connection and of the session), the same in-process channel.
 
 Prints median, p90 and mean per way, and the medians' difference to grpc (the added latency), to
 the first chunk and to the end of the turn (an ACP prompt answers once the session's feed has
@@ -31,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import websockets
 
 from bench.run import ROOT, free_port
@@ -127,6 +130,43 @@ async def over_ws(http_port: int, turns: int) -> list[tuple[float, float]]:
         return await _Lines(ws.send, ws.recv).turns(turns)
 
 
+async def over_http(http_port: int, turns: int) -> list[tuple[float, float]]:
+    url = f"http://127.0.0.1:{http_port}/acp?agent=local"
+    inbox: asyncio.Queue[str] = asyncio.Queue()
+    readers: dict[str, asyncio.Task[None]] = {}  # "" the connection's stream, else a session's
+    async with httpx.AsyncClient(timeout=None) as http:
+        headers = {"content-type": "application/json"}
+
+        async def read(session: str) -> None:
+            more = {"acp-session-id": session} if session else {}
+            async with http.stream("GET", url, headers={**headers, "accept": "text/event-stream", **more}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        await inbox.put(line[6:])
+
+        async def send(text: str) -> None:
+            if "acp-connection-id" not in headers:  # initialize: answered by its POST, naming the connection
+                r = await http.post(url, content=text, headers=headers)
+                headers["acp-connection-id"] = r.headers["acp-connection-id"]
+                readers[""] = asyncio.create_task(read(""))
+                await inbox.put(r.text)
+                return
+            session = (json.loads(text).get("params") or {}).get("sessionId")
+            if session and session not in readers:
+                readers[session] = asyncio.create_task(read(session))
+            more = {"acp-session-id": session} if session else {}
+            r = await http.post(url, content=text, headers={**headers, **more})
+            assert r.status_code == 202, r.text
+
+        try:
+            return await _Lines(send, inbox.get).turns(turns)
+        finally:
+            for task in readers.values():
+                task.cancel()
+            await asyncio.gather(*readers.values(), return_exceptions=True)
+            await http.delete(url, headers=headers)
+
+
 def _row(name: str, values: list[float], base: float | None) -> str:
     ms = sorted(v * 1000 for v in values)
     median, p90, mean = statistics.median(ms), ms[int(len(ms) * 0.9) - 1], statistics.fmean(ms)
@@ -149,7 +189,7 @@ async def main(turns: int, warmup: int) -> None:
             await asyncio.sleep(0.5)
             results: dict[str, list[tuple[float, float]]] = {}
             for name, way, where in (("grpc", over_grpc, port), ("acp-stdio", over_stdio, port),
-                                     ("acp-ws", over_ws, http_port)):
+                                     ("acp-ws", over_ws, http_port), ("acp-http", over_http, http_port)):
                 await way(where, warmup)  # type: ignore[operator]
                 results[name] = await way(where, turns)  # type: ignore[operator]
         finally:

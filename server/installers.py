@@ -109,7 +109,10 @@ async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
     endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens)
     setup.mount(ACP_PATH, endpoint)
     setup.gauge("uibus_acp_editor_connections", "Editors attached over /acp", endpoint.count)
-    yield
+    try:
+        yield
+    finally:
+        await endpoint.http.aclose()  # HTTP connections outlive their requests: closed with the app
 
 
 INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,

@@ -13,12 +13,14 @@ import json
 import shutil
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.conftest import REPO, free_port, require, wait_for
+from tests.conftest import REPO, free_port, require, running, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
 from tests.support import ext, needs
@@ -28,7 +30,7 @@ from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.pb.uibus.v1 import sessions_pb2
+from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.node]
 EDITOR = REPO / "tests" / "acp" / "editor.mjs"
@@ -239,6 +241,9 @@ async def test_a_neuro_san_turn_shows_live_and_a_second_editor_loads_the_session
         assert answer == "Answer to another UI."
         await first.until(lambda _: first.text(session, start=mark) == "Answer to another UI.", 10,
                           "the other UI's turn, live")
+        live = [(u["sessionUpdate"], u["content"]["text"]) for u in first.updates(session, mark) if "content" in u]
+        assert live[0] == ("user_message_chunk", "from elsewhere")  # the question too, before its answer
+        assert first.text(session, "user_message_chunk") == "from elsewhere"  # its own question not echoed
 
         second = await spawned(app, "pi")
         listed = {s["sessionId"]: s for s in (await second.call("session/list", {}))["sessions"]}
@@ -256,8 +261,10 @@ async def test_a_neuro_san_turn_shows_live_and_a_second_editor_loads_the_session
         asked = [m["content"] for m in model.requests[-1]["messages"] if m["role"] == "user"]
         assert [a if isinstance(a, str) else a[0]["text"] for a in asked] == ["hello", "from elsewhere", "and now?"]
         await first.until(lambda _: first.text(session, start=mark) == "Continued here.", 10, "the turn, live")
+        assert first.text(session, "user_message_chunk", start=mark) == "and now?"
         await asyncio.sleep(0.3)
         assert second.text(session, start=mark2) == "Continued here."  # its own turn not shown twice
+        assert second.text(session, "user_message_chunk", start=mark2) == ""
     finally:
         await first.close()
         if second is not None:
@@ -346,6 +353,24 @@ async def test_an_attached_editor_gets_the_agents_modes_and_commands_and_sets_a_
         assert {"sessionUpdate": "current_mode_update", "currentModeId": "plan"} in two.updates(session)
         assert any(line.get("session/set_mode", {}).get("modeId") == "plan" for line in fixture_log(tmp_path))
         assert (await two.fails("session/set_mode", {"sessionId": session, "modeId": "nope"}))[0] == -32602
+        # the other editor hears of the mode an editor set, and of the commands its own turn brought
+        await one.until(lambda e: e.get("params", {}).get("update") == {
+            "sessionUpdate": "current_mode_update", "currentModeId": "plan"}, 5, what="the mode set elsewhere")
+        offered = [u for u in one.updates(session) if u["sessionUpdate"] == "available_commands_update"]
+        assert [c["name"] for c in offered[-1]["availableCommands"]] == ["review", "test"]
+        # a mode set through the sessions API (the page, a phone) reaches every attached editor
+        marks = len(one.events), len(two.events)
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            state = await sessions_pb2_grpc.SessionServiceStub(conn.channel).SetMode(
+                sessions_pb2.SetModeRequest(agent="acp", mode_id="default"))
+        assert state.current_mode == "default"
+        news = {"sessionUpdate": "current_mode_update", "currentModeId": "default"}
+        for ed, mark in zip((one, two), marks, strict=True):
+            await ed.until(lambda _, ed=ed, mark=mark: news in ed.updates(session, mark), 5,
+                           what="the mode the sessions API set")
+        await asyncio.sleep(0.3)
+        for ed, mark in zip((one, two), marks, strict=True):  # once each, and the commands not sent again
+            assert ed.updates(session, mark) == [news]
     finally:
         await one.close()
         await two.close()
@@ -483,6 +508,53 @@ async def test_the_same_over_acp_websocket_with_a_token_and_refused_from_a_forei
                 await refused.close()
 
 
+async def test_the_same_over_acp_streamable_http_with_a_token_and_refused_from_a_foreign_origin(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    model.script(Reply(text="Hello over HTTP."), Reply(text="Seen by the gRPC client too."))
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], auth_token="s3cret",
+                       http_port=free_port()) as app:
+        url = f"http://127.0.0.1:{app.http_port}/acp?agent=pi"
+        token = json.dumps({"Authorization": "Bearer s3cret"})
+        ed = await editor("http", url, token)
+        try:
+            init = await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            assert init["agentCapabilities"]["loadSession"] is True
+            session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+            assert (await ed.call("session/prompt", prompt(session, "hi")))["stopReason"] == "end_turn"
+            assert ed.text(session) == "Hello over HTTP."  # the session's stream (SSE) carried the reply
+            mark = len(ed.events)
+            async with Connection(f"127.0.0.1:{app.port}", session=session, token="s3cret") as conn:
+                assert (await turn_of(conn, "pi", "and you?"))[-1].response.text == "Seen by the gRPC client too."
+            await ed.until(lambda _: ed.text(session, start=mark) == "Seen by the gRPC client too.", 10,
+                           "the gRPC client's turn, live over HTTP")
+            assert ed.text(session, "user_message_chunk", start=mark) == "and you?"
+            assert streams(app, session) == (1, 1)
+        finally:
+            await ed.close()
+        await wait_for(lambda: streams(app, session) == (0, 0), 5, what="the closed connection's streams ended")
+        again = await editor("http", url, token)  # the transcript, replayed before session/load's answer
+        try:
+            await again.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            assert await again.call("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []}) == {}
+            assert [(u["sessionUpdate"], u["content"]["text"]) for u in again.updates(session) if "content" in u] == [
+                ("user_message_chunk", "hi"), ("agent_message_chunk", "Hello over HTTP."),
+                ("user_message_chunk", "and you?"), ("agent_message_chunk", "Seen by the gRPC client too.")]
+            assert (await again.fails("session/prompt", prompt("acp-nobody", "hi")))[0] == -32002
+        finally:
+            await again.close()
+        for headers in ({}, {"Authorization": "Bearer wrong"},
+                        {"Authorization": "Bearer s3cret", "Origin": "https://evil.example"}):
+            refused = await editor("http", url, json.dumps(headers))
+            try:
+                event = await refused.answer_of(refused.start("initialize", {"protocolVersion": 1,
+                                                                             "clientCapabilities": {}}), 10)
+                assert event["ev"] == "error", (headers, event)
+                status = 403 if "Origin" in headers else 401
+                assert event["message"].startswith(f"ACP initialize failed: {status}"), (headers, event)
+            finally:
+                await refused.close()
+
+
 async def test_inputs_reach_an_editor_that_can_elicit_and_confirms_reach_every_editor(app: App) -> None:
     ed = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
     try:
@@ -505,3 +577,86 @@ async def test_inputs_reach_an_editor_that_can_elicit_and_confirms_reach_every_e
             assert (await asyncio.wait_for(asking, 10)).confirmed is True
     finally:
         await ed.close()
+
+
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+
+
+async def test_initialize_passes_the_hosted_agents_prompt_capabilities_and_images_become_attachments(
+        app: App, tmp_path: Path) -> None:
+    first = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
+    pi = await editor("stdio", UIBUS, "acp", "--agent", "pi", "--target", f"127.0.0.1:{app.port}")
+    second = None
+    try:
+        init = await first.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        # the ACP agent never started here: uibus's own baseline (text, embedded text inlined)
+        assert init["agentCapabilities"]["promptCapabilities"] == {"image": False, "audio": False,
+                                                                   "embeddedContext": True}
+        init = await pi.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        assert init["agentCapabilities"]["promptCapabilities"]["image"] is True  # pi's prompt takes images
+        session = (await first.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+        image = {"type": "image", "mimeType": "image/png", "data": PNG}
+        code, message = await first.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "look"}, image]})
+        assert code == -32602 and "takes no images" in message  # not advertised: refused, nothing sent
+        assert (await first.call("session/prompt", prompt(session, "hello")))["stopReason"] == "end_turn"
+
+        second = await editor("stdio", UIBUS, "acp", "--agent", "acp", "--target", f"127.0.0.1:{app.port}")
+        init = await second.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+        # what the fixture's initialize said (image: true, embeddedContext: false), embedded text inlined
+        assert init["agentCapabilities"]["promptCapabilities"] == {"image": True, "audio": False,
+                                                                   "embeddedContext": True}
+        await second.call("session/resume", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+        answer = await second.call("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "what is this?"}, image]})
+        assert answer == {"stopReason": "end_turn"}
+        assert {"attached": [{"type": "image", "mimeType": "image/png", "bytes": len(PNG)}]} in fixture_log(tmp_path)
+        blob = {"type": "resource", "resource": {"uri": "file:///a.bin", "mimeType": "application/zip",
+                                                 "blob": "UEsDBA=="}}
+        code, message = await second.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "unzip"}, blob]})
+        assert code == -32602 and "takes no attached files" in message
+        code, message = await second.fails("session/prompt", {"sessionId": session, "prompt": [
+            {"type": "text", "text": "x"}, {**image, "data": "not base64!"}]})
+        assert code == -32602 and "base64" in message
+    finally:
+        for ed in (first, pi, second):
+            if ed is not None:
+                await ed.close()
+
+
+async def test_acp_over_http_refuses_what_the_transport_does_not_allow(config: Config) -> None:
+    """The Streamable HTTP framing's own errors, as the SDK's server gives them, over raw HTTP."""
+    tokens = replace(config, http_port=free_port(), auth_token="s3cret")
+    async with running(tokens) as app, httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}") as http:
+        auth = {"Authorization": "Bearer s3cret"}
+        init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+        assert (await http.post("/acp", content=json.dumps(init), headers=auth)).status_code == 415
+        assert (await http.post("/acp", json=init)).status_code == 401
+        opened = await http.post("/acp", json=init, headers=auth)
+        assert opened.status_code == 200 and opened.json()["result"]["protocolVersion"] == 1
+        conn = {**auth, "Acp-Connection-Id": opened.headers["acp-connection-id"]}
+        assert (await http.post("/acp", json=init, headers=conn)).status_code == 400  # initialize once
+        new = {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": CWD, "mcpServers": []}}
+        assert (await http.post("/acp", json=new, headers=auth)).status_code == 400  # no connection named
+        assert (await http.post("/acp", json=new, headers={**auth, "Acp-Connection-Id": "nope"})).status_code == 404
+        prompting = {"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": prompt("s1", "hi")}
+        missing = await http.post("/acp", json=prompting, headers=conn)
+        assert (missing.status_code, missing.text) == (400, "Missing Acp-Session-Id")
+        mismatched = await http.post("/acp", json=prompting, headers={**conn, "Acp-Session-Id": "s2"})
+        assert (mismatched.status_code, mismatched.text) == (400, "Mismatched Acp-Session-Id")
+        assert (await http.post("/acp", json=[new], headers=conn)).json()["error"]["code"] == -32600
+        assert (await http.get("/acp", headers=conn)).status_code == 406  # not asking for SSE
+        assert (await http.put("/acp", headers=conn)).status_code == 405
+        async with http.stream("GET", "/acp", headers={**conn, "Accept": "text/event-stream"}) as events:
+            assert events.status_code == 200
+            again = await http.get("/acp", headers={**conn, "Accept": "text/event-stream"})
+            assert again.status_code == 409  # one reader per stream
+            assert (await http.post("/acp", json=new, headers=conn)).status_code == 202
+            lines = events.aiter_lines()
+            line = await asyncio.wait_for(anext(lines), 10)
+            assert json.loads(line.removeprefix("data: "))["result"]["sessionId"].startswith("acp-")
+        assert app.bus.count(kinds.PARTIAL_MESSAGE) == 1  # the session stays attached while its connection lives
+        assert (await http.delete("/acp", headers=conn)).status_code == 202
+        await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 0, 5, what="the connection's session detached")
+        assert (await http.post("/acp", json=new, headers=conn)).status_code == 404  # gone

@@ -114,11 +114,14 @@ async def test_a_cline_subscriber_sees_the_chat_grow_and_finish(app, connect):
     responses = await chat(chatter, "hello_world", "show me", filter_type=MAXIMAL,
                            sly={"chunks": 5, "delay_ms": 70})
     final_text = responses[-1].response.text
+    # The question first, as Cline's host says a user's message: every UI of the session shows it.
+    asked = await asyncio.wait_for(stream.read(), 2)
+    assert (asked.type, asked.say, asked.text, asked.partial) == (ui_pb2.SAY, ui_pb2.USER_FEEDBACK, "show me", False)
     seen: list[ui_pb2.ClineMessage] = []
     while not seen or seen[-1].partial:
         seen.append(await asyncio.wait_for(stream.read(), 2))
     assert len(seen) == 6  # five growing states, then the finished message
-    assert {m.ts for m in seen} == {seen[0].ts} and seen[0].ts > 0
+    assert {m.ts for m in seen} == {seen[0].ts} and seen[0].ts > asked.ts > 0
     assert all(m.type == ui_pb2.SAY and m.say == ui_pb2.TEXT for m in seen)
     assert [m.partial for m in seen] == [True] * 5 + [False]
     texts = [m.text for m in seen]
@@ -156,6 +159,8 @@ async def test_cancelling_a_chat_stops_the_local_agent_at_once(app, connect):
     print(f"cancel -> local agent stopped: {(time.monotonic() - cancelled_at) * 1000:.1f} ms (poll 5 ms)")
     assert time.monotonic() - cancelled_at < 0.1, f"backend still running {took * 1000:.0f} ms after the cancel"
     # The webview's message was closed rather than left "typing", and no answer was stored.
+    asked = await asyncio.wait_for(viewer.read(), 2)
+    assert (asked.say, asked.text) == (ui_pb2.USER_FEEDBACK, "long one")
     states = []
     while not states or states[-1].partial:
         states.append(await asyncio.wait_for(viewer.read(), 2))

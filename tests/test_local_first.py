@@ -35,7 +35,7 @@ from tests.conftest import REPO, free_port, running, wait_for
 from tests.webclient import call, frame
 from uibus.app import App
 from uibus.config import Config
-from uibus.pb.cline import common_pb2
+from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
@@ -504,6 +504,8 @@ async def test_an_unnamed_caller_still_shows_on_the_default_sessions_ui(web: App
         stream = conn.ui.subscribeToPartialMessage(common_pb2.EmptyRequest())
         await asyncio.wait_for(stream.initial_metadata(), 5)
         await _http_chat(web, "seen on the default page")
+        asked = await asyncio.wait_for(stream.read(), 5)  # the question first, as every UI shows it
+        assert (asked.say, asked.text) == (ui_pb2.USER_FEEDBACK, "seen on the default page")
         while (message := await asyncio.wait_for(stream.read(), 5)).partial:
             pass
         assert 'You said: "seen on the default page"' in message.text

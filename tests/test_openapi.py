@@ -42,7 +42,7 @@ from uibus import session
 from uibus.config import Config
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, mime_data_pb2
 from uibus.proto_schema import SchemaBook, standalone
-from uibus.transports import neurosan_http, openapi
+from uibus.transports import neurosan_http, openapi, sessions_http
 
 AGENT = "hello_world"  # the built-in local agent
 DOC_URI = "urn:uibus:openapi"
@@ -137,6 +137,47 @@ async def test_every_answer_matches_the_document(web_http: httpx.AsyncClient) ->
         assert_valid(response_schema(doc, path, method, status), r.json())
 
 
+async def test_every_sessions_api_answer_matches_the_document(web_http: httpx.AsyncClient) -> None:
+    doc = (await web_http.get("/api/v1/docs")).json()
+    base = openapi.SESSIONS_PATH
+    on = {"x-uibus-session": "openapi-sessions"}
+
+    def check(path: str, method: str, r: httpx.Response, media: str = "application/json") -> Any:
+        assert r.headers["content-type"] == media, (path, r.status_code, r.text)
+        body = r.json() if media == "application/json" else [json.loads(x) for x in r.text.splitlines() if x]
+        for item in body if isinstance(body, list) else [body]:
+            assert_valid(response_schema(doc, path, method, r.status_code, media), item)
+        return body
+
+    created = check(f"{base}/CreateSession", "post", await web_http.post(
+        f"{base}/CreateSession", json={"title": "documented", "agent": AGENT}, headers=on))
+    assert created["session"] == "openapi-sessions" and created["title"] == "documented"
+    await chat_lines(web_http, {"user_message": {"text": "hi"}}, on)  # a turn: the entry names its agent
+    listed = check(base, "get", await web_http.get(base, params={"prefix": "openapi-"}))
+    assert [s["session"] for s in listed["sessions"]] == ["openapi-sessions"]
+    async with web_http.stream("GET", f"{base}/watch", params={"prefix": "openapi-"}) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"] == "application/json-lines"
+        first = json.loads(await anext(resp.aiter_lines()))
+    assert_valid(response_schema(doc, f"{base}/watch", "get", 200, "application/json-lines"), first)
+    assert check(f"{base}/StopTurn", "post", await web_http.post(
+        f"{base}/StopTurn", json={"agent": AGENT}, headers=on)) == {}  # nothing ran: `stopped` false (absent)
+    errors = [  # a local agent offers no modes and no conversations; no such session; bad bodies; wrong methods
+        ("post", "SetMode", {"agent": AGENT, "mode_id": "plan"}, 400),
+        ("post", "NewConversation", {"agent": AGENT}, 400),
+        ("post", "SetModel", {"no_such_field": 1}, 400),
+        ("get", "CreateSession", None, 405),
+        ("post", "", None, 405),
+    ]
+    for method, rpc, body, status in errors:
+        path = f"{base}/{rpc}" if rpc else base
+        r = await web_http.request(method.upper(), path, json=body, headers=on)
+        assert r.status_code == status, (path, r.status_code, r.text)
+        check(path, method, r)
+    assert check(f"{base}/DeleteSession", "post", await web_http.post(f"{base}/DeleteSession", headers=on)) == {}
+    gone = await web_http.post(f"{base}/DeleteSession", headers=on)
+    assert gone.status_code == 404 and check(f"{base}/DeleteSession", "post", gone)["code"] == "NOT_FOUND"
+
+
 @pytest.fixture
 def token_config(config: Config, tmp_path: Path) -> Config:
     """Tokens on (an operator's, and a tenant's for `team-a-*` sessions) and a small message limit."""
@@ -192,6 +233,14 @@ def test_document_names_what_the_server_enforces() -> None:
     assert doc["components"]["parameters"]["Session"]["name"] == "x-uibus-session"
     for status in ("400", "401", "403", "404", "429", "503"):
         assert status in chat["responses"]
+    sessions = doc["paths"][openapi.SESSIONS_PATH]["get"]  # a listing is of every session the token may use
+    assert "#/components/parameters/Session" not in {p.get("$ref") for p in sessions["parameters"]}
+    assert sessions["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/SessionList"}
+    for rpc in sessions_http._POSTS:  # every endpoint the HTTP API serves is documented
+        post = doc["paths"][f"{openapi.SESSIONS_PATH}/{rpc}"]["post"]
+        assert {p.get("$ref") for p in post["parameters"]} == {"#/components/parameters/Session"}
+    assert set(sessions_http._POSTS) == set(openapi._SESSION_POSTS)
     schemas = doc["components"]["schemas"]
     assert all(s["title"] == name for name, s in schemas.items())
     assert {"ChatRequest", "ChatResponse", "ChatMessage", "ChatContext", "ChatHistory", "Error"} <= set(schemas)

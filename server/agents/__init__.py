@@ -178,6 +178,12 @@ class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, Ses
         """The sly_data keys this backend understands (reported by Function)."""
         return None
 
+    def prompt_capabilities(self) -> dict[str, bool] | None:
+        """What the agent takes with a prompt besides text, in ACP's words (`image`, `audio`,
+        `embeddedContext`); None while unknown. Reported in Connectivity's metadata, so `uibus acp`
+        can advertise the hosted agent's own promptCapabilities to an editor."""
+        return None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Releases connections; called once at shutdown."""
 

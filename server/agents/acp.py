@@ -98,8 +98,15 @@ class AcpAgent(StdioBackend):
         self.auth_method: str = option(self.spec, "auth_method", str, "")
         self.offer_mcp: bool = option(self.spec, "offer_mcp", bool, True)
 
+        # What the agent's last `initialize` said it takes with a prompt: one program answers every
+        # session alike, so any of its processes tells (unknown until the first one started).
+        self.seen_prompt_capabilities: dict[str, bool] | None = None
+
     def session(self, ui: SessionUi) -> AcpSession:
         return AcpSession(self, ui)
+
+    def prompt_capabilities(self) -> dict[str, bool] | None:
+        return self.seen_prompt_capabilities
 
 
 class AcpSession(AcpSteering, JsonRpcSession):
@@ -146,6 +153,9 @@ class AcpSession(AcpSteering, JsonRpcSession):
             version = init.get("protocolVersion") if isinstance(init, dict) else None
             raise AgentError(f"the agent speaks ACP protocol version {version!r}; uibus speaks {PROTOCOL_VERSION}")
         self.capabilities = init.get("agentCapabilities") or {}
+        accepts = self.capabilities.get("promptCapabilities")
+        accepts = accepts if isinstance(accepts, dict) else {}
+        self.acp.seen_prompt_capabilities = {k: accepts.get(k) is True for k in ("image", "audio", "embeddedContext")}
         methods = [m.get("id") for m in init.get("authMethods") or [] if isinstance(m, dict)]
         wanted = self.acp.auth_method
         if wanted:

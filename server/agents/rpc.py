@@ -90,6 +90,10 @@ class RpcAgent(StdioBackend):
     def session(self, ui: SessionUi) -> RpcSession:
         return RpcSession(self, ui)
 
+    def prompt_capabilities(self) -> dict[str, bool] | None:
+        """pi's `prompt` takes images, no other files (uibus.agents.attachments.pi_images)."""
+        return {"image": True, "audio": False, "embeddedContext": False}
+
 
 class RpcSession(PiSteering, StdioSession):
     """One agent process of one uibus session, spoken to in pi's RPC mode."""

@@ -226,9 +226,11 @@ class Chat:
     def connectivity(self, agent: str) -> agent_pb2.ConnectivityResponse:
         spec = self.spec(agent)
         info = agent_pb2.ConnectivityInfo(origin=agent, tools=list(spec.tools), display_as=spec.display_as)
-        return agent_pb2.ConnectivityResponse(
-            connectivity_info=[info],
-            metadata=_struct({"description": spec.description, "tags": list(spec.tags), "backend": spec.backend}))
+        metadata: dict[str, Any] = {"description": spec.description, "tags": list(spec.tags), "backend": spec.backend}
+        accepts = self.backend(agent).prompt_capabilities()
+        if accepts is not None:  # what a turn's attachments may be (`uibus acp` advertises it to editors)
+            metadata["prompt_capabilities"] = accepts
+        return agent_pb2.ConnectivityResponse(connectivity_info=[info], metadata=_struct(metadata))
 
     # ---- the turn ----
 
@@ -304,7 +306,7 @@ class Chat:
 
         feed = self.feed
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
-        feed.remember_question(session, text)  # before the reply's ts: a replay shows the turn in order
+        feed.question(session, text)  # before the reply's ts: the turn shows (and replays) in order
         ts = 0  # the reply's message, taken at its first piece: what an agent shows before it comes first
         parts: list[str] = []
         final: Final | None = None

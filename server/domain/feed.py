@@ -239,13 +239,13 @@ class UiFeed:
         self.recent.note(session, msg)
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, msg, key=ts)
 
-    def remember_question(self, session: str, text: str) -> int:
-        """Keeps a user's chat question among the session's recent messages (a SAY USER_FEEDBACK)
-        without publishing it: a page opened later replays the conversation with its questions,
-        while live UIs see exactly what they saw before (Cline's webview renders its own input)."""
-        ts = self.clock.next()
-        self.recent.note(session, ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.USER_FEEDBACK, text=text))
-        return ts
+    def question(self, session: str, text: str) -> int:
+        """Shows a user's chat question to the session's UIs (a SAY USER_FEEDBACK, as Cline's host
+        says a user's follow-up) and keeps it among the recent messages: an editor attached over ACP
+        or a second page sees the question of a turn another UI started live, and a page opened later
+        replays the conversation with its questions. The UI that asked matches it to what it shows
+        already (the page by its text, an editor by owning the turn), so nothing shows it twice."""
+        return self.say(session, text, ui_pb2.USER_FEEDBACK)
 
     async def set_theme(self, session: str, theme: str) -> int:
         """Cline sends the theme as a JSON document; anything else would break its webview."""

@@ -13,6 +13,8 @@ them (uibus.editors.rpc).
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import logging
 import secrets
@@ -42,7 +44,7 @@ from uibus.editors.rpc import (
 )
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
-from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.session import check_session
 from uibus.tasks import Tasks, caller_cancelled, cancel_and_wait
@@ -54,6 +56,8 @@ MAX_SESSIONS = 64  # sessions one editor connection may hold at once
 DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
 LIST_PAGE = 100  # sessions per session/list answer
 MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
+# What uibus takes with a prompt whatever the hosted agent: text, with embedded resources' text inlined.
+BASELINE = {"image": False, "audio": False, "embeddedContext": True}
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
                  grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
                  grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND,
@@ -62,27 +66,52 @@ _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode
 Write = Callable[[str], Awaitable[None]]
 
 
-def _text_of(blocks: Any) -> str:
-    """A prompt's content blocks as the turn's text: text as it is, embedded resources with their
-    text, links as their URI. Images and audio are not carried by a uibus turn: refused."""
+def _media(block: dict[str, Any], data: Any, mime: Any, what: str) -> tuple[str, bytes]:
+    if not isinstance(data, str) or not isinstance(mime, str) or "/" not in mime:
+        raise RpcError(INVALID_PARAMS, f"{what} needs its data (base64) and its mimeType")
+    try:
+        return mime, base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RpcError(INVALID_PARAMS, f"{what}'s data is not base64") from None
+
+
+def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_data_pb2.MimeData]]:
+    """A prompt's content blocks as the turn's text and attachments (neuro-san's mime_data, which
+    reach the hosted agent as its protocol has them): text as it is, an embedded resource's text
+    inlined, links as their URI; images and embedded blobs as attachments, refused (-32602) where
+    the hosted agent takes none (`accepts`, what `initialize` advertised)."""
     if not isinstance(blocks, list) or not blocks:
         raise RpcError(INVALID_PARAMS, "prompt must be a non-empty array of content blocks")
-    parts = []
+    parts: list[str] = []
+    attached: list[mime_data_pb2.MimeData] = []
     for block in blocks:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
+        elif kind == "image" and isinstance(block, dict):
+            if not accepts.get("image"):
+                raise RpcError(INVALID_PARAMS, "the hosted agent takes no images (promptCapabilities.image is "
+                                               "false): send the prompt without the image")
+            mime, data = _media(block, block.get("data"), block.get("mimeType"), "an image block")
+            attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
         elif kind == "resource" and isinstance(block.get("resource"), dict):
             resource = block["resource"]
-            if not isinstance(resource.get("text"), str):
-                raise RpcError(INVALID_PARAMS, "an embedded resource must carry text (blobs are not supported)")
-            parts.append(f"\n<resource uri=\"{resource.get('uri', '')}\">\n{resource['text']}\n</resource>\n")
+            if isinstance(resource.get("text"), str):
+                parts.append(f"\n<resource uri=\"{resource.get('uri', '')}\">\n{resource['text']}\n</resource>\n")
+            elif isinstance(resource.get("blob"), str):
+                if not accepts.get("embeddedContext"):
+                    raise RpcError(INVALID_PARAMS, "the hosted agent takes no attached files (promptCapabilities"
+                                                   ".embeddedContext is false): embed text, or send no blob")
+                mime, data = _media(resource, resource["blob"], resource.get("mimeType"), "an embedded blob")
+                attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
+            else:
+                raise RpcError(INVALID_PARAMS, "an embedded resource must carry its text or a blob")
         elif kind == "resource_link" and isinstance(block.get("uri"), str):
             parts.append(block["uri"])
         else:
             raise RpcError(INVALID_PARAMS, f"content block of type {str(kind)[:40]!r} is not supported here "
-                                           "(text, resource with text, resource_link)")
-    return "".join(parts)
+                                           "(text, image, resource, resource_link)")
+    return "".join(parts), attached
 
 
 def check_prefix(prefix: str) -> str:
@@ -134,6 +163,8 @@ class Editor:
         self.tasks = Tasks("acp editor")
         self.sessions: dict[str, Attached] = {}
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
+        self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
+        self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
         self._running: dict[str, asyncio.Task[None]] = {}  # request id (as JSON) -> the task answering it
         self._withdrawn: set[str] = set()  # ids the editor cancelled ($/cancel_request)
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
@@ -241,12 +272,18 @@ class Editor:
             raise RpcError(INVALID_PARAMS, "protocolVersion (an integer) is required")
         caps = params.get("clientCapabilities")
         self.client = caps if isinstance(caps, dict) else {}
+        # The hosted agent's own promptCapabilities where uibus knows them (an ACP agent once it has
+        # started, pi always): images and blobs become the turn's attachments. Embedded text is
+        # inlined for any agent; audio is not carried.
+        hosted = await self.uplink.prompt_capabilities()
+        hosted = hosted or {}
+        self.accepts = {**BASELINE, "image": hosted.get("image", False)}
+        self.blobs = hosted.get("embeddedContext", False)
         return {"protocolVersion": PROTOCOL_VERSION, "authMethods": [],
                 "agentInfo": {"name": "uibus", "title": "uibus", "version": version()},
                 "agentCapabilities": {
                     "loadSession": True,
-                    # A uibus turn carries text: embedded resources are inlined, media is refused.
-                    "promptCapabilities": {"image": False, "audio": False, "embeddedContext": True},
+                    "promptCapabilities": {k: self.accepts[k] for k in BASELINE},
                     "mcpCapabilities": {"http": False, "sse": False},
                     "sessionCapabilities": {"list": {}, "resume": {}, "close": {}}}}
 
@@ -298,9 +335,9 @@ class Editor:
         """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
         the session; an agent that never ran there offers nothing yet."""
         state = await self.uplink.agent_state(attached.name)
-        update = updates.commands(state)
-        if update is not None:
-            await attached.update(update)
+        for update in attached.offered(state):
+            if update["sessionUpdate"] != "current_mode_update":  # the answer's `modes` says it
+                await attached.update(update)
         offered = updates.modes(state)
         return {"modes": offered} if offered is not None else {}
 
@@ -317,7 +354,9 @@ class Editor:
         if not agent:
             raise RpcError(INVALID_REQUEST, "no agent has run in this session yet: it offers no modes")
         state = await self.uplink.set_mode(name, agent, mode)
-        await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": state.current_mode or mode})
+        now = state.current_mode or mode
+        if attached.now_in_mode(now):
+            await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": now})
         return {}
 
     async def close(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -351,11 +390,12 @@ class Editor:
         if attached is None:
             raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection: "
                                                "session/new, session/load or session/resume it first")
-        text = _text_of(params.get("prompt"))
-        if not text.strip():
+        text, attached_files = prompt_of(params.get("prompt"), {
+            "image": self.accepts["image"], "embeddedContext": self.blobs})
+        if not text.strip() and not attached_files:
             raise RpcError(INVALID_PARAMS, "the prompt has no text")
         request = agent_pb2.ChatRequest(
-            user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text=text),
+            user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text=text, mime_data=attached_files),
             chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
         turn = asyncio.ensure_future(self._turn(attached, request))
         try:

@@ -26,6 +26,7 @@ from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink, each
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.editors")
@@ -67,6 +68,9 @@ class Attached:
         self._final_seen = asyncio.Event()
         self._final: str | None = None
         self._asking: dict[str, int] = {}  # dialog id -> our request id at the editor
+        # What the editor was told the agent offers: its mode (None: not known yet) and commands.
+        self._mode: str | None = None
+        self._commands: dict[str, Any] | None = None
 
     # ---- attach / detach ----
 
@@ -75,6 +79,7 @@ class Attached:
         editor first. Returns once subscribed (and replayed)."""
         self._feeding = self.tasks.spawn(self._feed(replay), name=f"acp feed {self.name}")
         self.tasks.spawn(self._dialogs(), name=f"acp dialogs {self.name}")
+        self.tasks.spawn(self._offers(), name=f"acp offers {self.name}")
         await self._replay_done.wait()
         if self.refused is not None:  # uibus refused the subscription (a token, an outage): the editor hears why
             raise self.refused
@@ -230,6 +235,43 @@ class Attached:
         """session/cancel: the running prompt's call is cancelled (the hosted agent sees it)."""
         if self.prompt is not None and not self.prompt.done():
             self.prompt.cancel()
+
+    # ---- what the agent offers: its mode and commands, changed from any UI ----
+
+    def offered(self, state: sessions_pb2.AgentState | None) -> list[dict[str, Any]]:
+        """The updates telling the editor what changed in the agent's offer since it last heard:
+        `available_commands_update` when the commands differ, `current_mode_update` when the mode
+        moved from one it knew (the first mode comes in the session/load or resume answer)."""
+        if state is None:
+            return []
+        out = []
+        commands = updates.commands(state)
+        if commands is not None and commands != self._commands:
+            self._commands = commands
+            out.append(commands)
+        mode = state.current_mode or (state.modes[0].id if state.modes else "")
+        if mode and mode != self._mode:
+            if self._mode is not None:
+                out.append({"sessionUpdate": "current_mode_update", "currentModeId": mode})
+            self._mode = mode
+        return out
+
+    def now_in_mode(self, mode: str) -> bool:
+        """The editor set the mode itself; False when the listing told it already (not news)."""
+        news, self._mode = mode != self._mode, mode
+        return news
+
+    async def _offers(self) -> None:
+        """SetMode from another UI (the page, a phone, the sessions API) and the agent's own mode
+        and command changes reach this editor through the session's listing (WatchSessions)."""
+        try:
+            async for state in self.uplink.agent_states(self.name):
+                for u in self.offered(state):
+                    await self.update(u)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("the session's listing ended", extra={"fields": {"session": self.name,
+                                                                             "code": exc.code().name}})
 
     # ---- dialogs ----
 

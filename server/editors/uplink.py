@@ -8,9 +8,13 @@ editor connection can hold several sessions over one channel; the token rides on
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
+
+import grpc
+from google.protobuf import json_format
 
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -21,6 +25,7 @@ CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_nam
 _EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
 _SESSIONS = sessions_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
 _WEBVIEW = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
+CONNECTIVITY_S = 3.0  # initialize waits at most this long to learn what the hosted agent takes
 
 
 async def each(call: Any) -> AsyncIterator[Any]:
@@ -46,6 +51,9 @@ class Uplink:
         self._chat = channel.unary_stream(f"/{service}/StreamingChat",
                                           request_serializer=agent_pb2.ChatRequest.SerializeToString,
                                           response_deserializer=agent_pb2.ChatResponse.FromString)
+        self._connectivity = channel.unary_unary(
+            f"/{service}/Connectivity", request_serializer=agent_pb2.ConnectivityRequest.SerializeToString,
+            response_deserializer=agent_pb2.ConnectivityResponse.FromString)
         self._webview = channel.unary_stream(f"/{_WEBVIEW}/Subscribe",
                                              request_serializer=webview_pb2.WebviewSubscribeRequest.SerializeToString,
                                              response_deserializer=webview_pb2.WebviewEvent.FromString)
@@ -58,6 +66,9 @@ class Uplink:
         self._set_mode = channel.unary_unary(f"/{_SESSIONS}/SetMode",
                                              request_serializer=sessions_pb2.SetModeRequest.SerializeToString,
                                              response_deserializer=sessions_pb2.AgentState.FromString)
+        self._watch = channel.unary_stream(f"/{_SESSIONS}/WatchSessions",
+                                           request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
+                                           response_deserializer=sessions_pb2.SessionList.FromString)
         self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
                                          request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
                                          response_deserializer=sessions_pb2.SessionList.FromString)
@@ -69,6 +80,18 @@ class Uplink:
     def chat(self, session: str, request: agent_pb2.ChatRequest) -> AsyncIterator[agent_pb2.ChatResponse]:
         """One turn of the configured agent on `session` (neuro-san's StreamingChat)."""
         return each(self._chat(request, metadata=self._md(session)))
+
+    async def prompt_capabilities(self) -> dict[str, bool] | None:
+        """What the configured agent takes with a prompt besides text (ACP's promptCapabilities,
+        from Connectivity's metadata); None where uibus does not know (yet) or cannot be reached."""
+        try:
+            reply = await asyncio.wait_for(self._connectivity(agent_pb2.ConnectivityRequest()), CONNECTIVITY_S)
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return None
+        found = json_format.MessageToDict(reply.metadata).get("prompt_capabilities")
+        if not isinstance(found, dict):
+            return None
+        return {k: found.get(k) is True for k in ("image", "audio", "embeddedContext")}
 
     def feed(self, session: str, client_id: str) -> Any:
         """The session's UI feed as a webview gets it: its recent messages first (`replayed`), then
@@ -86,14 +109,24 @@ class Uplink:
         """The sessions the channel's token may use (named `prefix…`), most recently active first."""
         return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
 
-    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
-        """What the session's agent (the configured one, else the one it last talked to) offers
-        now: modes, commands. None before it ever ran there."""
-        for entry in (await self.sessions(session)).sessions:
+    def _state_in(self, listed: sessions_pb2.SessionList, session: str) -> sessions_pb2.AgentState | None:
+        for entry in listed.sessions:
             if entry.session == session:
                 agent = self.agent or entry.agent
                 return next((state for state in entry.agents if state.agent == agent), None)
         return None
+
+    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
+        """What the session's agent (the configured one, else the one it last talked to) offers
+        now: modes, commands. None before it ever ran there."""
+        return self._state_in(await self.sessions(session), session)
+
+    async def agent_states(self, session: str) -> AsyncIterator[sessions_pb2.AgentState | None]:
+        """`agent_state` now and again each time the session's listing changes (WatchSessions:
+        a mode set from any UI, the agent's own mode or commands, a turn starting or ending)."""
+        async for listed in each(self._watch(sessions_pb2.ListSessionsRequest(prefix=session),
+                                             metadata=self._md(session))):
+            yield self._state_in(listed, session)
 
     async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
         return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),

@@ -1,6 +1,8 @@
 """`/acp` on the HTTP port: remote ACP over the SDK's WebSocket transport (`createWebSocketStream`
 of @agentclientprotocol/sdk: one JSON-RPC message per text frame), so an editor that speaks remote
-ACP needs no local command. Framing only, around the same `Editor` `uibus acp` runs.
+ACP needs no local command. Framing only, around the same `Editor` `uibus acp` runs. Plain HTTP
+requests on the same route are ACP's Streamable HTTP (`createHttpStream`: uibus.transports.acp_http),
+with the same query, policy and tokens.
 
 Mounted behind the browser policy (Host, Origin) like every route. The upgrade needs a token when
 tokens are configured (`Authorization: Bearer`, as the SDK's `headers` option sends it); each call
@@ -22,7 +24,8 @@ from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
 from uibus.json_input import dump_json
 from uibus.session import SESSION_KEY
-from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse, respond
+from uibus.transports.acp_http import AcpHttp
+from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse
 from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.transports.inprocess import Channel
 
@@ -38,29 +41,29 @@ class AcpWebSocket:
         self.lookup = lookup
         self.tokens = tokens
         self.open: set[Editor] = set()
+        self.http = AcpHttp(lookup, tokens)
 
     def count(self) -> int:
-        return len(self.open)
+        return len(self.open) + self.http.count()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "websocket":
-            await respond(send, 426, f"{PATH} is ACP over WebSocket: connect to ws://HOST:PORT{PATH}[?agent=NAME]\n",
-                          headers=[(b"upgrade", b"websocket"), (b"connection", b"upgrade")])
-            return
-        if (await receive())["type"] != "websocket.connect":
-            return
-        if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
-            await refuse(scope, send, 401, dump_json(error_body(
-                grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
-                "application/json")
-            return
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         agent = (query.get("agent") or [""])[0]
+        if scope["type"] == "websocket" and (await receive())["type"] != "websocket.connect":
+            return
         try:
             prefix = check_prefix((query.get("prefix") or [DEFAULT_PREFIX])[0])
         except InvalidArgument as exc:
             await refuse(scope, send, 400, dump_json(error_body(grpc.StatusCode.INVALID_ARGUMENT, f"prefix: {exc}")),
                          "application/json")
+            return
+        if scope["type"] != "websocket":  # ACP's Streamable HTTP (the SDK's createHttpStream)
+            await self.http(scope, receive, send, agent=agent, prefix=prefix)
+            return
+        if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
+            await refuse(scope, send, 401, dump_json(error_body(
+                grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
+                "application/json")
             return
         metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own
 

@@ -20,6 +20,7 @@ import grpc
 
 from uibus import version
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
+from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.proto_schema import SchemaBook
 from uibus.session import SESSION_KEY
 from uibus.transports.asgi import http_status
@@ -36,7 +37,8 @@ _ERRORS = {
                         "an enum value is undefined, the agent or session name is malformed."),
     401: ("Unauthenticated", "uibus runs with tokens and the call has no valid `authorization: Bearer` token."),
     403: ("PermissionDenied", "The token may not use this session."),
-    404: ("NotFound", "No such agent (neuro-san answers an unknown agent with UNIMPLEMENTED too)."),
+    404: ("NotFound", "No such agent (neuro-san answers an unknown agent with UNIMPLEMENTED too), or no such "
+                      "session to delete."),
     429: ("ResourceExhausted", "A limit was hit: the body is over the message size limit, the user "
                                "message is over the chat context's budget, or the session store is full."),
     503: ("Unavailable", "uibus cannot serve the call right now: the store is failing, or it is shutting down."),
@@ -75,6 +77,62 @@ def _operation(op_id: str, tag: str, summary: str, description: str, ok: dict[st
     responses["default"] = {"$ref": "#/components/responses/OtherError"}
     return {"tags": [tag], "operationId": op_id, "summary": summary, "description": description,
             "parameters": parameters, **more, "responses": responses}
+
+
+SESSIONS_PATH = "/api/v1/sessions"
+# The sessions API's POST endpoints (uibus.transports.sessions_http): the request, the reply, what it does.
+_SESSION_POSTS = {
+    "CreateSession": (sessions_pb2.CreateSessionRequest, sessions_pb2.SessionEntry,
+                      "Creates the caller's session (idempotent: an existing session is returned as it is, with "
+                      "the title or agent of the request set where given)."),
+    "DeleteSession": (sessions_pb2.DeleteSessionRequest, sessions_pb2.DeleteSessionReply,
+                      "Deletes the caller's session: its hosted agents are closed, its waiting dialogs end, its "
+                      "stored state goes. 404 (NOT_FOUND) when there is no such session."),
+    "StopTurn": (sessions_pb2.AgentRequest, sessions_pb2.StopTurnReply,
+                 "Stops the turn `agent` runs now (pi `abort`, ACP `session/cancel`); `stopped` is false when "
+                 "none was running."),
+    "SetMode": (sessions_pb2.SetModeRequest, sessions_pb2.AgentState,
+                "The agent's mode (ACP `session/set_mode`), for every UI of the session. 400 "
+                "(FAILED_PRECONDITION) when the agent offers no modes or is not running here, 400 "
+                "(INVALID_ARGUMENT) for a mode it does not offer."),
+    "SetModel": (sessions_pb2.SetModelRequest, sessions_pb2.AgentState,
+                 "The agent's model (ACP `session/set_model`, pi `set_model`). 400 when it offers no model "
+                 "choice or not this model."),
+    "NewConversation": (sessions_pb2.AgentRequest, sessions_pb2.AgentState,
+                        "A new conversation with the agent (pi `new_session`, ACP `session/new`); the old one "
+                        "stays listed in `conversations`. 400 (FAILED_PRECONDITION) while a turn runs."),
+}
+
+
+def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:
+    """The sessions API (uibus.v1.SessionService over HTTP, uibus.transports.sessions_http)."""
+    prefix = {"name": "prefix", "in": "query", "required": False, "schema": {"type": "string"},
+              "description": "Only sessions whose name starts with this (empty: every session the token may use)."}
+    listed = book.ref(sessions_pb2.SessionList.DESCRIPTOR)
+    paths: dict[str, Any] = {
+        # Listings cover every session the token may use: they take no session header.
+        SESSIONS_PATH: {"get": _operation(
+            "SessionService_ListSessions", "SessionService", "ListSessions",
+            "The sessions the caller may use, most recently active first (at most 500): title, last "
+            "activity, running agents, waiting dialogs, each hosted agent's state (modes, models, commands).",
+            {"description": "The sessions.", "content": _json(listed)}, [prefix])},
+        f"{SESSIONS_PATH}/watch": {"get": _operation(
+            "SessionService_WatchSessions", "SessionService", "WatchSessions",
+            "The same list, first at once and then again whenever it changes (a session appears or goes, "
+            "a turn starts or ends, a dialog opens or closes, a title, mode or model changes).",
+            {"description": "One SessionList in proto3 JSON per line, as long as the request stays open. "
+                            "A failure after the first line is reported by a last line that is an `Error`.",
+             "content": _json(listed, "application/json-lines")}, [prefix])},
+    }
+    for rpc, (request, reply, what) in _SESSION_POSTS.items():
+        paths[f"{SESSIONS_PATH}/{rpc}"] = {"post": _operation(
+            f"SessionService_{rpc}", "SessionService", rpc, what + " On the session the header names.",
+            {"description": f"The {reply.DESCRIPTOR.name}.", "content": _json(book.ref(reply.DESCRIPTOR))},
+            [session],
+            requestBody={"required": False, "description": f"The {request.DESCRIPTOR.name} in proto3 JSON "
+                                                           "(an empty body is the empty request).",
+                         "content": _json(book.ref(request.DESCRIPTOR))})}
+    return paths
 
 
 def document(version: str) -> dict[str, Any]:
@@ -126,6 +184,7 @@ def document(version: str) -> dict[str, Any]:
             "tags": ["Docs"], "operationId": "OpenApiDocument", "summary": "This document",
             "description": "The OpenAPI description of this API; open without a token.", "security": [],
             "responses": {"200": unary({"type": "object"}, "The OpenAPI 3.1 document.")}}},
+        **_session_paths(book, session),
     }
     if "Error" in book.defs:
         raise AssertionError("a message named Error would clash with the error schema")
@@ -145,10 +204,13 @@ def document(version: str) -> dict[str, Any]:
                            "AgentService/ConciergeService. Messages are proto3 JSON with the .proto field "
                            f"names. `{SESSION_KEY}` picks the uibus session (default `default`); with tokens "
                            "configured, send `authorization: Bearer <token>`. Every error "
-                           "answer, a 405 for a wrong method included, is an `Error` object.",
+                           "answer, a 405 for a wrong method included, is an `Error` object. Beside it, "
+                           f"uibus's sessions API (`{SESSIONS_PATH}`, uibus.v1.SessionService): the "
+                           "sessions a token may use, and their hosted agents steered from any UI.",
             "license": {"name": "Apache-2.0", "identifier": "Apache-2.0"},
         },
-        "tags": [{"name": "ConciergeService"}, {"name": "AgentService"}, {"name": "Docs"}],
+        "tags": [{"name": "ConciergeService"}, {"name": "AgentService"}, {"name": "SessionService"},
+                 {"name": "Docs"}],
         "paths": paths,
         "components": {
             "schemas": {**book.defs, "Error": _error_schema()},

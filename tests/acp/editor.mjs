@@ -4,6 +4,7 @@
 //
 //   node editor.mjs stdio <command> [args…]          spawn the agent, speak ACP on its stdio
 //   node editor.mjs ws <url> [<header-json>]          connect to a remote ACP agent over WebSocket
+//   node editor.mjs http <url> [<header-json>]        ... over Streamable HTTP (the SDK's createHttpStream)
 //
 // The test drives it with JSON lines on stdin and reads what happened as JSON lines on stdout:
 //   {"op":"request","tag":T,"method":M,"params":P} -> {"ev":"response","tag":T,"result":R}
@@ -20,6 +21,7 @@ import { createRequire } from "node:module";
 import { Readable, Writable } from "node:stream";
 import { client, methods, ndJsonStream } from "@agentclientprotocol/sdk";
 import { createWebSocketStream } from "@agentclientprotocol/sdk/experimental/ws-client";
+import { createHttpStream } from "@agentclientprotocol/sdk/experimental/http-client";
 
 const emit = (obj) => process.stdout.write(JSON.stringify(obj) + "\n");
 const [mode, target, ...rest] = process.argv.slice(2);
@@ -30,6 +32,8 @@ if (mode === "stdio") {
   child = spawn(target, rest, { stdio: ["pipe", "pipe", "inherit"] });
   child.on("exit", (code, signal) => emit({ ev: "exit", code, signal }));
   stream = ndJsonStream(Writable.toWeb(child.stdin), Readable.toWeb(child.stdout));
+} else if (mode === "http") {
+  stream = createHttpStream(target, { headers: rest[0] ? JSON.parse(rest[0]) : {} });
 } else {
   // Node 20 has no WebSocket of its own: the `ws` package pi's tests install (tests/pi, pinned).
   const require = createRequire(new URL("../pi/package.json", import.meta.url));

@@ -146,11 +146,18 @@ function showPartial(m: ClineMessage, replayed = false): void {
     pendingChat.ts = key;
     el = pendingChat.el;
   }
-  // A chat question the server kept (replayed only): the "you" bubble this page already shows for
-  // it, if it sent it, else a new one.
+  // A chat question (shown live to every UI of the session, and replayed): the "you" bubble this
+  // page already shows for it, if it sent it (kept as drawn, with its attachments' names), else a new one.
   if (!el && say && m.say === ClineSay.USER_FEEDBACK) {
     const i = sentByMe.findIndex((s) => s.text === m.text);
-    el = i >= 0 ? sentByMe.splice(i, 1)[0].el : bubble("user", "you");
+    if (i >= 0) {
+      const mine = sentByMe.splice(i, 1)[0].el;
+      byTs.set(key, mine);
+      mine.dataset.ts = key;
+      mine.dataset.say = sayName(m.say);
+      return;
+    }
+    el = bubble("user", "you");
   }
   // While a reply is awaited, what the agent does meanwhile shows above it (the reply stays last).
   if (!el) {
