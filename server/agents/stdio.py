@@ -334,6 +334,12 @@ class AgentProcess:
             self.gone = why
             self.on_exit(why)
 
+    def stop(self, why: str) -> None:
+        """Kills the group now and counts the process gone at once, for `why`: its exit is seen
+        only later (on a loaded machine, seconds later), and until then nothing may hand it a turn."""
+        self._lost(why)
+        self.kill()
+
     def kill(self) -> None:
         """SIGKILL to the whole process group, at once."""
         proc = self.proc

@@ -260,10 +260,10 @@ class StdioSession(AgentSession):
             return
         done, _ = await asyncio.wait((run,), timeout=self.options.stop_timeout)  # never raises run's error
         if not done:
-            self.process.kill()
-            raise AgentError(f"the agent did not end its cancelled {self.run_noun} within "
-                             f"{self.options.stop_timeout:g} s (option stop_timeout_seconds); it was stopped, "
-                             "the next turn starts a new one")
+            why = (f"the agent did not end its cancelled {self.run_noun} within {self.options.stop_timeout:g} s "
+                   "(option stop_timeout_seconds); it was stopped, the next turn starts a new one")
+            self.process.stop(why)  # not alive from now on: the next turn must not wait for its exit
+            raise AgentError(why)
 
     async def prepare(self, turn: Turn) -> None:
         """What a protocol must ask the agent before the turn's events are taken (nothing by

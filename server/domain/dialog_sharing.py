@@ -22,6 +22,14 @@ heartbeats, 15 s by default) and, for a dialog with a timeout, before its deadli
 without a timeout therefore needs no lifetime of its own: it stays visible exactly as long as its
 holder lives. Readers delete the entries they find dead.
 
+The entry goes to the store directly, the holder's announcement through the bus's outbox, so a
+reader can find a fresh entry before the announcement has reached it. Such an entry is not
+replayed (nor deleted, unless old): this replica would forward an answer to it nowhere (a
+presence kind is sent only to replicas known to listen) and tell the UI NOT_FOUND for a dialog it
+has just shown. Nothing is lost: the reader subscribed and completed the shard before reading, and
+the holder publishes the live request after its announcement, on the same channel, so the
+request reaches the UI live, after the reader knows whom to forward answers to.
+
 Store writes never fail a dialog and wait at most `STORE_WAIT_S`: when Redis is down the bus does
 not replicate either, so only this replica's UIs see the dialog, and they read memory. A delete
 that fails is retried in the background until it succeeds or the replica stops. Single-process
@@ -52,8 +60,9 @@ log = logging.getLogger("uibus.dialogs")
 KEY = "extui/pending/"  # + dialog id
 STORE_WAIT_S = 1.0  # the longest a dialog's request or closed event waits for its store write
 # An entry whose holder is not (or no longer) announced is dead only once it is older than this:
-# a fresh entry may be read before the holder's announcement has crossed Redis, and a replica
-# hears of a crash only when the announcement expires (three heartbeats, 15 s by default).
+# a fresh entry may be read before the holder's announcement has crossed Redis (it is skipped,
+# not deleted), and a replica hears of a crash only when the announcement expires (three
+# heartbeats, 15 s by default).
 UNHEARD_GRACE_MS = 30_000
 # An entry this long past its deadline is dead whatever its holder: the holder's timer closes the
 # dialog at the deadline and removes the entry (the margin covers clocks that differ).
@@ -147,6 +156,8 @@ class SharedDialogs:
             if self._dead(holder, session, request.ts, deadline, now_ms):
                 self.remove(session, key[len(KEY):])
                 continue
+            if self._announced is not None and self._announced(holder, session, kinds.EXT_UI_ANSWER) is False:
+                continue  # its holder is not heard yet: an answer could not be forwarded (see above)
             if deadline and now_ms >= deadline:
                 continue  # its holder's timer is closing it
             found.append((request.ts, holder, seq, request))
