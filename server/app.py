@@ -295,6 +295,7 @@ class App:
         gauges["uibus_agent_sessions"] = (
             "agent sessions open now: hosted agents (backend rpc) that live across turns, one per (session, agent), "
             "each with its process", lambda: float(sessions.count()))
+        # core.forwarding and core.ownership are None without a shared store: their counters read 0 then.
         counters: Gauges = {
             "uibus_agent_processes_started_total": (
                 "agent processes started (backend rpc): one per agent session, again after one died",
@@ -307,20 +308,20 @@ class App:
                                                        lambda: float(sessions.closed_dead)),
             "uibus_agent_turns_forwarded_total": (
                 "hosted agent turns carried from this replica to the replica owning the agent",
-                lambda: float(core.forwarding.forwarded if core.forwarding else 0)),
+                lambda: float(getattr(core.forwarding, "forwarded", 0))),
             "uibus_agent_turns_served_total": (
                 "hosted agent turns other replicas carried here, to the agent this replica owns",
-                lambda: float(core.forwarding.served if core.forwarding else 0)),
+                lambda: float(getattr(core.forwarding, "served", 0))),
             "uibus_agent_turns_interrupted_total": (
                 "forwarded turns ended UNAVAILABLE because the owning replica went silent",
-                lambda: float(core.forwarding.interrupted if core.forwarding else 0)),
+                lambda: float(getattr(core.forwarding, "interrupted", 0))),
             "uibus_agent_leases_taken_over_total": (
                 "agent ownership leases this replica took over from a replica whose lease had expired",
-                lambda: float(core.ownership.taken_over if core.ownership else 0)),
+                lambda: float(getattr(core.ownership, "taken_over", 0))),
             "uibus_agent_leases_fenced_total": (
                 "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
                 "their turns cut, their agent closed",
-                lambda: float(core.ownership.fenced if core.ownership else 0)),
+                lambda: float(getattr(core.ownership, "fenced", 0))),
             "uibus_agent_conversations_resumed_total": (
                 "hosted agents' conversations picked up again by a new process (option resume)",
                 lambda: float(sessions.handles.resumed)),

@@ -60,7 +60,19 @@ class Controls:
                 "conversation": conversation, "conversations": list(self.conversations), "can": can}
 
 
-class AcpSteering:
+class _Steered:
+    """The Controls of a session, made on first use: both mixins keep them the same way, and a mixin
+    has no __init__ of its own to make them in (the session classes own construction)."""
+
+    @property
+    def controls(self) -> Controls:
+        found = self.__dict__.get("_controls")
+        if found is None:
+            found = self.__dict__["_controls"] = Controls()
+        return found
+
+
+class AcpSteering(_Steered):
     """ACP's modes, models, commands and conversations (mixed into AcpSession)."""
 
     session_id: str
@@ -71,13 +83,6 @@ class AcpSteering:
 
     if TYPE_CHECKING:  # JsonRpcSession's (declared for the type checker only: a body here would shadow it)
         async def call(self, method: str, params: dict[str, Any]) -> Any: ...
-
-    @property
-    def controls(self) -> Controls:
-        found = self.__dict__.get("_controls")
-        if found is None:
-            found = self.__dict__["_controls"] = Controls()
-        return found
 
     def steer_seen_session(self, created: dict[str, Any]) -> None:
         """A `session/new` (or load) result: its modes and models, if it offers them."""
@@ -139,7 +144,7 @@ class AcpSteering:
             await self.ui.keep_handle({"sessionId": self.session_id, "cwd": self.cwd})
 
 
-class PiSteering:
+class PiSteering(_Steered):
     """pi's models, commands and sessions (mixed into RpcSession)."""
 
     options: Any  # StdioSession's ProcessOptions and SessionUi (the handle of a new conversation is kept)
@@ -147,13 +152,6 @@ class PiSteering:
 
     if TYPE_CHECKING:  # RpcSession's
         async def command(self, kind: str, **fields: Any) -> dict[str, Any]: ...
-
-    @property
-    def controls(self) -> Controls:
-        found = self.__dict__.get("_controls")
-        if found is None:
-            found = self.__dict__["_controls"] = Controls()
-        return found
 
     def _pi_ids(self) -> tuple[str, str]:
         return self.__dict__.get("_pi_conversation", ""), self.__dict__.get("_pi_provider", "")

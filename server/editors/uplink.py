@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -43,35 +44,31 @@ async def each(call: Any) -> AsyncIterator[Any]:
                 await call.aclose()
 
 
+def _rpc(channel: Any, path: str, request: type[Message], reply: type[Message], streaming: bool = False) -> Any:
+    """A callable for one method at `path` (unary or server-streaming) on either kind of channel."""
+    make = channel.unary_stream if streaming else channel.unary_unary
+    return make(path, request_serializer=request.SerializeToString, response_deserializer=reply.FromString)
+
+
 class Uplink:
     def __init__(self, channel: Any, agent: str = "") -> None:
         self.channel = channel
         self.agent = agent  # "" = the server's default agent (the canonical AgentService path)
         service = f"{agent}.AgentService" if agent else CANONICAL_AGENT
-        self._chat = channel.unary_stream(f"/{service}/StreamingChat",
-                                          request_serializer=agent_pb2.ChatRequest.SerializeToString,
-                                          response_deserializer=agent_pb2.ChatResponse.FromString)
-        self._connectivity = channel.unary_unary(
-            f"/{service}/Connectivity", request_serializer=agent_pb2.ConnectivityRequest.SerializeToString,
-            response_deserializer=agent_pb2.ConnectivityResponse.FromString)
-        self._webview = channel.unary_stream(f"/{_WEBVIEW}/Subscribe",
-                                             request_serializer=webview_pb2.WebviewSubscribeRequest.SerializeToString,
-                                             response_deserializer=webview_pb2.WebviewEvent.FromString)
-        self._dialogs = channel.unary_stream(f"/{_EXT}/Subscribe",
-                                             request_serializer=ext_pb.SubscribeRequest.SerializeToString,
-                                             response_deserializer=ext_pb.ExtensionUiEvent.FromString)
-        self._respond = channel.unary_unary(f"/{_EXT}/Respond",
-                                            request_serializer=ext_pb.RespondRequest.SerializeToString,
-                                            response_deserializer=ext_pb.RespondReply.FromString)
-        self._set_mode = channel.unary_unary(f"/{_SESSIONS}/SetMode",
-                                             request_serializer=sessions_pb2.SetModeRequest.SerializeToString,
-                                             response_deserializer=sessions_pb2.AgentState.FromString)
-        self._watch = channel.unary_stream(f"/{_SESSIONS}/WatchSessions",
-                                           request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
-                                           response_deserializer=sessions_pb2.SessionList.FromString)
-        self._list = channel.unary_unary(f"/{_SESSIONS}/ListSessions",
-                                         request_serializer=sessions_pb2.ListSessionsRequest.SerializeToString,
-                                         response_deserializer=sessions_pb2.SessionList.FromString)
+        self._chat = _rpc(channel, f"/{service}/StreamingChat", agent_pb2.ChatRequest, agent_pb2.ChatResponse,
+                          streaming=True)
+        self._connectivity = _rpc(channel, f"/{service}/Connectivity", agent_pb2.ConnectivityRequest,
+                                  agent_pb2.ConnectivityResponse)
+        self._webview = _rpc(channel, f"/{_WEBVIEW}/Subscribe", webview_pb2.WebviewSubscribeRequest,
+                             webview_pb2.WebviewEvent, streaming=True)
+        self._dialogs = _rpc(channel, f"/{_EXT}/Subscribe", ext_pb.SubscribeRequest, ext_pb.ExtensionUiEvent,
+                             streaming=True)
+        self._respond = _rpc(channel, f"/{_EXT}/Respond", ext_pb.RespondRequest, ext_pb.RespondReply)
+        self._set_mode = _rpc(channel, f"/{_SESSIONS}/SetMode", sessions_pb2.SetModeRequest, sessions_pb2.AgentState)
+        self._watch = _rpc(channel, f"/{_SESSIONS}/WatchSessions", sessions_pb2.ListSessionsRequest,
+                           sessions_pb2.SessionList, streaming=True)
+        self._list = _rpc(channel, f"/{_SESSIONS}/ListSessions", sessions_pb2.ListSessionsRequest,
+                          sessions_pb2.SessionList)
 
     @staticmethod
     def _md(session: str) -> tuple[tuple[str, str], ...]:

@@ -197,6 +197,17 @@ class AcpHttp:
         conn.touched = time.monotonic()
         return conn
 
+    async def _connection(self, scope: Scope, send: Send) -> HttpConnection | None:
+        """The connection a POST or GET names, or None once the client has been told why not (the
+        header missing is a malformed request, 400; an unknown or not-its-owner's id is 404)."""
+        if not header(scope, CONNECTION):
+            await respond(send, 400, "Missing Acp-Connection-Id")
+            return None
+        conn = self._find(scope)
+        if conn is None:
+            await respond(send, 404, "Unknown Acp-Connection-Id")
+        return conn
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send, *, agent: str, prefix: str) -> None:
         method = scope.get("method", "GET")
         await self._sweep()
@@ -249,12 +260,8 @@ class AcpHttp:
                 return
             await self._initialize(scope, send, message, body, agent, prefix)
             return
-        if not header(scope, CONNECTION):
-            await respond(send, 400, "Missing Acp-Connection-Id")
-            return
-        conn = self._find(scope)
+        conn = await self._connection(scope, send)
         if conn is None:
-            await respond(send, 404, "Unknown Acp-Connection-Id")
             return
         if "method" in message:
             session, problem = _route(message, header(scope, SESSION))
@@ -296,12 +303,8 @@ class AcpHttp:
         if "text/event-stream" not in header(scope, b"accept").lower():
             await respond(send, 406, "Not Acceptable: GET with Accept: text/event-stream")
             return
-        if not header(scope, CONNECTION):
-            await respond(send, 400, "Missing Acp-Connection-Id")
-            return
-        conn = self._find(scope)
+        conn = await self._connection(scope, send)
         if conn is None:
-            await respond(send, 404, "Unknown Acp-Connection-Id")
             return
         session = header(scope, SESSION) or None
         stream = conn.stream(session)

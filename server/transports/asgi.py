@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from uibus.calls import Rejected, decode
 from uibus.errors import ResourceExhausted
 from uibus.json_input import dump_json
 
@@ -52,6 +53,20 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def read_request(receive: Receive, limit: int, parse: Callable[[bytes], Any], what: str = "body") -> Any:
+    """The request an HTTP API call's body carries, for the call driver: `parse(body)`, or a
+    `Rejected` saying why not (over `limit`, or not decodable as `what`), so the pipeline answers a
+    bad body as it answers one over gRPC; None when the client went away first (nothing to answer).
+    One place, so every HTTP API treats an oversized or malformed body the same way."""
+    try:
+        body = await read_body(receive, limit)
+    except ClientGone:
+        return None
+    except BodyTooLarge as exc:
+        return Rejected(exc)
+    return decode(parse, body, what)
 
 
 async def wait_disconnect(receive: Receive) -> None:

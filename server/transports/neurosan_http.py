@@ -16,25 +16,22 @@ without a token like /healthz: it is the same for everyone and reveals only mess
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
-from uibus.calls import CallContext, Metadata, Rejected, Sink, decode, drive
+from uibus.calls import CallContext, Metadata, Sink, drive
 from uibus.json_input import dump_json_bytes, load_json
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.proto_check import enum_spellings
 from uibus.transports.asgi import (
-    BodyTooLarge,
-    ClientGone,
     Receive,
     Scope,
     Send,
     error_body,
     http_status,
-    read_body,
+    read_request,
     respond,
     respond_json,
     wait_disconnect,
@@ -110,15 +107,11 @@ class NeuroSanHttp:
         if handler is None:
             await respond_json(send, 404, {"error": "the concierge service is not installed", "code": "UNIMPLEMENTED"})
             return
-        try:
-            body = await read_body(receive, self.max_body)
-        except ClientGone:
+        request = await read_request(receive, self.max_body,
+                                     lambda b: _parse(request_type, b if method == "POST" else b""),
+                                     f"body (a {request_type.__name__} in proto3 JSON)")
+        if request is None:  # the client went away
             return
-        except BodyTooLarge as exc:
-            request: Any = Rejected(exc)
-        else:
-            request = decode(lambda b: _parse(request_type, b if method == "POST" else b""), body,
-                             f"body (a {request_type.__name__} in proto3 JSON)")
 
         ctx = CallContext(metadata, peer_of(scope), "http", route=route)
         sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)

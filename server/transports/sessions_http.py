@@ -19,15 +19,13 @@ from urllib.parse import parse_qs
 
 from google.protobuf.message import Message as ProtoMessage
 
-from uibus.calls import CallContext, Rejected, Sink, decode, drive
+from uibus.calls import CallContext, Sink, drive
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.transports.asgi import (
-    BodyTooLarge,
-    ClientGone,
     Receive,
     Scope,
     Send,
-    read_body,
+    read_request,
     respond_json,
     wait_disconnect,
     wrong_method,
@@ -62,7 +60,7 @@ class SessionsHttp:
                 await wrong_method(send, method, scope["path"], "GET")
                 return
             rpc = "WatchSessions" if rest else "ListSessions"
-            request = pb.ListSessionsRequest(prefix=(query.get("prefix") or [""])[0])
+            listing = pb.ListSessionsRequest(prefix=(query.get("prefix") or [""])[0])
         elif rest in _POSTS:
             if method != "POST":
                 await wrong_method(send, method, scope["path"], "POST")
@@ -77,16 +75,14 @@ class SessionsHttp:
         if handler is None:
             await respond_json(send, 404, {"error": "the sessions API is not installed", "code": "UNIMPLEMENTED"})
             return
-        try:
-            body = await read_body(receive, self.max_body)
-        except ClientGone:
-            return
-        except BodyTooLarge as exc:
-            request = Rejected(exc)
+        kind = _POSTS.get(rpc)
+        if kind is None:  # a GET: its request is in the query string (a body is read and dropped)
+            request = await read_request(receive, self.max_body, lambda _body: listing)
         else:
-            if rpc in _POSTS:
-                kind = _POSTS[rpc]
-                request = decode(lambda b: _parse(kind, b), body, f"body (a {kind.__name__} in proto3 JSON)")
+            request = await read_request(receive, self.max_body, lambda body: _parse(kind, body),
+                                         f"body (a {kind.__name__} in proto3 JSON)")
+        if request is None:  # the client went away
+            return
         ctx = CallContext(metadata, peer_of(scope), "http")
         sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)
         await drive(handler, request, ctx, sink, gone=lambda: wait_disconnect(receive))
