@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,9 @@ import grpc
 import pytest
 
 from tests.chatkit import MAXIMAL, Agent, request, write_agents
-from tests.conftest import free_port, require, start_app, wait_for
+from tests.conftest import require, start_app, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
+from tests.hostkit import need_fixture
 from tests.pikit import PI, Reply, agent_pids, pi_agent, scripted_model, turn_of
 from tests.redisproc import (
     RedisClusterProcess,
@@ -35,65 +34,30 @@ from tests.redisproc import (
     redis_cluster_clean,
     redis_server,
 )
+from tests.replicakit import (
+    LEASE_S,
+    final,
+    fixture_process,
+    fixture_workers,
+    owner_of,
+    replicas,
+    started,
+    streaming_chat,
+    worker_channels,
+)
 from tests.scripted_models import Say, claude_model
 from tests.support import scrape_by_name
-from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
+from tests.test_acp_agent import CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
 from uibus import kinds
-from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Lease, Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]  # the fixtures
 
 pytestmark = [pytest.mark.redis, pytest.mark.node, pytest.mark.timeout(180)]
-
-LEASE_S = 2.0  # short, so takeovers and fencing are seconds
-
-
-def need_fixture() -> None:
-    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
-            "node")
-
-
-@asynccontextmanager
-async def replicas(tmp_path: Path, redis: RedisProcess, agents: list[dict[str, Any]], n: int = 2,
-                   **changes: Any) -> AsyncIterator[list[App]]:
-    """`n` replicas on `redis` serving `agents`; after they close, no agent session is left on any."""
-    path = write_agents(tmp_path, agents)
-    apps: list[App] = []
-    try:
-        for i in range(n):
-            apps.append(await start_app(Config(
-                host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / f"{i}.db"), redis_url=redis.url,
-                grace_seconds=1.0, agents=path, agent_lease_seconds=LEASE_S, **changes)))
-        await wait_for(lambda: all(a.bus.connected for a in apps), what="every replica on redis")
-        yield apps
-    finally:
-        for app in apps:
-            await app.aclose(grace=0.5)
-    for app in apps:
-        assert app.core.agent_sessions.count() == 0
-        assert app.bus.count() == 0, "a subscription was left behind"
-        assert app.core.ownership is not None and not app.core.ownership.held
-
-
-def started(apps: list[App], agent: str) -> int:
-    """Agent processes started by all replicas together."""
-    return sum(getattr(a.core.chat.agents.backends[agent], "started", 0) for a in apps)
-
-
-def owner_of(apps: list[App], session: str, agent: str) -> App:
-    (owner,) = [a for a in apps if a.core.ownership and (session, agent) in a.core.ownership.held]
-    return owner
-
-
-async def final(conn: Connection, agent: str, text: str) -> str:
-    return str((await turn_of(conn, agent, text))[-1].response.text)
-
 
 # ---- the store's lease: the embedded stores and Redis, one contract ------------------------------
 
@@ -281,10 +245,7 @@ async def test_a_forwarded_pi_turns_cancel_aborts_pi_at_the_owner(tmp_path: Path
 async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_takes_over(
         tmp_path: Path, redis_server: RedisProcess, spawn: Any) -> None:
     need_fixture()
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
-                  "--grace-seconds", "1")
-    await owner.wait_ready()
+    owner = await fixture_process(tmp_path, redis_server, spawn)
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
         (b,) = apps
         async with Connection(owner.target, session="k") as on_owner, \
@@ -322,10 +283,7 @@ async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_t
 async def test_a_forwarder_killed_mid_turn_stops_the_turn_at_the_owner(
         tmp_path: Path, redis_server: RedisProcess, spawn: Any) -> None:
     need_fixture()
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    forwarder = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
-                      "--grace-seconds", "1")
-    await forwarder.wait_ready()
+    forwarder = await fixture_process(tmp_path, redis_server, spawn)
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
         (a,) = apps
         async with Connection(f"127.0.0.1:{a.port}", session="g") as on_a, \
@@ -457,35 +415,12 @@ async def test_an_owner_whose_renewal_is_refused_stops_at_once(tmp_path: Path, r
 async def test_turns_through_two_workers_reach_one_agent(tmp_path: Path, redis_server: RedisProcess,
                                                         spawn: Any) -> None:
     need_fixture()
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from tests.test_workers import fresh_channel
-    from tests.test_workers import started as workers_started
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    server, _ = await workers_started(lambda *args: spawn(*args, "--agents", path, "--agent-lease-seconds",
-                                                              str(LEASE_S)), redis_server)
-    by_worker: dict[str, grpc.aio.Channel] = {}  # one connection to each worker (the kernel picks one per connection)
-    opened: list[grpc.aio.Channel] = []
-    try:
-        for _ in range(40):
-            channel = fresh_channel(server.target)
-            opened.append(channel)
-            call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
-            by_worker.setdefault((await call.initial_metadata())["x-uibus-worker"], channel)
-            await call
-            if len(by_worker) == 2:
-                break
-        assert len(by_worker) == 2, "40 connections all went to one worker"
-        chats = [channel.unary_stream("/acp.AgentService/StreamingChat",
-                                      request_serializer=agent_pb2.ChatRequest.SerializeToString,
-                                      response_deserializer=agent_pb2.ChatResponse.FromString)
-                 for channel in by_worker.values()]
+    server = await fixture_workers(tmp_path, redis_server, spawn)
+    async with worker_channels(server.target) as by_worker:
+        chats = [streaming_chat(channel) for channel in by_worker.values()]
         answers = []
         for n in range(6):
             replies = [r async for r in chats[n % 2](request(f"t{n}"), metadata=(("x-uibus-session", "w"),))]
             answers.append(replies[-1].response.text)
         assert answers == [f"Turn {n + 1}: t{n}" for n in range(6)]  # one conversation, whichever worker
         assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1  # one agent process
-    finally:
-        for channel in opened:
-            await channel.close()

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from tests.chatkit import Agent, request
-from tests.conftest import free_port, require
-from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
-from tests.test_acp_agent import ACP_DIR, fixture_agent, fixture_log
+from tests.hostkit import fixture_and_pi
+from tests.pikit import Model, Reply, turn_of
+from tests.test_acp_agent import fixture_log
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -27,13 +27,8 @@ PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4
 
 @pytest.fixture
 async def hosted(config: Config, tmp_path: Path) -> AsyncIterator[tuple[App, Model]]:
-    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
-            "node")
-    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
-    async with scripted_model() as model, \
-            hosting(config, tmp_path, [fixture_agent(tmp_path), pi_agent(tmp_path, model)],
-                    http_port=free_port()) as app:
-        yield app, model
+    async with fixture_and_pi(config, tmp_path) as hosted:
+        yield hosted
 
 
 async def send(conn: Connection, agent: str, text: str, *files: tuple[str, bytes]) -> Any:

@@ -15,8 +15,9 @@ import pytest
 
 from tests.chatkit import MAXIMAL, Agent, request
 from tests.conftest import free_port, require, wait_for
-from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
-from tests.test_acp_agent import ACP_DIR, fixture_agent, fixture_log
+from tests.hostkit import fixture_and_pi, stop_a_hung_pi_turn
+from tests.pikit import Model, Reply, hosting, turn_of
+from tests.test_acp_agent import fixture_log
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
@@ -28,13 +29,8 @@ pytestmark = [pytest.mark.timeout(40), pytest.mark.node]
 
 @pytest.fixture
 async def hosted(config: Config, tmp_path: Path) -> AsyncIterator[tuple[App, Model]]:
-    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
-            "node")
-    require("the pinned pi agent (npm ci --prefix tests/pi)", PI.exists(), "node")
-    async with scripted_model() as model, \
-            hosting(config, tmp_path, [fixture_agent(tmp_path), pi_agent(tmp_path, model)],
-                    http_port=free_port()) as app:
-        yield app, model
+    async with fixture_and_pi(config, tmp_path) as hosted:
+        yield hosted
 
 
 def api(conn: Connection) -> Any:
@@ -76,17 +72,7 @@ async def test_a_second_client_stops_a_pi_turn(hosted: tuple[App, Model]) -> Non
     model.script(Reply(text="Thinking very hard ", hang=True), Reply(text="Recovered."))
     async with Connection(f"127.0.0.1:{app.port}", session="stop-pi") as first, \
             Connection(f"127.0.0.1:{app.port}", session="stop-pi") as second:
-        call = Agent(first, "pi").StreamingChat(request("take forever", filter_type=MAXIMAL))
-        await asyncio.wait_for(call.read(), 30)
-        await wait_for(lambda: model.open_requests == 1, timeout=10, what="the model request")
-        assert (await api(second).StopTurn(pb.AgentRequest(agent="pi"))).stopped is True
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            async for _ in call:
-                pass
-        assert err.value.code() == grpc.StatusCode.CANCELLED
-        # pi saw `abort`: it dropped its model request
-        await wait_for(lambda: model.open_requests == 0, timeout=10, what="the model request to be dropped")
-        assert model.cancelled == 1
+        await stop_a_hung_pi_turn(first, second, model)  # pi saw `abort`: it dropped its model request
         assert (await turn_of(first, "pi", "are you there?"))[-1].response.text == "Recovered."
 
 

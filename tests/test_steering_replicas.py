@@ -19,17 +19,26 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.chatkit import MAXIMAL, Agent, request, write_agents
+from tests.chatkit import MAXIMAL, Agent, request
 from tests.conftest import require, wait_for
+from tests.hostkit import need_fixture, stop_a_hung_pi_turn
 from tests.pikit import PI, Reply, pi_agent, scripted_model
 from tests.redisproc import RedisProcess, redis_server
+from tests.replicakit import (
+    final,
+    fixture_process,
+    fixture_workers,
+    owner_of,
+    replicas,
+    started,
+    streaming_chat,
+    worker_channels,
+)
 from tests.test_acp_agent import fixture_agent, fixture_log
-from tests.test_agent_ownership import LEASE_S, final, need_fixture, owner_of, replicas, started
 from tests.test_tracing import TRACE_ID, TRACEPARENT, http_receiver, otlp_http
 from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 
@@ -136,10 +145,7 @@ async def test_a_turn_cut_off_by_shutdown_says_the_conversation_is_kept(tmp_path
     to the owner) get UNAVAILABLE with the message, a webview of the session on B an ERROR with the
     same text; the process exits 0."""
     need_fixture()
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", str(LEASE_S),
-                  "--grace-seconds", "1")
-    await owner.wait_ready()
+    owner = await fixture_process(tmp_path, redis_server, spawn)
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
         (b,) = apps
         async with Connection(owner.target, session="z") as on_owner, \
@@ -178,9 +184,7 @@ async def test_steering_an_owner_that_does_not_answer_is_unavailable(tmp_path: P
     """The owner frozen (SIGSTOP) while its lease still runs: a StopTurn at B ends UNAVAILABLE within
     the accept bound, saying the owner did not answer."""
     need_fixture()
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    owner = spawn("--redis-url", redis_server.url, "--agents", path, "--agent-lease-seconds", "10")
-    await owner.wait_ready()
+    owner = await fixture_process(tmp_path, redis_server, spawn, "--agent-lease-seconds", "10")
     async with replicas(tmp_path, redis_server, [fixture_agent(tmp_path)], n=1) as apps:
         (b,) = apps
         async with Connection(owner.target, session="f") as on_owner, \
@@ -215,16 +219,8 @@ async def test_a_forwarded_pi_turn_stopped_and_pi_steered_from_the_forwarder(tmp
             assert owner_of(apps, "p", "pi") is a
             seen = await listed_until(on_b, "p", lambda e: bool(e.agents) and bool(e.agents[0].models))
             assert [m.id for m in seen.agents[0].models] == ["scripted"] and "set_model" in seen.agents[0].can
-            call = Agent(on_b, "pi").StreamingChat(request("take forever", filter_type=MAXIMAL))
-            await asyncio.wait_for(call.read(), 30)
-            await wait_for(lambda: model.open_requests == 1, timeout=10, what="the model request")
-            assert (await api(on_b).StopTurn(pb.AgentRequest(agent="pi"))).stopped is True
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                async for _ in call:
-                    pass
-            assert err.value.code() == grpc.StatusCode.CANCELLED and "stopped from a UI" in (err.value.details() or "")
-            await wait_for(lambda: model.open_requests == 0, timeout=10, what="the model request dropped (abort)")
-            assert model.cancelled == 1
+            err = await stop_a_hung_pi_turn(on_b, on_b, model)  # pi saw `abort`: it dropped its model request
+            assert "stopped from a UI" in (err.details() or "")
             state = await api(on_b).SetModel(pb.SetModelRequest(agent="pi", model_id="scripted"))
             assert state.current_model == "scripted"
             state = await api(on_b).NewConversation(pb.AgentRequest(agent="pi"))
@@ -257,30 +253,10 @@ async def test_steering_through_either_of_two_workers_reaches_the_one_agent(tmp_
                                                                            spawn: Any) -> None:
     """`--workers 2` on Redis: each worker, whichever hosts the agent, sets its mode and lists it."""
     need_fixture()
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from tests.test_workers import fresh_channel
-    from tests.test_workers import started as workers_started
-    path = write_agents(tmp_path, [fixture_agent(tmp_path)])
-    server, _ = await workers_started(lambda *args: spawn(*args, "--agents", path, "--agent-lease-seconds",
-                                                              str(LEASE_S)), redis_server)
-    by_worker: dict[str, grpc.aio.Channel] = {}
-    opened: list[grpc.aio.Channel] = []
-    try:
-        for _ in range(40):
-            channel = fresh_channel(server.target)
-            opened.append(channel)
-            call = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
-            by_worker.setdefault((await call.initial_metadata())["x-uibus-worker"], channel)
-            await call
-            if len(by_worker) == 2:
-                break
-        assert len(by_worker) == 2, "40 connections all went to one worker"
+    server = await fixture_workers(tmp_path, redis_server, spawn)
+    async with worker_channels(server.target) as by_worker:
         meta = (("x-uibus-session", "w"),)
-        first = next(iter(by_worker.values()))
-        chat = first.unary_stream("/acp.AgentService/StreamingChat",
-                                  request_serializer=agent_pb2.ChatRequest.SerializeToString,
-                                  response_deserializer=agent_pb2.ChatResponse.FromString)
+        chat = streaming_chat(next(iter(by_worker.values())))
         assert [r async for r in chat(request("one"), metadata=meta)][-1].response.text == "Turn 1: one"
         for mode, channel in zip(("plan", "default"), by_worker.values(), strict=True):
             stub = sessions_pb2_grpc.SessionServiceStub(channel)
@@ -298,6 +274,3 @@ async def test_steering_through_either_of_two_workers_reaches_the_one_agent(tmp_
         assert len([e for e in fixture_log(tmp_path) if "initialize" in e]) == 1  # one agent process
         assert [e["session/set_mode"]["modeId"] for e in fixture_log(tmp_path) if "session/set_mode" in e] \
             == ["plan", "default"]
-    finally:
-        for channel in opened:
-            await channel.close()
