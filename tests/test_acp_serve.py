@@ -706,7 +706,8 @@ async def test_session_load_answers_right_after_the_whole_replay_without_a_quiet
                     live = f"right after, {how}"
                     await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(
                         ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=live))
-                    await ed.until(lambda _, live=live: ed.text(session, start=at) == live, 10, "the live message")
+                    await ed.until(lambda _, ed=ed, at=at, live=live: ed.text(session, start=at) == live, 10,
+                                   "the live message")
                     kept = [*kept[1:], live]  # the newest 200 by ts
                 finally:
                     await ed.close()
