@@ -405,6 +405,14 @@ async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_work
         assert (await ed.answer_of(tag, 10))["result"] == {"stopReason": "cancelled"}
         # the hosted agent's refusal is the editor's `refusal`; its failure an answer that says so
         assert (await ed.call("session/prompt", prompt(session, "refuse"))) == {"stopReason": "refusal"}
+        mark = len(ed.events)  # the hosted agent's other stop reasons pass through as they are
+        assert (await ed.call("session/prompt", prompt(session, "limit"))) == {"stopReason": "max_tokens"}
+        assert ed.text(session, start=mark) == "Cut short "
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:  # in the final message's structure
+            for said, reason in (("limit", "max_tokens"), ("refuse", "refusal"), ("hello", "end_turn")):
+                final = (await turn_of(conn, "acp", said))[-1].response
+                assert final.structure.fields["stop_reason"].string_value == reason, (said, final)
+            assert final.text.startswith("Turn ")
         mark = len(ed.events)
         assert (await ed.call("session/prompt", prompt(session, "fail"))) == {"stopReason": "end_turn"}
         assert "the fixture was told to fail" in ed.text(session, start=mark)
