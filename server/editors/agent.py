@@ -56,7 +56,7 @@ MAX_SESSIONS = 64  # sessions one editor connection may hold at once
 DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
 LIST_PAGE = 100  # sessions per session/list answer
 MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
-PASSED_STOPS = ("end_turn", "max_tokens", "max_turn_requests")  # the hosted agent's stop reasons told as they are
+PASSED_STOPS = ("end_turn", "max_tokens", "max_turn_requests", "cancelled")  # ACP stop reasons passed on as said
 # What uibus takes with a prompt whatever the hosted agent: text, with embedded resources' text inlined.
 BASELINE = {"image": False, "audio": False, "embeddedContext": True}
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
