@@ -29,6 +29,8 @@ from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config
+from uibus.domain.recent import MAX_RECENT
+from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
@@ -44,6 +46,7 @@ class EditorProc:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.events: list[dict[str, Any]] = []
+        self.times: list[float] = []  # when each event arrived (loop time)
         self._new = asyncio.Event()
         self._tag = 0
         self._reader = asyncio.ensure_future(self._read())
@@ -52,6 +55,7 @@ class EditorProc:
         assert self.proc.stdout is not None
         while line := await self.proc.stdout.readline():
             self.events.append(json.loads(line))
+            self.times.append(asyncio.get_running_loop().time())
             self._new.set()
 
     def send(self, **op: Any) -> None:
@@ -401,6 +405,14 @@ async def test_bad_input_gets_the_acp_error_and_the_sessions_other_uis_keep_work
         assert (await ed.answer_of(tag, 10))["result"] == {"stopReason": "cancelled"}
         # the hosted agent's refusal is the editor's `refusal`; its failure an answer that says so
         assert (await ed.call("session/prompt", prompt(session, "refuse"))) == {"stopReason": "refusal"}
+        mark = len(ed.events)  # the hosted agent's other stop reasons pass through as they are
+        assert (await ed.call("session/prompt", prompt(session, "limit"))) == {"stopReason": "max_tokens"}
+        assert ed.text(session, start=mark) == "Cut short "
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:  # in the final message's structure
+            for said, reason in (("limit", "max_tokens"), ("refuse", "refusal"), ("hello", "end_turn")):
+                final = (await turn_of(conn, "acp", said))[-1].response
+                assert final.structure.fields["stop_reason"].string_value == reason, (said, final)
+            assert final.text.startswith("Turn ")
         mark = len(ed.events)
         assert (await ed.call("session/prompt", prompt(session, "fail"))) == {"stopReason": "end_turn"}
         assert "the fixture was told to fail" in ed.text(session, start=mark)
@@ -660,3 +672,50 @@ async def test_acp_over_http_refuses_what_the_transport_does_not_allow(config: C
         assert (await http.delete("/acp", headers=conn)).status_code == 202
         await wait_for(lambda: app.bus.count(kinds.PARTIAL_MESSAGE) == 0, 5, what="the connection's session detached")
         assert (await http.post("/acp", json=new, headers=conn)).status_code == 404  # gone
+
+
+LONG = MAX_RECENT  # the longest transcript the feed keeps (200 messages): the replay takes a while to stream
+
+
+async def test_session_load_answers_right_after_the_whole_replay_without_a_quiet_wait(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    """The feed marks the end of its replay (WebviewEvent.replay_complete), so session/load answers
+    right after the last replayed update (no quiet spell: that was 0.25 s over stdio, 0.5 s over
+    /acp), with all of a long transcript before it; a message published right after is live."""
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], http_port=free_port()) as app:
+        session = "acp-long"
+        async with Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            for ts in range(1, LONG + 1):
+                say = ui_pb2.USER_FEEDBACK if ts % 2 else ui_pb2.TEXT
+                await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=say,
+                                                                          text=f"m{ts}"))
+            await app.core.feed.recent.flush()
+            kept = [f"m{ts}" for ts in range(1, LONG + 1)]  # the transcript the feed keeps, oldest first
+            ways = (("stdio", UIBUS), ("ws", f"ws://127.0.0.1:{app.http_port}/acp?agent=pi"))
+            for ts, (how, where) in enumerate(ways, LONG + 1):
+                args = ("stdio", UIBUS, "acp", "--agent", "pi", "--target", f"127.0.0.1:{app.port}") \
+                    if how == "stdio" else ("ws", where, "{}")
+                ed = await editor(*args)
+                try:
+                    await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+                    start = len(ed.events)
+                    tag = ed.start("session/load", {"sessionId": session, "cwd": CWD, "mcpServers": []})
+                    answer = await ed.answer_of(tag)
+                    assert answer["ev"] == "response", answer
+                    at = ed.events.index(answer)
+                    said = [u["content"]["text"] for u in ed.updates(session, start)[: at - start]]
+                    assert said == kept, (how, said[:3], said[-3:])
+                    last = max(i for i in range(start, at) if ed.events[i]["ev"] == "update")
+                    gap = ed.times[at] - ed.times[last]
+                    print(f"{how}: replay of {LONG} messages in {ed.times[at] - ed.times[start]:.3f}s, "
+                          f"answer {gap * 1000:.1f} ms after its last update")
+                    assert gap < 0.2, (how, gap)  # the quiet wait alone was 0.25 s (0.5 s over /acp)
+
+                    live = f"right after, {how}"
+                    await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(
+                        ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=live))
+                    await ed.until(lambda _, ed=ed, at=at, live=live: ed.text(session, start=at) == live, 10,
+                                   "the live message")
+                    kept = [*kept[1:], live]  # the newest 200 by ts
+                finally:
+                    await ed.close()

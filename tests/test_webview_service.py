@@ -258,3 +258,37 @@ async def test_a_webview_on_another_replica_starts_with_the_recent_messages(redi
             await conn.close()
         for app in apps:
             await app.aclose(grace=0.5)
+
+
+async def test_replay_complete_marker_follows_the_whole_replay_when_asked(app, connect) -> None:
+    """With `mark_replay_end` the stream sends one `replay_complete` event (no source, no payload)
+    after the theme and every recent message, and what follows it is live; without it (the page,
+    the tests above) no such event is sent."""
+    session = "marked"
+    conn = connect(session=session)
+    await conn.host.SetTheme(host_pb2.TextEvent(text='{"name": "m"}'))
+    for ts in range(1, 121):
+        await conn.host.PublishPartialMessage(_say(ts, f"m{ts}"))
+    stub = webview_pb2_grpc.WebviewServiceStub(conn.channel)
+    call = stub.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id="c1", mark_replay_end=True),
+                          metadata=(("x-uibus-session", session),))
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(122)]
+    assert all(g.replayed for g in got[:121])
+    assert [g.text for g in got[:121] if g.source == "subscribeToTheme"] == ['{"name": "m"}']
+    assert [g.partial_message.ts for g in got[:121] if g.HasField("partial_message")] == list(range(1, 121))
+    marker = got[121]
+    assert marker.replay_complete and not marker.replayed and marker.source == "" and marker.WhichOneof("event") is None
+    await conn.host.PublishPartialMessage(_say(121, "right after"))
+    live = await asyncio.wait_for(call.read(), 2)
+    assert (live.partial_message.text, live.replayed, live.replay_complete) == ("right after", False, False)
+    with pytest.raises(asyncio.TimeoutError):  # the marker is sent once
+        await asyncio.wait_for(call.read(), 0.3)
+    call.cancel()
+
+    plain = _subscribe(connect(session=session), session, client_id="c2")
+    got = [await asyncio.wait_for(plain.read(), 2) for _ in range(122)]
+    assert not any(g.replay_complete for g in got) and max(g.partial_message.ts for g in got) == 121
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(plain.read(), 0.3)
+    plain.cancel()
+    await wait_for(lambda: app.bus.count(session=session) == 0, what="every inner subscription removed")

@@ -80,7 +80,17 @@ class Final:
     sly_data: dict[str, Any] | None = None
 
 
-Piece = str | chat_pb2.ChatMessage | Final
+@dataclass
+class Stop:
+    """Why the upstream ended the turn, in its own words where it has them (ACP's stopReason:
+    end_turn, max_tokens, max_turn_requests, refusal, cancelled). Chat puts it in the final
+    message's `structure` (`stop_reason`), so a client (`uibus acp`) can pass it on exactly
+    instead of reading it out of the answer's text."""
+
+    reason: str
+
+
+Piece = str | chat_pb2.ChatMessage | Final | Stop
 
 
 Dialog = ext_pb.SelectRequest | ext_pb.ConfirmRequest | ext_pb.InputRequest | ext_pb.EditorRequest

@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from uibus import dialog_limits as limits
-from uibus.agents import AgentError, Piece, SessionUi, Turn, option
+from uibus.agents import AgentError, Piece, SessionUi, Stop, Turn, option
 from uibus.agents.attachments import acp_prompt, image_markdown
 from uibus.agents.diffs import unified
 from uibus.agents.jsonrpc import JsonRpcSession
@@ -266,6 +266,8 @@ class AcpSession(AcpSteering, JsonRpcSession):
                     yield piece
             result = prompt.result()  # a JSON-RPC error raises here (AgentError)
             reason = result.get("stopReason") if isinstance(result, dict) else None
+            if isinstance(reason, str) and reason:
+                yield Stop(reason[:40])  # structured, also for a refusal (whose answer is the error below)
             if reason == "refusal":
                 raise AgentError("the agent refused to continue (stopReason refusal)")
             if reason not in ("end_turn", "max_tokens", "max_turn_requests", "cancelled"):

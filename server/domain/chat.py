@@ -30,7 +30,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
-from uibus.agents import AgentError, AgentSpec, Backend, Final, SessionBackend, Turn
+from uibus.agents import AgentError, AgentSpec, Backend, Final, SessionBackend, Stop, Turn
 from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
@@ -310,6 +310,7 @@ class Chat:
         ts = 0  # the reply's message, taken at its first piece: what an agent shows before it comes first
         parts: list[str] = []
         final: Final | None = None
+        stop = ""  # the upstream's own stop reason, if it says one (Stop)
         published_at = 0.0
         try:
             if not error:
@@ -329,6 +330,8 @@ class Chat:
                                 feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True)
                         elif isinstance(piece, Final):
                             final = piece
+                        elif isinstance(piece, Stop):
+                            stop = piece.reason
                         elif maximal:
                             if not piece.origin:
                                 piece.origin.extend(origin)
@@ -366,6 +369,8 @@ class Chat:
             self.context_dropped += fit_context(new_ctx, agent, self.context_bytes)
         await history.append(session, "assistant", answer, agent=agent, source=SOURCE, error=bool(error))
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
+        if stop:
+            message.structure.update({"stop_reason": stop})
         if returned_sly:
             message.sly_data.update(returned_sly)
         reply = agent_pb2.ChatResponse(request=echo, response=message) if maximal \

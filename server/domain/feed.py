@@ -144,6 +144,16 @@ class Replayed:
     item: Any
 
 
+class _ReplayEnd:
+    """What `UiFeed.events(..., mark_end=True)` yields once the stream has sent what it starts with."""
+
+    def __repr__(self) -> str:
+        return "REPLAY_END"
+
+
+REPLAY_END = _ReplayEnd()
+
+
 class UiFeed:
     def __init__(self, bus: Bus, store: Store, clock: TsClock, *, recent: RecentMessages | None = None) -> None:
         """`recent` keeps the sessions' recent messages (by default with the module's bounds)."""
@@ -155,13 +165,16 @@ class UiFeed:
     # ---- webviews: streams ----
 
     async def events(self, session: str, stream: UiStream, target: str = "", *,
-                     replay: bool = False) -> AsyncIterator[Any]:
+                     replay: bool = False, mark_end: bool = False) -> AsyncIterator[Any]:
         """The stream's events until it ends: `LIVE` once subscribed (the pipeline sends the
         response headers then), the current state where the stream has one, then live events.
 
         With `replay` (WebviewService; never cline.UiService, whose subscribeToPartialMessage stays
         live only, as in Cline) the partial-message stream starts with the session's recent
         messages, oldest ts first, and what a stream starts with comes wrapped in `Replayed`.
+        With `mark_end`, `REPLAY_END` follows what the stream starts with (every stream yields it,
+        once, also those that start with nothing), so WebviewService can tell its client the
+        replay is complete instead of the client guessing from a quiet spell.
 
         The subscription is removed in the `finally` beside it, which runs on cancel, disconnect,
         deadline and shutdown alike.
@@ -189,6 +202,8 @@ class UiFeed:
                     recent[item.ts] = item
                 for ts in sorted(recent):
                     yield Replayed(recent[ts])
+            if mark_end:
+                yield REPLAY_END
             async for item in sub:
                 yield item
         finally:

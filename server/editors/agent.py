@@ -56,6 +56,7 @@ MAX_SESSIONS = 64  # sessions one editor connection may hold at once
 DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
 LIST_PAGE = 100  # sessions per session/list answer
 MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
+PASSED_STOPS = ("end_turn", "max_tokens", "max_turn_requests", "cancelled")  # ACP stop reasons passed on as said
 # What uibus takes with a prompt whatever the hosted agent: text, with embedded resources' text inlined.
 BASELINE = {"image": False, "audio": False, "embeddedContext": True}
 _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
@@ -404,7 +405,7 @@ class Editor:
             turn.cancel()
             raise
         try:
-            final, streamed = await asyncio.shield(turn)
+            final, streamed, stop = await asyncio.shield(turn)
         except asyncio.CancelledError:
             if caller_cancelled():  # the connection is closing, or the editor withdrew the request
                 attached.forget_turn()
@@ -421,22 +422,24 @@ class Editor:
             await attached.end_turn(None)
             raise
         await attached.end_turn(final)
+        if stop == "refusal" or (final is not None and "(stopReason refusal)" in final):  # (the text: an older uibus)
+            return {"stopReason": "refusal"}
         if final is not None and final.startswith("Error from "):  # the agent failed: the turn's answer says so
-            if "stopReason refusal" in final:  # uibus's words for a hosted ACP agent's refusal
-                return {"stopReason": "refusal"}
             await attached.update(updates.chunk("agent_message_chunk", f"\n\n{final}" if streamed else final))
         elif final and not streamed:  # an agent that streams no pieces: its answer at once
             await attached.update(updates.chunk("agent_message_chunk", final))
-        return {"stopReason": "end_turn"}
+        return {"stopReason": stop if stop in PASSED_STOPS else "end_turn"}
 
-    async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool]:
-        """Streams one turn's updates to the editor; (the final answer, whether reply text streamed)."""
-        final, streamed = None, False
+    async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool, str]:
+        """Streams one turn's updates to the editor; (the final answer, whether reply text streamed,
+        the hosted agent's own stop reason: the final message's `structure.stop_reason`, or "")."""
+        final, streamed, stop = None, False, ""
         async for response in self.uplink.chat(attached.name, request):
             if updates.is_final(response):
                 final = response.response.text
+                stop = updates.stop_reason(response)
                 continue
             for u in updates.turn_updates(response):
                 streamed = streamed or u["sessionUpdate"] == "agent_message_chunk"
                 await attached.update(u)
-        return final, streamed
+        return final, streamed, stop

@@ -31,8 +31,7 @@ from uibus.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.editors")
 
-REPLAY_QUIET_S = 0.25  # the transcript has been replayed when the feed is quiet this long after it
-REPLAY_MAX_S = 5.0  # a transcript still arriving after this is shown as it comes, after the answer
+REPLAY_MAX_S = 5.0  # no replay_complete marker by then (a uibus that predates it): answer anyway
 SETTLE_S = 2.0  # at most this long an answer waits for the feed to show the turn's last message
 CANCELLED_SETTLE_S = 0.3  # a cancelled turn has no final message to wait for: this long instead
 _OWN_TS = 1024  # the `ts` of own turns remembered (their late states are not shown again)
@@ -129,9 +128,10 @@ class Attached:
             await cancel_and_wait(pumping)
 
     async def _replay(self, queue: asyncio.Queue[Any], replay: bool) -> None:
-        """The transcript: the replayed messages, until the first live one or a quiet spell (the
-        feed marks history `replayed` but sends no end marker; it comes in one burst after the
-        headers)."""
+        """The transcript: the replayed messages, up to the feed's `replay_complete` marker (asked
+        for in `Uplink.feed`), so session/load answers the moment the history is whole, however
+        long, and nothing live is taken for history. A live message before the marker (another
+        stream's replay still running) is shown as live."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REPLAY_MAX_S
         try:
@@ -141,15 +141,17 @@ class Attached:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._live.wait(), REPLAY_MAX_S)
                 return
-            while loop.time() < deadline:
-                quiet = REPLAY_QUIET_S if self._live.is_set() or self.replayed else REPLAY_QUIET_S * 2
+            while (left := deadline - loop.time()) > 0:
                 try:
-                    item = await asyncio.wait_for(queue.get(), quiet)
+                    item = await asyncio.wait_for(queue.get(), left)
                 except TimeoutError:
-                    if self._has_headers and not self._live.is_set():
-                        continue  # not subscribed yet: nothing can have been missed
                     return
-                if getattr(item, "replayed", False):
+                if item is _END or isinstance(item, Exception):
+                    await self._show(item)
+                    return
+                if item.replay_complete:
+                    return
+                if item.replayed:
                     message = self._message(item)
                     if message is not None:
                         self.replayed += 1
@@ -159,7 +161,6 @@ class Attached:
                                 await self.update(u)
                     continue
                 await self._show(item)
-                return
         finally:
             self._replay_done.set()
 

@@ -100,6 +100,16 @@ def is_final(response: agent_pb2.ChatResponse) -> bool:
     return response.response.type == _FRAMEWORK
 
 
+def stop_reason(final: agent_pb2.ChatResponse) -> str:
+    """The hosted agent's own stop reason, which uibus puts in the final message's structure
+    (`stop_reason`; ACP agents say one); "" where the agent said none."""
+    message = final.response
+    if not message.HasField("structure"):
+        return ""
+    found = message.structure.fields.get("stop_reason")
+    return found.string_value if found is not None else ""
+
+
 # ---- turns other UIs started, and the transcript: the session's Cline messages ----
 
 class FeedView:

@@ -92,8 +92,10 @@ class Uplink:
 
     def feed(self, session: str, client_id: str) -> Any:
         """The session's UI feed as a webview gets it: its recent messages first (`replayed`), then
-        live. The call itself (read it with `each`): a grpc.aio call's headers say it is subscribed."""
-        return self._webview(webview_pb2.WebviewSubscribeRequest(client_id=client_id), metadata=self._md(session))
+        one `replay_complete` event, then live. The call itself (read it with `each`): a grpc.aio
+        call's headers say it is subscribed."""
+        return self._webview(webview_pb2.WebviewSubscribeRequest(client_id=client_id, mark_replay_end=True),
+                             metadata=self._md(session))
 
     def dialogs(self, session: str) -> AsyncIterator[ext_pb.ExtensionUiEvent]:
         """The session's dialogs (those waiting first, `replayed`) and their closings."""

@@ -8,7 +8,9 @@ UiService serves (the feed's one table, `UI_STREAMS`) and multiplexes their mess
 One difference, for a page opened (or reloaded) mid-conversation: its partial-message stream
 starts with the session's recent messages (the feed's `replay`), read after the subscription is
 registered so nothing is missed or sent twice; those and the current theme are marked `replayed`.
-cline.UiService's subscribeToPartialMessage stays live only, as in Cline.
+cline.UiService's subscribeToPartialMessage stays live only, as in Cline. A client that asks
+(`mark_replay_end`) gets one `replay_complete` event once every stream has sent what it starts
+with, so it knows the history is whole without waiting for quiet.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 
 from uibus.bus import LIVE
-from uibus.domain.feed import UI_STREAMS, Replayed, UiFeed, UiStream
+from uibus.domain.feed import REPLAY_END, UI_STREAMS, Replayed, UiFeed, UiStream
 from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
@@ -66,9 +68,11 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
 
         async def pump(stream: UiStream, target: str) -> None:
             try:
-                async with contextlib.aclosing(self.feed.events(session, stream, target, replay=True)) as events:
+                async with contextlib.aclosing(self.feed.events(session, stream, target, replay=True,
+                                                                mark_end=True)) as events:
                     async for message in events:
-                        await queue.put(LIVE if message is LIVE else _event(stream.rpc, message))
+                        plain = message is LIVE or message is REPLAY_END
+                        await queue.put(message if plain else _event(stream.rpc, message))
             except asyncio.CancelledError:  # the call ended
                 raise
             except Exception as exc:  # a failure of one stream ends the whole call, with its status
@@ -81,9 +85,16 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
             running = len(tasks)
             waiting = len(tasks)  # streams not yet subscribed; the call is live when all are
             early: list[Any] = []  # what came before that (the current theme), sent after the headers
+            replaying = len(tasks)  # streams still sending what they start with
             while running:
                 item = await queue.get()
-                if item is LIVE:
+                if item is REPLAY_END:
+                    # A stream's REPLAY_END follows its LIVE in the queue, so when the last one comes
+                    # every stream is live and `early` has been sent: the marker comes after all of it.
+                    replaying -= 1
+                    if not replaying and request.mark_replay_end:
+                        yield webview_pb2.WebviewEvent(replay_complete=True)
+                elif item is LIVE:
                     waiting -= 1
                     if not waiting:
                         yield LIVE

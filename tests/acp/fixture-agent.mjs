@@ -11,6 +11,7 @@
 //   "mcp"       calls ask_user on the first HTTP MCP server of session/new (with its headers) and
 //               says what the user answered
 //   "refuse"    one chunk, then ends the turn with stopReason `refusal`
+//   "limit"     one chunk, then ends the turn with stopReason `max_tokens`
 //   "diff"      an edit tool_call with `diff` content (one line changed in 30) and one creating a file,
 //               then a session_info_update title and two available commands
 //   "fail"      answers the prompt with a JSON-RPC error
@@ -159,6 +160,9 @@ const app = agent({ name: "uibus-acp-fixture" })
     } else if (text === "refuse") {
       await say(client, params.sessionId, "I will not ");
       return { stopReason: "refusal" };
+    } else if (text === "limit") {
+      await say(client, params.sessionId, "Cut short ");
+      return { stopReason: "max_tokens" };
     } else if (text === "diff") {
       const oldText = Array.from({ length: 30 }, (_, i) => `line ${i + 1}`).join("\n") + "\n";
       await update(client, params.sessionId, { sessionUpdate: "tool_call", toolCallId: "edit-1", title: "Edit notes.txt",
