@@ -161,9 +161,10 @@ async def test_every_sessions_api_answer_matches_the_document(web_http: httpx.As
     assert_valid(response_schema(doc, f"{base}/watch", "get", 200, "application/json-lines"), first)
     assert check(f"{base}/StopTurn", "post", await web_http.post(
         f"{base}/StopTurn", json={"agent": AGENT}, headers=on)) == {}  # nothing ran: `stopped` false (absent)
-    errors = [  # a local agent offers no modes and no conversations; no such session; bad bodies; wrong methods
-        ("post", "SetMode", {"agent": AGENT, "mode_id": "plan"}, 400),
-        ("post", "NewConversation", {"agent": AGENT}, 400),
+    errors = [  # a local agent never runs as a hosted agent: nothing live to steer (404); bad bodies; methods
+        ("post", "SetMode", {"agent": AGENT, "mode_id": "plan"}, 404),
+        ("post", "NewConversation", {"agent": AGENT}, 404),
+        ("post", "SetMode", {"mode_id": "plan"}, 400),
         ("post", "SetModel", {"no_such_field": 1}, 400),
         ("get", "CreateSession", None, 405),
         ("post", "", None, 405),

@@ -90,7 +90,7 @@ async def test_tenants_list_create_and_delete_only_their_own(tenants: App) -> No
         # steering an agent that is not running says so
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await api.SetMode(pb.SetModeRequest(agent="pi", mode_id="plan"), metadata=auth("team-a-token", "team-a-1"))
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "pi is not running" in err.value.details()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and "pi is not running" in err.value.details()
         assert (await api.StopTurn(pb.AgentRequest(agent="pi"),
                                    metadata=auth("team-a-token", "team-a-1"))).stopped is False
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
-from uibus.errors import FailedPrecondition, InvalidArgument
+from uibus.errors import FailedPrecondition, InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 
 
@@ -107,8 +107,9 @@ class Steering:
             raise InvalidArgument("agent is required: the hosted agent to steer")
         agent = self.agents.live_agent(session, name)
         if agent is None:
-            raise FailedPrecondition(f"{name} is not running in session {session!r}: it starts with its "
-                                     "first turn there")
+            # NOT_FOUND, not FAILED_PRECONDITION: what is addressed (a live agent of this session)
+            # does not exist, as for a session that does not; 404 over HTTP
+            raise NotFound(f"{name} is not running in session {session!r}: it starts with its first turn there")
         return agent
 
     def state(self, session: str, name: str) -> pb.AgentState:

@@ -29,6 +29,7 @@ DOCS_PATH = "/api/v1/docs"
 # What neurosan_http and uibus.session accept (tests/test_openapi.py checks they agree).
 AGENT_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,128}$"
 SESSION_PATTERN = r"^[A-Za-z0-9._:@/+=-]{1,128}$"
+PREFIX_PATTERN = r"^[A-Za-z0-9._:@/+=-]{0,128}$"  # the start of a session name (empty: every one)
 _SCHEMAS = "#/components/schemas/"
 _ERROR = {"$ref": _SCHEMAS + "Error"}
 # The error answers an API call can get, by HTTP status; each lists the gRPC statuses it stands for.
@@ -92,21 +93,24 @@ _SESSION_POSTS = {
                  "Stops the turn `agent` runs now (pi `abort`, ACP `session/cancel`); `stopped` is false when "
                  "none was running."),
     "SetMode": (sessions_pb2.SetModeRequest, sessions_pb2.AgentState,
-                "The agent's mode (ACP `session/set_mode`), for every UI of the session. 400 "
-                "(FAILED_PRECONDITION) when the agent offers no modes or is not running here, 400 "
-                "(INVALID_ARGUMENT) for a mode it does not offer."),
+                "The agent's mode (ACP `session/set_mode`), for every UI of the session. 404 (NOT_FOUND) "
+                "when the agent is not running in the session, 400 (FAILED_PRECONDITION) when it offers no "
+                "modes, 400 (INVALID_ARGUMENT) for a mode it does not offer."),
     "SetModel": (sessions_pb2.SetModelRequest, sessions_pb2.AgentState,
-                 "The agent's model (ACP `session/set_model`, pi `set_model`). 400 when it offers no model "
-                 "choice or not this model."),
+                 "The agent's model (ACP `session/set_model`, pi `set_model`). 404 when the agent is not "
+                 "running in the session, 400 when it offers no model choice or not this model."),
     "NewConversation": (sessions_pb2.AgentRequest, sessions_pb2.AgentState,
                         "A new conversation with the agent (pi `new_session`, ACP `session/new`); the old one "
                         "stays listed in `conversations`. 400 (FAILED_PRECONDITION) while a turn runs."),
 }
 
+_STEERING = ("StopTurn", "SetMode", "SetModel", "NewConversation")
+
 
 def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:
     """The sessions API (uibus.v1.SessionService over HTTP, uibus.transports.sessions_http)."""
-    prefix = {"name": "prefix", "in": "query", "required": False, "schema": {"type": "string"},
+    prefix = {"name": "prefix", "in": "query", "required": False,
+              "schema": {"type": "string", "pattern": PREFIX_PATTERN},
               "description": "Only sessions whose name starts with this (empty: every session the token may use)."}
     listed = book.ref(sessions_pb2.SessionList.DESCRIPTOR)
     paths: dict[str, Any] = {
@@ -125,13 +129,18 @@ def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:
              "content": _json(listed, "application/json-lines")}, [prefix])},
     }
     for rpc, (request, reply, what) in _SESSION_POSTS.items():
+        schema = book.ref(request.DESCRIPTOR)
+        steers = rpc in _STEERING  # these name the agent they act on: required
+        if steers:
+            schema = {"allOf": [schema, {"required": ["agent"], "properties": {
+                "agent": {"type": "string", "pattern": AGENT_NAME_PATTERN}}}]}
         paths[f"{SESSIONS_PATH}/{rpc}"] = {"post": _operation(
             f"SessionService_{rpc}", "SessionService", rpc, what + " On the session the header names.",
             {"description": f"The {reply.DESCRIPTOR.name}.", "content": _json(book.ref(reply.DESCRIPTOR))},
             [session],
-            requestBody={"required": False, "description": f"The {request.DESCRIPTOR.name} in proto3 JSON "
-                                                           "(an empty body is the empty request).",
-                         "content": _json(book.ref(request.DESCRIPTOR))})}
+            requestBody={"required": steers, "description": f"The {request.DESCRIPTOR.name} in proto3 JSON "
+                         + ("(`agent` is required)." if steers else "(an empty body is the empty request)."),
+                         "content": _json(schema)})}
     return paths
 
 
