@@ -30,7 +30,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from uibus.domain.agent_sessions import AgentSessions
@@ -48,6 +48,8 @@ META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was g
 TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title
 WATCH_S = 1.0  # a watch re-lists at least this often (other replicas' changes show within it)
 CACHE = 4096  # sessions whose title and agent are remembered
+REMOTE_S = 1.0  # other replicas' dialogs and agents of an unchanged session are re-read at most this often
+RECENT_S = 60.0  # ... and only for sessions active this recently (or listing some)
 RECENT = 20  # history entries read (newest) to find the agent a session last talked to
 MAX_LISTED = 500  # sessions one listing shows (the most recently active): a UI's list, not an export
 SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
@@ -68,6 +70,7 @@ class _Static:
     agent: str
     remote: tuple[pb.WaitingDialog, ...] = ()  # dialogs other replicas hold (with Redis), oldest first
     agents: tuple[pb.AgentState, ...] = ()  # agents other replicas host (with Redis)
+    read_at: float = 0.0  # time.monotonic() when `remote` and `agents` were read
 
 
 
@@ -99,7 +102,14 @@ class Sessions:
         known = self._static.get(session)
         if known is not None and known.stamp == stamp:
             self._static.move_to_end(session)
-            return known
+            if not self._remote_stale(known):
+                return known
+            # Other replicas' parts are re-read, bounded: a stamp is a millisecond, and a dialog
+            # closed (or first heard of) within the one its listing was read in moves no stamp.
+            static = replace(known, remote=await self._remote_dialogs(session),
+                             agents=await self._remote_agents(session), read_at=time.monotonic())
+            self._static[session] = static
+            return static
         meta = await self.store.get(session, META) or {}
         title = await self.store.get(session, TITLE) or meta.get("title") or ""
         agent = ""
@@ -112,11 +122,22 @@ class Sessions:
         if not first:
             first = await self._first_user_message(session, recent)
         static = _Static(stamp, str(title), first, agent or str(meta.get("agent", "")),
-                         await self._remote_dialogs(session), await self._remote_agents(session))
+                         await self._remote_dialogs(session), await self._remote_agents(session), time.monotonic())
         self._static[session] = static
         while len(self._static) > CACHE:
             self._static.popitem(last=False)
         return static
+
+    def _remote_stale(self, known: _Static) -> bool:
+        """Whether other replicas' parts of a cached entry are read again although its stamp did not
+        move: only with replicas, at most every REMOTE_S, and only for an entry that lists some or
+        a session active in the last RECENT_S (the few a person watches), so an idle listing of
+        hundreds of sessions costs no store reads."""
+        if self.dialogs.shared is None and self.agent_states is None:
+            return False
+        if time.monotonic() - known.read_at < REMOTE_S:
+            return False
+        return bool(known.remote or known.agents) or time.time() * 1000 - known.stamp < RECENT_S * 1000
 
     async def _remote_dialogs(self, session: str) -> tuple[pb.WaitingDialog, ...]:
         """With replicas (Redis), the dialogs other replicas hold: their shared store entries, whose
