@@ -26,9 +26,9 @@ from tests.chatkit import AI, MAXIMAL, Agent, request, write_agents
 from tests.conftest import ServerProcess, free_port, require, wait_for
 from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
-from tests.scripted_models import Say, claude_model
+from tests.scripted_models import Say, claude_model, responses_model
 from tests.support import scrape_by_name
-from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
+from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, CODEX, claude_agent, codex_agent, fixture_agent, fixture_log
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.domain.agent_handles import HANDLE
@@ -347,22 +347,28 @@ async def test_the_handle_is_deleted_with_its_session(config: Config, tmp_path: 
 
 
 async def test_a_sigkilled_uibus_takes_every_agent_group_with_it(spawn: Any, tmp_path: Path) -> None:
-    """claude-code-acp 0.16.2 ignores the end of its input; the fixture agent is the control."""
+    """claude-code-acp 0.16.2 and codex-acp 0.16 ignore the end of their input; the fixture agent
+    is the control."""
     _need_acp()
     require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
-    async with claude_model() as model:
+    require("codex-acp with its linux-x64 binary (npm ci --prefix tests/acp)", CODEX.exists(), "node")
+    async with claude_model() as model, responses_model() as codex_model:
         model.script(Say("Here."))
+        codex_model.script(Say("Codex here."))
         claude = claude_agent(tmp_path, model)
+        codex = codex_agent(tmp_path, codex_model)
         fixture = fixture_agent(tmp_path)
-        other = tmp_path / "other"
-        other.mkdir()
-        fixture["options"]["cwd"] = str(other)
-        server = spawn("--agents", write_agents(tmp_path, [claude, fixture]))
+        dirs = [tmp_path / "work", tmp_path / "other", tmp_path / "codex-work"]
+        for where in dirs[1:]:
+            where.mkdir()
+        fixture["options"]["cwd"], codex["options"]["cwd"] = str(dirs[1]), str(dirs[2])
+        server = spawn("--agents", write_agents(tmp_path, [claude, fixture, codex]))
         await server.wait_ready()
         assert await final(server.target, "o", "claude", "hi") == "Here."
         assert await final(server.target, "o", "acp", "hi") == "Turn 1: hi"
-        groups = {os.getpgid(pid) for pid in agent_pids(tmp_path / "work") + agent_pids(other)}
-        assert len(groups) == 2 and all(group_alive(g) for g in groups)
+        assert await final(server.target, "o", "codex", "hi") == "Codex here."
+        groups = {os.getpgid(pid) for where in dirs for pid in agent_pids(where)}
+        assert len(groups) == 3 and all(group_alive(g) for g in groups)
         server.proc.kill()
         await asyncio.to_thread(server.proc.wait, 10)
         await wait_for(lambda: all(group_alive(g) == [] for g in groups), timeout=5,
