@@ -58,6 +58,8 @@ SESSION = b"acp-session-id"
 MAX_CONNECTIONS = 256  # HTTP connections open at once; more are refused 503
 MAX_BUFFERED = 4096  # messages waiting for a reader on one connection (all its streams); more close it
 IDLE_S = 300.0  # a connection with no stream open and nothing posted this long is closed
+LOAD_DELIVERY_S = 2.0  # the longest a session/load's answer waits for its replay to be read
+LOAD_SETTLE_S = 0.02  # and then, for the last update's write to land ahead of the answer
 INITIALIZE_S = 30.0  # how long an initialize may take to be answered
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing an idle stream
 MAX_BODY = 16 * 1024 * 1024
@@ -105,6 +107,7 @@ class HttpConnection:
         self.outbox = Outbox()  # the connection's stream
         self.sessions: dict[str, Outbox] = {}
         self.routes: dict[str, str | None] = {}  # a client request's id (JSON) -> the session its answer goes to
+        self.loading: dict[str, str] = {}  # a session/load's id (JSON) -> its session (see `write`)
         self.initial: asyncio.Future[str] | None = None
         self.initial_id = ""
         self.touched = time.monotonic()
@@ -134,6 +137,9 @@ class HttpConnection:
                 self.initial.set_result(text)
                 return
             route = self.routes.pop(key, None)
+            loaded = self.loading.pop(key, None)
+            if loaded is not None:
+                await self._delivered(loaded)
         else:
             params = message.get("params")
             found = params.get("sessionId") if isinstance(params, dict) else None
@@ -142,6 +148,19 @@ class HttpConnection:
             self.overflowed = True  # the client stopped reading: the connection is closed at the next request
             return
         self.stream(route).push(text)
+
+    async def _delivered(self, session: str) -> None:
+        """Waits (bounded) until the session's stream has handed its reader the replay a
+        session/load sent: the answer goes on the connection's stream (as the SDK routes it), and
+        two SSE streams keep no order between them, so answering at once could overtake the
+        history it answers after. A few milliseconds more let the last update's write land first."""
+        deadline = time.monotonic() + LOAD_DELIVERY_S
+        while time.monotonic() < deadline:
+            stream = self.sessions.get(session)
+            if stream is None or stream.closed or (stream.reading and not stream.queue):
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(LOAD_SETTLE_S)
 
     async def aclose(self) -> None:
         self.outbox.close()
@@ -270,6 +289,8 @@ class AcpHttp:
                 return
             if "id" in message:  # its answer goes to the stream of its session (session/load's: the connection's)
                 conn.routes[json.dumps(message["id"])] = None if message["method"] == "session/load" else session
+                if message["method"] == "session/load" and session:
+                    conn.loading[json.dumps(message["id"])] = session
         await conn.editor.receive(body)
         await respond(send, 202, b"")
 
