@@ -278,3 +278,51 @@ async def test_presence_counts_expire_and_announcements_carry_their_hash_writes(
     [(key, field, value)] = writes
     assert key == f"bus:presence:{{{shard_of('s', 16)}}}" and json.loads(field) == ["me", "s", "host"]
     assert value.startswith("2 ")
+
+
+# ---- a cancel lost inside a store operation is raised after it (uibus.redis.store.keeps_cancel) ----
+
+
+async def test_a_cancel_swallowed_inside_a_store_operation_still_reaches_its_caller() -> None:
+    from uibus.redis.store import keeps_cancel
+
+    entered = asyncio.Event()
+    after: list[str] = []
+
+    @keeps_cancel
+    async def swallowing() -> str:  # what Python 3.11's wait_for can do to a cancel (gh-86296)
+        entered.set()
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass
+        return "written"
+
+    async def caller() -> None:
+        await swallowing()
+        after.append("went on as if nobody had left")
+
+    task = asyncio.ensure_future(caller())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert after == []
+
+    # a task already being cancelled (a teardown writing its last state) is not cut by that cancel
+    @keeps_cancel
+    async def plain() -> str:
+        await asyncio.sleep(0)
+        return "written"
+
+    async def teardown() -> str:
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return await plain()  # cancelling() is 1 before and after: its own cancel, not a new one
+        return "never"
+
+    closing = asyncio.ensure_future(teardown())
+    await asyncio.sleep(0)
+    closing.cancel()
+    assert await closing == "written"

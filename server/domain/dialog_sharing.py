@@ -53,7 +53,7 @@ from uibus import kinds
 from uibus.bus import Bus
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Store
-from uibus.tasks import Tasks, caller_cancelled, cancel_and_wait
+from uibus.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.dialogs")
 
@@ -95,11 +95,6 @@ class SharedDialogs:
         except Exception as exc:  # an outage or a stall: the dialog goes on, visible to live UIs
             log.warning("waiting dialog not shared: UIs joining on other replicas will not see it",
                         extra={"fields": {"session": session, "dialog": request.id, "error": repr(exc)}})
-        if caller_cancelled():
-            # The caller went away during the write and the store client swallowed its cancel
-            # (redis-py's cluster client can, mid-command): it is the caller's, so it goes on, and
-            # the asker removes the entry rather than open a dialog nobody waits for.
-            raise asyncio.CancelledError
 
     def remove(self, session: str, dialog_id: str, then: Callable[[], None] | None = None) -> None:
         """Deletes the entry of `dialog_id` in the background, then calls `then` (which publishes the

@@ -23,11 +23,13 @@ tiny SET; on a cluster CLUSTER INFO on every master too) passes again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 from redis.asyncio.cluster import RedisCluster
@@ -65,6 +67,30 @@ OUT_OF_MEMORY = "session store is full: Redis out of memory (used memory > maxme
 def short(exc: BaseException) -> str:
     """Redis's message without the script it came from (a digest and line number say nothing)."""
     return str(exc).split(" script: ", 1)[0].rstrip(".") or type(exc).__name__
+
+
+_T = TypeVar("_T")
+
+
+def keeps_cancel(op: Callable[..., Awaitable[_T]]) -> Callable[..., Awaitable[_T]]:
+    """Re-raises a cancel that reached the caller during the operation but did not come out of it.
+
+    With a socket timeout, redis-py sends each command through `asyncio.wait_for`, which on Python
+    3.11 loses a cancel that arrives as the send completes (CPython gh-86296, fixed in 3.12): the
+    caller's task comes back with its cancel requested and no CancelledError, and goes on as if
+    nobody had left (seen: a dialog opened for a caller that was gone). Counted against the task's
+    cancel requests at the start, so a task already being cancelled (a teardown writing its last
+    state) is not cut short by its own earlier cancel."""
+
+    @functools.wraps(op)
+    async def kept(*args: Any, **kw: Any) -> _T:
+        task = asyncio.current_task()
+        before = task.cancelling() if task is not None else 0
+        result = await op(*args, **kw)
+        if task is not None and task.cancelling() > before:
+            raise asyncio.CancelledError
+        return result
+    return kept
 
 
 class RedisStore(Store):
@@ -154,6 +180,7 @@ class RedisStore(Store):
         await self._ready()
         return await self._sessions.sweep()
 
+    @keeps_cancel
     async def sessions(self) -> list[tuple[str, float]]:
         """ZRANGE of the index (each index on a cluster), merged, most recent first."""
         await self._ready()
@@ -164,6 +191,7 @@ class RedisStore(Store):
                     found.append((unquote(member.decode()), float(score)))
         return sorted(found, key=lambda item: -item[1])
 
+    @keeps_cancel
     async def drop_session(self, session: str) -> bool:
         """Deletes the session's keys (each list its `lists` hash names, the values, the cluster's
         `seen`), then its index entry. Not one step: a write racing the delete may leave a key the
@@ -182,6 +210,7 @@ class RedisStore(Store):
         return removed > 0
 
     @store_op("get")
+    @keeps_cancel
     async def get(self, session: str, key: str) -> Any | None:
         await self._ready()
         with self.guard():
@@ -189,11 +218,13 @@ class RedisStore(Store):
             return json.loads(raw) if raw is not None else None
 
     @store_op("put")
+    @keeps_cancel
     async def put(self, session: str, key: str, value: Any | None) -> None:
         await self._ready()
         await self._sessions.put(session, key, b"" if value is None else dumps(value))
 
     @store_op("update")
+    @keeps_cancel
     async def update(self, session: str, key: str, change: Callable[[Any | None], Any | None]) -> Any | None:
         """Optimistic transaction (`watched`), the session's stamp by the index strategy."""
         await self._ready()
@@ -223,6 +254,7 @@ class RedisStore(Store):
         return result[0], replies
 
     @store_op("scan")
+    @keeps_cancel
     async def scan(self, session: str, prefix: str) -> dict[str, Any]:
         """HSCAN with a MATCH pattern: only matching fields cross the network, in sorted order."""
         await self._ready()
@@ -236,6 +268,7 @@ class RedisStore(Store):
             return dict(sorted(found.items()))
 
     @store_op("append")
+    @keeps_cancel
     async def append(self, session: str, key: str, value: Any, max_len: int = 10_000, max_bytes: int = 0) -> None:
         """One script (push, both bounds, the byte total, the stamp), so readers never see the
         list over its bounds and concurrent appends never lose a byte of the total. (On a
@@ -244,6 +277,7 @@ class RedisStore(Store):
         await self._sessions.append(session, key, dumps(value), max_len, max_bytes)
 
     @store_op("items")
+    @keeps_cancel
     async def items(self, session: str, key: str, last: int = 0) -> list[Any]:
         await self._ready()
         with self.guard():
@@ -252,16 +286,19 @@ class RedisStore(Store):
 
     # ---- leases (uibus.redis.leases): atomic on the server, shared by every replica ---------------
 
+    @keeps_cancel
     async def take_lease(self, session: str, name: str, owner: str, ttl_s: float) -> Lease:
         await self._ready()
         with self.guard():
             return await self._lease_steps.take(session, name, owner, ttl_s)
 
+    @keeps_cancel
     async def renew_lease(self, session: str, name: str, owner: str, token: int, ttl_s: float) -> bool:
         await self._ready()
         with self.guard():
             return await self._lease_steps.renew(session, name, owner, token, ttl_s)
 
+    @keeps_cancel
     async def drop_lease(self, session: str, name: str, owner: str, token: int) -> None:
         await self._ready()
         with self.guard():
