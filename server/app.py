@@ -80,6 +80,16 @@ def make_bus(config: Config) -> Bus:
                mailboxes_bytes=config.mailboxes_bytes)
 
 
+def uibus_paths(config: Config) -> tuple[str, ...]:
+    """uibus's own files, which no sandboxed agent may see (uibus.agents.launcher masks them): the
+    store (and its SQLite side files), the tokens file, every TLS file, the config file."""
+    paths = [config.tokens_file, config.tls_cert, config.tls_key, config.http_tls_cert, config.http_tls_key,
+             config.tls_client_ca, getattr(config, "config", "") or ""]
+    if config.store and config.store != ":memory:" and not config.redis_url:
+        paths += [config.store, config.store + "-wal", config.store + "-shm", config.store + "-journal"]
+    return tuple(p for p in paths if p)
+
+
 def keepalive_options(config: Config) -> list[tuple[str, int]]:
     """Server-side HTTP/2 keepalive: a peer that is gone (or frozen) without closing its connection
     stops answering pings, and the connection is closed after the timeout, which ends its streams
@@ -272,7 +282,7 @@ class App:
             res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
         bus = await res.enter("bus", make_bus(cfg))
-        agents = await res.enter("agents", load_agents(cfg.agents))
+        agents = await res.enter("agents", load_agents(cfg.agents, protect=uibus_paths(cfg)))
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
@@ -334,6 +344,8 @@ class App:
             "index": str(worker.index), "pid": str(worker.pid)})
         core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
+        # Hosted agents' /mcp tokens are minted here for each (never --auth-token); tenants named here.
+        core.agent_sessions.tokens = tokens
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else ())
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -375,7 +387,6 @@ class App:
                 host = f"[{host}]" if ":" in host else host
                 scheme = "https" if cfg.tls_cert else "http"
                 core.agent_sessions.mcp_url = f"{scheme}://{host}:{self.http_port}{MCP_PATH}"
-                core.agent_sessions.mcp_token = cfg.auth_token
         serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)

@@ -54,6 +54,7 @@ class AgentSpec:
     sly_data_schema: dict[str, Any] | None = None  # Function.sly_data_schema; backend default if None
     tools: tuple[str, ...] = ()  # Connectivity: what the agent can call
     display_as: str = "llm_agent"
+    workspaces_dir: str = ""  # the agents file's `workspaces_dir` (tenants' homes, workspaces)
 
 
 @dataclass
@@ -103,6 +104,8 @@ class SessionUi(Protocol):
     session's webview streams."""
 
     session: str
+    # Whose session this is (uibus.auth.Tokens.tenant): a sandboxed agent's home is its tenant's.
+    tenant: str
     # The conversation handle the last agent process of this (session, agent) reported (an ACP
     # sessionId and cwd, a pi sessionFile), or None: resume it rather than start a new conversation.
     handle: dict[str, Any] | None
@@ -142,7 +145,8 @@ class SessionUi(Protocol):
     def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
         """uibus's own MCP server (URL and the headers that reach this session, naming `agent` as
         the caller), if it serves one: what a hosted agent can be given as an MCP server (ask_user,
-        notify_user, the other agents)."""
+        notify_user, the other agents). Its token, if tokens are in force, is minted for this
+        (session, agent) alone and revoked when the agent session closes; never uibus's own."""
         ...
 
 

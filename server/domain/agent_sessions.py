@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
+from uibus.auth import Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
@@ -69,6 +70,17 @@ class SessionBound:
         self._agent = agent
         self._handles = handles  # None: a one-shot agent, whose conversation is not kept
         self.handle = handle
+        tokens = owner.tokens if owner is not None else None
+        self.tenant = tokens.tenant(session) if tokens is not None else "operator"
+        self._minted: list[str] = []  # the /mcp tokens minted for this agent session, revoked at its close
+
+    def release(self) -> None:
+        """The agent session closed: the tokens minted for it stop working."""
+        tokens = self._owner.tokens if self._owner is not None else None
+        minted, self._minted = self._minted, []
+        if tokens is not None:
+            for token in minted:
+                tokens.revoke(token)
 
     async def keep_handle(self, handle: dict[str, Any]) -> None:
         if self._handles is not None:
@@ -90,8 +102,10 @@ class SessionBound:
         headers = {"x-uibus-session": self.session}
         if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
             headers["x-uibus-agent"] = agent
-        if owner.mcp_token:
-            headers["authorization"] = f"Bearer {owner.mcp_token}"
+        if owner.tokens is not None and owner.tokens.enabled:  # a token for this (session, agent) alone
+            token = owner.tokens.mint(self.session, agent or self._agent)
+            self._minted.append(token)
+            headers["authorization"] = f"Bearer {token}"
         return owner.mcp_url, headers
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
@@ -162,7 +176,9 @@ class AgentSessions:
         self.on_agent: Callable[[str, str], None] = lambda session, name: None
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
-        self.mcp_token = ""
+        # The tokens in force (the app's): agents' /mcp tokens are minted there, tenants named by it.
+        self.tokens: Tokens | None = None
+        self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -227,6 +243,7 @@ class AgentSessions:
             await agent.aclose()
         finally:
             self._stopping -= 1
+            self._release(agent)
             log.info("agent session closed", extra={"fields": {"session": key[0], "agent": key[1], "why": why}})
             with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
                 if marker:
@@ -345,6 +362,11 @@ class AgentSessions:
 
     # ---- turns ----
 
+    def _release(self, agent: AgentSession) -> None:
+        bound = self._bound.pop(agent, None)
+        if bound is not None:
+            bound.release()
+
     async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True) -> AgentSession:
         name = backend.spec.name
         ui = SessionBound(session, self.dialogs, self.feed, self, agent=name)
@@ -352,10 +374,14 @@ class AgentSessions:
             ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, handles=self.handles,
                               handle=await self.handles.read(session, name))
         agent = backend.open_session(ui)
+        self._bound[agent] = ui
         try:
             await agent.start()
         except BaseException:
-            await agent.aclose()
+            try:
+                await agent.aclose()
+            finally:
+                self._release(agent)
             raise
         return agent
 
@@ -374,7 +400,10 @@ class AgentSessions:
                 try:
                     yield agent
                 finally:
-                    await agent.aclose()
+                    try:
+                        await agent.aclose()
+                    finally:
+                        self._release(agent)
             finally:
                 self._one_shot -= 1
             return
