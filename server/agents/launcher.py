@@ -116,6 +116,15 @@ class Launch:
         return str(Path(self.sandbox.homes_dir) / _safe(self.tenant or "operator"))
 
 
+    def host_path(self, path: str) -> str:
+        """Where a path the agent names lies on this host: under HOME, in the tenant's home when
+        sandboxed (uibus looks at an agent's files there: pi's session file, before resuming it)."""
+        home, tenant_home = self.home, self.tenant_home()
+        if tenant_home is None or not _under(path, home):
+            return path
+        return tenant_home + path[len(home.rstrip("/")):]
+
+
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "_"
 

@@ -1,0 +1,345 @@
+"""Agents in rooms of their own (issue 42): no keys of uibus's, the bubblewrap sandbox, homes per
+tenant, the /mcp token minted per agent session.
+
+Real parts throughout: the real pi and the real claude-code-acp, each driven by a scripted model
+(tests/pikit.py, tests/scripted_models.py) that asks it to run shell commands hunting for uibus's
+tokens — as a model steered by a hostile prompt would — real bwrap, real uibus with a tokens file
+of two tenants and an all-sessions token in its own environment (`UIBUS_AUTH_TOKEN`). What the
+agent's commands printed comes back to the model as the tool's result: that is what is searched.
+The tokens file and the store lie inside the agent's own working directory on purpose (an
+operator running uibus from a checkout), so the sandbox's masks are what keeps them out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from tests.chatkit import Agent, request
+from tests.conftest import REPO, free_port, require, start_app
+from tests.ext_ui_helpers import ext, open_uis, read
+from tests.pikit import PI, PI_DIR, Model, Reply, pi_agent, scripted_model
+from tests.scripted_models import Say, ScriptedModel, claude_model
+from uibus.agents.config import load_agents
+from uibus.agents.launcher import agent_env
+from uibus.app import App
+from uibus.clients.connection import Connection
+from uibus.config import Config, InvalidConfig
+from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.node]
+
+TOKEN_A = "tokA-5be1c07a9d2f4e61b3c8aa70"
+TOKEN_B = "tokB-0c9e44d1a8b7f2e5d6c3bb81"
+OPERATOR = "tokOP-93d2f1e0c4b5a6978e7fcc92"
+SECRETS = (TOKEN_A, TOKEN_B, OPERATOR)
+FIXTURE = REPO / "tests" / "acp" / "fixture-agent.mjs"
+CLAUDE_ACP = REPO / "tests" / "acp" / "node_modules" / ".bin" / "claude-code-acp"
+HUNT = ("env; echo ---proc; for f in /proc/*/environ; do tr '\\0' '\\n' < $f; done 2>/dev/null; ls /proc; "
+        "echo ---files; cat {tokens} {store}; echo ---end")
+
+
+def bwrap() -> str:
+    path = shutil.which("bwrap")
+    require("bubblewrap (bwrap: .ci/setup --system installs it)", path is not None)
+    return path  # type: ignore[return-value]
+
+
+def leaked(text: str) -> list[str]:
+    return [s for s in SECRETS if s in text]
+
+
+def tenancy(tmp_path: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Path, Path]:
+    """uibus as the issue's new user set it up: two tenants, an all-sessions token in its own
+    environment too; the tokens file and the store inside the agents' working directory."""
+    work = tmp_path / "work"
+    (work / ".uibus").mkdir(parents=True, exist_ok=True)
+    tokens = work / "tokens.txt"
+    tokens.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-*\n")
+    store = work / ".uibus" / "uibus.db"
+    monkeypatch.setenv("UIBUS_AUTH_TOKEN", OPERATOR)
+    monkeypatch.setenv("UIBUS_REDIS_URL", f"redis://:{OPERATOR}@127.0.0.1:1/0")
+    return replace(config, tokens_file=str(tokens), auth_token=OPERATOR, store=str(store)), tokens, store
+
+
+def agents_file(tmp_path: Path, agents: list[dict[str, Any]]) -> str:
+    path = tmp_path / "agents.json"
+    path.write_text(json.dumps({"workspaces_dir": str(tmp_path / "ws"), "agents": agents}))
+    return str(path)
+
+
+@pytest.fixture
+async def model() -> AsyncIterator[Model]:
+    async with scripted_model() as m:
+        yield m
+
+
+def sandboxed_pi(tmp_path: Path, model: Model, **options: Any) -> dict[str, Any]:
+    """pi as tests/pikit.py hosts it, its test extensions shown read-only in its sandbox."""
+    return pi_agent(tmp_path, model, sandbox=True, bwrap=bwrap(),
+                    read_only=[str(PI_DIR), str(REPO / "examples" / "pi")], **options)
+
+
+@pytest.fixture
+async def hosted(tmp_path: Path) -> AsyncIterator[list[App]]:
+    apps: list[App] = []
+    yield apps
+    for app in apps:
+        await app.aclose()
+        assert app.core.agent_sessions.count() == 0
+        assert app.tokens.minted == 0  # every minted token went with its agent session
+
+
+async def pi_turn(app: App, session: str, token: str, text: str = "go") -> str:
+    async with Connection(f"127.0.0.1:{app.port}", session=session, token=token) as conn:
+        responses = [r async for r in Agent(conn, "pi").StreamingChat(request(text))]
+    return responses[-1].response.text
+
+
+def tool_results(model: Model | ScriptedModel) -> str:
+    return "\n".join(json.dumps(r) for r in model.requests)
+
+
+# ---- no keys, ever: the environment ---------------------------------------------------------------
+
+
+def test_the_environment_is_an_allow_list() -> None:
+    environ = {"PATH": "/usr/bin", "HOME": "/h", "LANG": "C.UTF-8", "LC_ALL": "C", "TERM": "xterm",
+               "UIBUS_AUTH_TOKEN": "x", "REDIS_URL": "redis://:pw@h", "OTEL_EXPORTER_OTLP_HEADERS": "a=b",
+               "UIBUS_TLS_KEY": "/k", "AWS_SECRET_ACCESS_KEY": "s", "ANTHROPIC_API_KEY": "k"}
+    assert agent_env([], {}, environ) == {"PATH": "/usr/bin", "HOME": "/h", "LANG": "C.UTF-8", "LC_ALL": "C",
+                                          "TERM": "xterm"}
+    got = agent_env(["ANTHROPIC_API_KEY"], {"HOME": "/agent"}, environ)
+    assert got["ANTHROPIC_API_KEY"] == "k" and got["HOME"] == "/agent" and "AWS_SECRET_ACCESS_KEY" not in got
+
+
+@pytest.mark.parametrize("name", ["UIBUS_AUTH_TOKEN", "REDIS_URL", "OTEL_EXPORTER_OTLP_HEADERS", "UIBUS_TLS_KEY"])
+def test_uibus_own_variables_cannot_be_inherited(tmp_path: Path, name: str) -> None:
+    path = agents_file(tmp_path, [{"name": "a", "backend": "rpc",
+                                   "options": {"command": ["/bin/cat"], "inherit_env": [name]}}])
+    with pytest.raises(InvalidConfig, match=f"option inherit_env: {name} belong"):
+        load_agents(path)
+
+
+def test_sandbox_options_are_checked(tmp_path: Path) -> None:
+    path = agents_file(tmp_path, [{"name": "a", "backend": "rpc", "options": {"command": ["/bin/cat"],
+                                                                                "network": False}}])
+    with pytest.raises(InvalidConfig, match="option network needs sandbox = true"):
+        load_agents(path)
+
+
+def test_a_sandbox_that_cannot_start_stops_serve_with_one_line(tmp_path: Path) -> None:
+    path = agents_file(tmp_path, [{"name": "a", "backend": "rpc", "options": {
+        "command": ["/bin/cat"], "sandbox": True, "bwrap": str(tmp_path / "no-bwrap")}}])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UIBUS_")}
+    done = subprocess.run([sys.executable, "-m", "uibus", "serve", "--agents", path, "--port", "0",
+                           "--store", ":memory:"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "option sandbox = true cannot start here" in lines[0] and "no-bwrap" in lines[0], lines
+
+
+@pytest.mark.parametrize("sandbox", [False, True], ids=["plain", "sandbox"])
+async def test_pi_hunting_for_tokens_finds_none(config: Config, tmp_path: Path, model: Model,
+                                                monkeypatch: pytest.MonkeyPatch, hosted: list[App],
+                                                sandbox: bool) -> None:
+    cfg, tokens, store = tenancy(tmp_path, config, monkeypatch)
+    entry = sandboxed_pi(tmp_path, model) if sandbox else pi_agent(tmp_path, model)
+    hunt = HUNT.format(tokens=tokens, store=store) if sandbox else "env"
+    model.script(Reply(tool=("bash", {"command": hunt})), Reply(text="Nothing found."))
+    app = await start_app(replace(cfg, agents=agents_file(tmp_path, [entry])))
+    hosted.append(app)
+    assert await pi_turn(app, "team-a-1", TOKEN_A) == "Nothing found."
+    seen = json.dumps(model.requests[1]["messages"][-1])
+    assert "PATH=" in seen and "HOME=" in seen  # the command ran and its output came back
+    assert leaked(seen) == [] and "UIBUS_" not in seen and "redis://" not in seen
+    if sandbox:
+        assert "---files" in seen and "---end" in seen
+        procs = [w for w in seen.split("---proc")[1].split("---files")[0].split("\\n") if w.isdigit()]
+        assert len(procs) < 10, procs  # its own /proc: the sandbox's few processes, not the host's
+
+
+async def test_claude_code_hunting_for_tokens_finds_none(config: Config, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, hosted: list[App]) -> None:
+    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
+    from tests.test_acp_agent import claude_agent
+
+    cfg, tokens, store = tenancy(tmp_path, config, monkeypatch)
+    async with claude_model() as model:
+        plain = claude_agent(tmp_path, model)
+        boxed = {**claude_agent(tmp_path, model), "name": "boxed"}
+        boxed["options"] = {**boxed["options"], "sandbox": True, "bwrap": bwrap()}
+        app = await start_app(replace(cfg, agents=agents_file(tmp_path, [plain, boxed]), http_port=free_port()))
+        hosted.append(app)
+        for agent, command in (("claude", "env"), ("boxed", HUNT.format(tokens=tokens, store=store))):
+            model.replies.clear()  # Claude Code's own side requests (a command's prefix, …) take some
+            model.script(Say("Looking.", tool=("Bash", {"command": command, "description": "look"})),
+                         *[Say("Done.")] * 4)
+            before = len(model.requests)
+            session = f"team-a-{agent}"
+            async with Connection(f"127.0.0.1:{app.port}", session=session, token=TOKEN_A) as conn:
+                (ui,) = await open_uis(app, conn, 1, session)
+                call = asyncio.ensure_future(_collect(Agent(conn, agent).StreamingChat(request("look around"))))
+                while not call.done():
+                    event = await read(ui, 60)
+                    if event.WhichOneof("event") == "request" and event.request.WhichOneof("method") == "select":
+                        await ext(conn).Respond(pb.RespondRequest(id=event.request.id, value="Allow"))
+                        break
+                await asyncio.wait_for(call, 60)
+            seen = json.dumps(model.requests[before:])
+            assert "tool_result" in seen and "PATH=" in seen, seen[-2000:]
+            assert leaked(seen) == [] and "UIBUS_" not in seen and "redis://" not in seen
+            if agent == "boxed":
+                assert "---end" in seen
+
+
+async def _collect(call: Any) -> list[Any]:
+    return [r async for r in call]
+
+
+# ---- the /mcp token offered to an ACP agent -------------------------------------------------------
+
+
+async def test_the_offered_mcp_token_reaches_its_own_session_only_and_dies_with_it(
+        config: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hosted: list[App]) -> None:
+    node = require_node()
+    cfg, _, _ = tenancy(tmp_path, config, monkeypatch)
+    log = tmp_path / "acp.log"
+    entry = {"name": "acp", "backend": "acp", "options": {
+        "command": [node, str(FIXTURE)], "cwd": str(tmp_path / "work"), "env": {"ACP_FIXTURE_LOG": str(log)}}}
+    app = await start_app(replace(cfg, agents=agents_file(tmp_path, [entry]), http_port=free_port()))
+    hosted.append(app)
+    target = f"127.0.0.1:{app.port}"
+    for session, token in (("team-a-1", TOKEN_A), ("team-a-2", TOKEN_A), ("team-b-1", TOKEN_B)):
+        async with Connection(target, session=session, token=token) as conn:
+            assert (await _collect(Agent(conn, "acp").StreamingChat(request("hi"))))[-1].response.text == "Turn 1: hi"
+    offered = [e["session/new"]["mcpServers"][0]["headers"] for e in map(json.loads, log.read_text().splitlines())
+               if "session/new" in e]
+    assert len(offered) == 3
+    first = {h["name"]: h["value"] for h in offered[0]}
+    assert first["x-uibus-session"] == "team-a-1"
+    minted = first["authorization"].removeprefix("Bearer ")
+    assert minted not in SECRETS and leaked(json.dumps(offered)) == []
+    assert len({h["value"] for o in offered for h in o if h["name"] == "authorization"}) == 3  # one each
+
+    async with grpc.aio.insecure_channel(target) as ch:
+        api = sessions_pb2_grpc.SessionServiceStub(ch)
+
+        def auth(session: str | None = None) -> tuple[tuple[str, str], ...]:
+            meta = (("authorization", f"Bearer {minted}"),)
+            return (*meta, ("x-uibus-session", session)) if session else meta
+
+        listed = await api.ListSessions(sessions_pb2.ListSessionsRequest(), metadata=auth())
+        assert [s.session for s in listed.sessions] == ["team-a-1"]  # not team-a-2, not team-b-1
+        for other in ("team-a-2", "team-b-1"):
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await api.DeleteSession(sessions_pb2.DeleteSessionRequest(), metadata=auth(other))
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        mcp = await _mcp_list_sessions(app, minted, "team-a-1")
+        assert "team-a-1" in mcp and "team-a-2" not in mcp and "team-b-1" not in mcp
+
+        # its agent session ends (the session is deleted by its tenant): the token stops working
+        await api.DeleteSession(sessions_pb2.DeleteSessionRequest(),
+                                metadata=(("authorization", f"Bearer {TOKEN_A}"), ("x-uibus-session", "team-a-1")))
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await api.ListSessions(sessions_pb2.ListSessionsRequest(), metadata=auth())
+        assert gone.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert app.tokens.minted == 2
+
+
+def require_node() -> str:
+    node = shutil.which("node")
+    require("node", node is not None, "node")
+    return node  # type: ignore[return-value]
+
+
+async def _mcp_list_sessions(app: App, token: str, session: str) -> str:
+    url = f"http://127.0.0.1:{app.http_port}/mcp"
+    headers = {"authorization": f"Bearer {token}", "x-uibus-session": session, "content-type": "application/json",
+               "accept": "application/json, text/event-stream"}
+    async with httpx.AsyncClient(timeout=10) as http:
+        init = await http.post(url, headers=headers, json={
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {}}})
+        assert init.status_code == 200, init.text
+        headers = {**headers, "mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": "2025-06-18"}
+        done = await http.post(url, headers=headers, json={"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                                                           "params": {"name": "list_sessions", "arguments": {}}})
+        assert done.status_code == 200, done.text
+        return done.text
+
+
+# ---- homes per tenant, and nothing of uibus's ------------------------------------------------------
+
+
+async def test_tenant_b_cannot_read_tenant_a_home_or_uibus_files(config: Config, tmp_path: Path, model: Model,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 hosted: list[App]) -> None:
+    cfg, tokens, store = tenancy(tmp_path, config, monkeypatch)
+    app = await start_app(replace(cfg, agents=agents_file(tmp_path, [sandboxed_pi(tmp_path, model)])))
+    hosted.append(app)
+    homes = tmp_path / "ws" / "homes"
+    home_a = homes / app.tokens.tenant("team-a-1")
+    assert app.tokens.tenant("team-a-1") == app.tokens.tenant("team-a-2") != app.tokens.tenant("team-b-1")
+    model.script(Reply(tool=("bash", {"command": "echo A-PRIVATE-NOTE > ~/note.txt; cat ~/.pi/agent/models.json"})),
+                 Reply(text="Written."))
+    assert await pi_turn(app, "team-a-1", TOKEN_A) == "Written."
+    assert (home_a / "note.txt").read_text() == "A-PRIVATE-NOTE\n"  # in A's own home, on the host
+    assert "scripted-key" in json.dumps(model.requests[1]["messages"][-1])  # the operator's config, seen
+    assert not (tmp_path / "pi-home" / "note.txt").exists()  # not in the operator's home
+
+    pi_home = tmp_path / "pi-home"
+    look = (f"cat ~/note.txt {home_a}/note.txt; ls -a {homes} {tmp_path} {tmp_path / 'ws'}; cat {tokens} {store}; "
+            f"cat {tmp_path / 'agents.json'}; echo x >> ~/.pi/agent/models.json; echo ---end")
+    model.script(Reply(tool=("bash", {"command": look})), Reply(text="Looked."))
+    assert await pi_turn(app, "team-b-1", TOKEN_B) == "Looked."
+    seen = json.dumps(model.requests[3]["messages"][-1])
+    assert "---end" in seen
+    assert "A-PRIVATE-NOTE" not in seen and leaked(seen) == [] and "workspaces_dir" not in seen
+    assert "Read-only file system" in seen  # the operator's models.json
+    assert json.loads((pi_home / ".pi" / "agent" / "models.json").read_text())["providers"]
+    assert await pi_turn(app, "team-a-2", TOKEN_A, "again") == "(no scripted reply)"
+
+
+async def test_a_sandboxed_pi_resumes_from_its_tenant_home_after_a_restart(config: Config, tmp_path: Path,
+                                                                           model: Model,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, _, _ = tenancy(tmp_path, config, monkeypatch)
+    entry = sandboxed_pi(tmp_path, model)
+    entry["options"]["command"] = [a for a in entry["options"]["command"] if a != "--no-session"]
+    cfg = replace(cfg, agents=agents_file(tmp_path, [entry]))
+    model.script(Reply(text="First answer."), Reply(text="Second answer."))
+    for turn, text in enumerate(("remember the word walnut", "which word?")):
+        app = await start_app(cfg)
+        try:
+            assert await pi_turn(app, "team-a-1", TOKEN_A, text) == ("First answer.", "Second answer.")[turn]
+            tenant = app.tokens.tenant("team-a-1")
+        finally:
+            await app.aclose()
+    assert "remember the word walnut" in json.dumps(model.requests[1])  # the new process read the old conversation
+    sessions = tmp_path / "ws" / "homes" / tenant / ".pi" / "agent" / "sessions"
+    assert any(sessions.rglob("*.jsonl"))  # kept in the tenant's home
+    assert not (tmp_path / "pi-home" / ".pi" / "agent" / "sessions").exists()
+
+
+def test_pi_program_is_found(tmp_path: Path) -> None:
+    """The sandbox shows the agent's installation: pi's node_modules (by both its names) and node's."""
+    from uibus.agents.launcher import installation_of
+
+    require("pi (npm ci --prefix tests/pi)", PI.exists())
+    found = installation_of(str(PI), os.environ.get("PATH", ""))
+    assert os.path.realpath(PI_DIR / "node_modules") in found
