@@ -80,16 +80,6 @@ def make_bus(config: Config) -> Bus:
                mailboxes_bytes=config.mailboxes_bytes)
 
 
-def uibus_paths(config: Config) -> tuple[str, ...]:
-    """uibus's own files, which no sandboxed agent may see (uibus.agents.launcher masks them): the
-    store (and its SQLite side files), the tokens file, every TLS file, the config file."""
-    paths = [config.tokens_file, config.tls_cert, config.tls_key, config.http_tls_cert, config.http_tls_key,
-             config.tls_client_ca, getattr(config, "config", "") or ""]
-    if config.store and config.store != ":memory:" and not config.redis_url:
-        paths += [config.store, config.store + "-wal", config.store + "-shm", config.store + "-journal"]
-    return tuple(p for p in paths if p)
-
-
 def keepalive_options(config: Config) -> list[tuple[str, int]]:
     """Server-side HTTP/2 keepalive: a peer that is gone (or frozen) without closing its connection
     stops answering pings, and the connection is closed after the timeout, which ends its streams
@@ -282,7 +272,7 @@ class App:
             res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
         bus = await res.enter("bus", make_bus(cfg))
-        agents = await res.enter("agents", load_agents(cfg.agents, protect=uibus_paths(cfg)))
+        agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths()))
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.

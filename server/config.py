@@ -264,6 +264,15 @@ class Config:
         if problems:
             raise InvalidConfig(*problems[0], problems[1:])
 
+    def own_paths(self) -> tuple[str, ...]:
+        """uibus's own files, which no sandboxed agent may see (uibus.agents.launcher masks them):
+        the store (and its SQLite side files), the tokens file, every TLS file."""
+        paths = [self.tokens_file, self.tls_cert, self.tls_key, self.http_tls_cert, self.http_tls_key,
+                 self.tls_client_ca]
+        if self.store and self.store != ":memory:" and not self.redis_url:
+            paths += [self.store, self.store + "-wal", self.store + "-shm", self.store + "-journal"]
+        return tuple(p for p in paths if p)
+
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
         """Adds one `--flag` per field. Values stay strings here and env vars are not read for the value:

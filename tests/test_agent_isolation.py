@@ -343,3 +343,42 @@ def test_pi_program_is_found(tmp_path: Path) -> None:
     require("pi (npm ci --prefix tests/pi)", PI.exists())
     found = installation_of(str(PI), os.environ.get("PATH", ""))
     assert os.path.realpath(PI_DIR / "node_modules") in found
+
+
+# ---- codex runs its own sandbox inside ours -------------------------------------------------------
+
+
+async def test_codex_runs_its_own_sandbox_inside_ours(config: Config, tmp_path: Path, hosted: list[App]) -> None:
+    """Codex confines the commands it runs itself (sandbox_mode = "workspace-write": its own
+    bubblewrap sandbox, through its `codex-linux-sandbox` helper); inside uibus's sandbox that
+    still works — a nested sandbox needs only unprivileged user namespaces, which bwrap leaves
+    usable. What codex-acp needs, sandbox or not: its helper on PATH (a link named
+    codex-linux-sandbox to the codex-acp binary; its npm package ships none), shown read-only."""
+    from tests.scripted_models import responses_model
+    from tests.test_acp_agent import CODEX, codex_agent
+
+    require("codex-acp with its linux-x64 binary (npm ci --prefix tests/acp)", CODEX.exists(), "node")
+    async with responses_model() as model:
+        entry = codex_agent(tmp_path, model)
+        home = tmp_path / "codex-home"
+        config_toml = (home / "config.toml").read_text()
+        (home / "config.toml").write_text(config_toml.replace('sandbox_mode = "danger-full-access"',
+                                                              'sandbox_mode = "workspace-write"')
+                                          .replace('approval_policy = "untrusted"', 'approval_policy = "never"'))
+        helper = tmp_path / "codex-bin"
+        helper.mkdir()
+        (helper / "codex-linux-sandbox").symlink_to(CODEX)
+        entry["options"]["env"]["PATH"] = f"{helper}:{os.environ['PATH']}"
+        entry["options"].update(sandbox=True, bwrap=bwrap(), home_files=["config.toml"], read_only=[str(helper)])
+        app = await start_app(replace(config, agents=agents_file(tmp_path, [entry]), http_port=free_port()))
+        hosted.append(app)
+        model.script(Say("Writing.", tool=("exec_command", {"cmd": "echo inner > inner.txt; cat inner.txt; "
+                                                                    "touch /var/tmp/escape.txt; echo touched=$?"})),
+                     Say("Written."))
+        async with Connection(f"127.0.0.1:{app.port}", session="codex") as conn:
+            final = (await _collect(Agent(conn, "codex").StreamingChat(request("write it"))))[-1].response.text
+        (output,) = [i["output"] for i in model.requests[-1]["input"] if i.get("type") == "function_call_output"]
+        assert final.endswith("Written.") and "inner" in output, output
+        assert (tmp_path / "work" / "inner.txt").read_text() == "inner\n"  # codex's sandbox: cwd writable
+        # /var/tmp is writable in uibus's sandbox (a tmpfs of its own), not in codex's
+        assert "Read-only file system" in output and "touched=1" in output, output
