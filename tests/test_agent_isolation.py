@@ -139,11 +139,15 @@ def test_sandbox_options_are_checked(tmp_path: Path) -> None:
                                                                                 "network": False}}])
     with pytest.raises(InvalidConfig, match="option network needs sandbox = true"):
         load_agents(path)
+    path = agents_file(tmp_path, [{"name": "a", "backend": "rpc", "options": {"command": ["/bin/cat"],
+                                                                                "sandbox": True}}])
+    with pytest.raises(InvalidConfig, match="option sandbox = true needs option cwd"):
+        load_agents(path)
 
 
 def test_a_sandbox_that_cannot_start_stops_serve_with_one_line(tmp_path: Path) -> None:
     path = agents_file(tmp_path, [{"name": "a", "backend": "rpc", "options": {
-        "command": ["/bin/cat"], "sandbox": True, "bwrap": str(tmp_path / "no-bwrap")}}])
+        "command": ["/bin/cat"], "cwd": str(tmp_path), "sandbox": True, "bwrap": str(tmp_path / "no-bwrap")}}])
     env = {k: v for k, v in os.environ.items() if not k.startswith("UIBUS_")}
     done = subprocess.run([sys.executable, "-m", "uibus", "serve", "--agents", path, "--port", "0",
                            "--store", ":memory:"], env=env, capture_output=True, text=True, timeout=30)
@@ -382,3 +386,36 @@ async def test_codex_runs_its_own_sandbox_inside_ours(config: Config, tmp_path: 
         assert (tmp_path / "work" / "inner.txt").read_text() == "inner\n"  # codex's sandbox: cwd writable
         # /var/tmp is writable in uibus's sandbox (a tmpfs of its own), not in codex's
         assert "Read-only file system" in output and "touched=1" in output, output
+
+
+async def test_a_sandboxed_agent_commits_in_its_git_worktree(config: Config, tmp_path: Path, model: Model,
+                                                             hosted: list[App]) -> None:
+    """The working directory is a `git worktree` of a repository elsewhere: the sandbox binds the
+    repository's common .git too (git writes objects and refs there), not its checkout."""
+    git = shutil.which("git")
+    require("git", git is not None)
+    repo, tree = tmp_path / "repo", tmp_path / "tree"
+    repo.mkdir()
+    run = {"check": True, "capture_output": True, "env": {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                                          "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}}
+    subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], **run)  # type: ignore[call-overload]
+    (repo / "checkout-only.txt").write_text("in the main checkout\n")
+    subprocess.run(["git", "-C", str(repo), "add", "."], **run)  # type: ignore[call-overload]
+    subprocess.run(["git", "-C", str(repo), "commit", "-qm", "base"], **run)  # type: ignore[call-overload]
+    subprocess.run(["git", "-C", str(repo), "worktree", "add", "-q", "-b", "uibus/s1", str(tree)],
+                   **run)  # type: ignore[call-overload]
+    entry = sandboxed_pi(tmp_path, model)
+    entry["options"]["cwd"] = str(tree)
+    entry["options"]["env"].update(GIT_AUTHOR_NAME="agent", GIT_AUTHOR_EMAIL="a@a", GIT_COMMITTER_NAME="agent",
+                                   GIT_COMMITTER_EMAIL="a@a")
+    command = (f"echo work > note.txt && git add note.txt && git commit -qm 'by the agent' && echo committed; "
+               f"cat {repo}/checkout-only.txt; echo ---end")
+    model.script(Reply(tool=("bash", {"command": command})), Reply(text="Done."))
+    app = await start_app(replace(config, agents=agents_file(tmp_path, [entry])))
+    hosted.append(app)
+    assert await pi_turn(app, "s1", "") == "Done."
+    seen = json.dumps(model.requests[1]["messages"][-1])
+    assert "committed" in seen and "---end" in seen and "in the main checkout" not in seen, seen
+    log = subprocess.run(["git", "-C", str(repo), "log", "--format=%s", "uibus/s1"], **run)  # type: ignore[call-overload]
+    assert log.stdout.decode().splitlines()[0] == "by the agent"
+    assert not (repo / "note.txt").exists()

@@ -122,6 +122,9 @@ class Isolation:
                 if key in spec.options:
                     raise ValueError(f"agent {name!r}: option {key} needs sandbox = true")
             return cls(tuple(inherit), None)
+        if not option(spec, "cwd", str, ""):
+            raise ValueError(f"agent {name!r}: option sandbox = true needs option cwd (the folder the agent may "
+                             "write; without it, it would be uibus's own working directory)")
         bwrap = option(spec, "bwrap", str, "bwrap")
         found = bwrap if os.sep in bwrap else (shutil.which(bwrap) or bwrap)
         problem = sandbox_problem(found)
