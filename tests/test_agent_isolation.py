@@ -396,8 +396,8 @@ async def test_a_sandboxed_agent_commits_in_its_git_worktree(config: Config, tmp
     require("git", git is not None)
     repo, tree = tmp_path / "repo", tmp_path / "tree"
     repo.mkdir()
-    run = {"check": True, "capture_output": True, "env": {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
-                                                          "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}}
+    who = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    run = {"check": True, "capture_output": True, "env": {**os.environ, **who}}
     subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], **run)  # type: ignore[call-overload]
     (repo / "checkout-only.txt").write_text("in the main checkout\n")
     subprocess.run(["git", "-C", str(repo), "add", "."], **run)  # type: ignore[call-overload]
