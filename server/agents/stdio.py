@@ -170,8 +170,9 @@ class StdioBackend(SessionBackend):
         """uibus's own paths, masked in this agent's sandbox wherever they would show through."""
         self.hidden = paths
 
-    def launch(self, ui: SessionUi) -> Launch:
-        """What to start for `ui.session`: the environment is the allow-list (never uibus's keys)."""
+    def launch(self, ui: SessionUi, cwd: str | None = None) -> Launch:
+        """What to start for `ui.session`, in `cwd` (the caller's: a conversation's workspace; the
+        agents file's `cwd` when None). The environment is the allow-list (never uibus's keys)."""
         o = self.options
         box = o.isolation.sandbox
         if box is not None:
@@ -180,7 +181,7 @@ class StdioBackend(SessionBackend):
         if box is not None:
             env["TMPDIR"] = "/tmp"  # the sandbox's own
         return Launch(agent=self.spec.name, session=ui.session, tenant=getattr(ui, "tenant", "") or "operator",
-                      argv=(o.program, *o.command[1:]), cwd=o.cwd, env=env, sandbox=box,
+                      argv=(o.program, *o.command[1:]), cwd=cwd or o.cwd, env=env, sandbox=box,
                       stop_timeout=o.stop_timeout, limit=o.max_line)
 
     def open_session(self, ui: SessionUi) -> AgentSession:
@@ -208,8 +209,9 @@ class AgentProcess:
     """One agent program on stdio (see the module docstring). `async with` starts it and stops it."""
 
     def __init__(self, backend: StdioBackend, ui: SessionUi, on_message: Callable[[dict[str, Any]], None],
-                 on_exit: Callable[[str], None], logger: logging.Logger) -> None:
+                 on_exit: Callable[[str], None], logger: logging.Logger, cwd: str | None = None) -> None:
         self.backend = backend
+        self.cwd = cwd  # where it works (None: the agents file's cwd); the launcher binds it in a sandbox
         self.options = backend.options
         self.on_message = on_message
         self.on_exit = on_exit
@@ -239,7 +241,7 @@ class AgentProcess:
         async with process_start(self.backend.spec.name, o.program) as span:
             try:
                 self.proc = await self._launched.enter_async_context(
-                    self.backend.launcher.start(self.backend.launch(self.ui)))
+                    self.backend.launcher.start(self.backend.launch(self.ui, self.cwd)))
             except OSError as exc:
                 raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
                                  f"{exc.strerror or exc}") from exc
