@@ -419,3 +419,49 @@ async def test_a_sandboxed_agent_commits_in_its_git_worktree(config: Config, tmp
     log = subprocess.run(["git", "-C", str(repo), "log", "--format=%s", "uibus/s1"], **run)  # type: ignore[call-overload]
     assert log.stdout.decode().splitlines()[0] == "by the agent"
     assert not (repo / "note.txt").exists()
+
+
+async def test_a_sandboxed_claude_code_resumes_from_its_tenant_home_after_a_restart(
+        config: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")
+    from tests.test_acp_agent import claude_agent
+
+    cfg, _, _ = tenancy(tmp_path, config, monkeypatch)
+    async with claude_model() as model:
+        entry = claude_agent(tmp_path, model)
+        entry["options"].update(sandbox=True, bwrap=bwrap())
+        cfg = replace(cfg, agents=agents_file(tmp_path, [entry]), http_port=free_port())
+        model.script(Say("Noted: walnut."), Say("The word was walnut."))
+        for text, answer in (("remember walnut", "Noted: walnut."), ("which word?", "The word was walnut.")):
+            app = await start_app(cfg)
+            try:
+                async with Connection(f"127.0.0.1:{app.port}", session="team-a-cc", token=TOKEN_A) as conn:
+                    responses = await _collect(Agent(conn, "claude").StreamingChat(request(text)))
+                assert responses[-1].response.text == answer
+                tenant = app.tokens.tenant("team-a-cc")
+            finally:
+                await app.aclose()
+            assert app.tokens.minted == 0
+        seen = json.dumps(model.requests[-1]["messages"])
+        assert "remember walnut" in seen and "Noted: walnut." in seen  # the conversation came back
+        assert any((tmp_path / "ws" / "homes" / tenant / ".claude" / "projects").rglob("*.jsonl"))
+        assert not (tmp_path / "claude-home" / ".claude" / "projects").exists()  # not the operator's home
+
+
+def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
+    from uibus.auth import Tokens
+
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-* shared-*\nadmin *\n")
+    tokens = Tokens(OPERATOR, str(path))
+    a, b = tokens.tenant("team-a-1"), tokens.tenant("team-b-1")
+    assert a == tokens.tenant("team-a-2") and a != b and a.startswith("t-") and TOKEN_A not in a
+    assert tokens.tenant("elsewhere") == "operator"  # only `*` tokens reach it
+    path.write_text(f"# moved\n{TOKEN_B} team-b-* shared-*\n\n{TOKEN_A} team-a-*\n")
+    assert tokens.reload() and tokens.tenant("team-a-1") == a  # lines moved: the same tenant
+    minted = tokens.mint("team-a-1", "pi")
+    assert tokens.tenant("team-a-1") == a  # a minted token is no tenant
+    grant = tokens.grant(minted.encode())
+    assert grant is not None and grant.allows("team-a-1") and not grant.allows("team-a-2") and not grant.all_sessions
+    tokens.revoke(minted)
+    assert tokens.grant(minted.encode()) is None and tokens.minted == 0
