@@ -465,3 +465,37 @@ def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
     assert grant is not None and grant.allows("team-a-1") and not grant.allows("team-a-2") and not grant.all_sessions
     tokens.revoke(minted)
     assert tokens.grant(minted.encode()) is None and tokens.minted == 0
+
+
+async def test_network_false_leaves_only_a_loopback_of_its_own(tmp_path: Path) -> None:
+    from uibus.agents.launcher import LOCAL, Launch, Sandbox
+
+    (tmp_path / "home").mkdir()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+    seen = {}
+    for network in (True, False):
+        box = Sandbox(bwrap=bwrap(), network=network, homes_dir=str(tmp_path / "homes"))
+        launch = Launch(agent="a", session="s", tenant="t", argv=("/bin/sh", "-c", "cat /proc/net/dev"),
+                        cwd=str(tmp_path), env=env, sandbox=box)
+        async with LOCAL.start(launch) as proc:  # (its watcher holds its output open: the group goes at the end)
+            await asyncio.wait_for(proc.wait(), 30)
+        assert proc.stdout is not None
+        out = await asyncio.wait_for(proc.stdout.read(), 30)
+        seen[network] = [line.split(":")[0].strip() for line in out.decode().splitlines() if ":" in line]
+    assert seen[False] == ["lo"]
+    assert len(seen[True]) > 1  # the host's interfaces
+
+
+async def test_the_start_up_log_says_what_an_agent_inherits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("UIBUS_AUTH_TOKEN", OPERATOR)
+    monkeypatch.setenv("MY_KEY", "k")
+    caplog.set_level("INFO", logger="uibus.agents.stdio")
+    path = agents_file(tmp_path, [{"name": "a", "backend": "rpc", "options": {
+        "command": ["/bin/cat"], "inherit_env": ["MY_KEY"], "env": {"OWN": "1"}}}])
+    await load_agents(path).aclose()
+    (record,) = [r for r in caplog.records if r.getMessage() == "agent environment"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert "MY_KEY" in fields["inherits"] and "PATH" in fields["inherits"] and fields["sets"] == ["OWN"]
+    assert not [n for n in fields["inherits"] if n.startswith("UIBUS_")] and fields["sandbox"] is False
+    assert OPERATOR not in repr(fields)
