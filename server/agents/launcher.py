@@ -16,9 +16,9 @@ The sandbox (`bwrap_argv`): the system (/usr, /etc, …) and the agent's own ins
 its working directory read-write (and, for a git worktree, the repository's common .git directory,
 which git needs to commit), its tenant's home read-write at HOME with the operator's configuration
 files read-only inside it, its tenant's own /tmp (in that home; a fresh one without a home), a new
-PID namespace with its own /proc, and nothing of
-uibus's: every path uibus names as its own (state directory, store, tokens file, TLS files, config)
-is masked wherever it would otherwise show through.
+PID namespace with its own /proc, and nothing of uibus's: every path uibus names as its own
+(state directory, store, tokens file, TLS files, agents file) is masked wherever it would
+otherwise show through.
 """
 
 from __future__ import annotations

@@ -5,10 +5,11 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
 
 * `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
   from the agents file only, never from a request; the program must exist then), `cwd`, `env`
-  (added to an allow-list of uibus's environment:
-  uibus.agents.launcher.agent_env), `idle_seconds`, `max_processes`, the bounds on starting,
-  stopping, a turn and a line, and `resume` (keep the conversation's handle and resume it in the
-  next process: uibus.domain.agent_handles).
+  (added to an allow-list of uibus's environment, uibus.agents.launcher.agent_env),
+  `idle_seconds`, `max_processes`, the bounds on starting, stopping, a turn and a line, `resume`
+  (keep the conversation's handle and resume it in the next process: uibus.domain.agent_handles),
+  and the isolation options (`inherit_env`, `sandbox`…: uibus.agents.config's isolation block).
+  Processes are started only through a launcher (uibus.agents.launcher; the local one).
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
 * `AgentProcess`: one running program in its own process group, owned with `async with`. Its
@@ -19,8 +20,8 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
   cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
   Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
   nothing it started survives it, and the group is killed on every close (a cancelled one too);
-  if uibus itself dies, a watcher in the group (uibus.agents.launcher.WATCHED) stops the group, so no agent outlives
-  its uibus, not even one that ignores the end of its input.
+  if uibus itself dies, a watcher in the group (uibus.agents.launcher.WATCHED) stops the group, so
+  no agent outlives its uibus, not even one that ignores the end of its input.
 """
 
 from __future__ import annotations
