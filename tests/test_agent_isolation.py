@@ -31,6 +31,7 @@ from tests.chatkit import Agent, request
 from tests.conftest import REPO, free_port, require, start_app
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, PI_DIR, Model, Reply, pi_agent, scripted_model
+from tests.redisproc import RedisProcess, redis_server
 from tests.scripted_models import Say, ScriptedModel, claude_model
 from uibus.agents.config import load_agents
 from uibus.agents.launcher import agent_env
@@ -41,6 +42,7 @@ from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.node]
+__all__ = ["redis_server"]  # the fixture
 
 TOKEN_A = "tokA-5be1c07a9d2f4e61b3c8aa70"
 TOKEN_B = "tokB-0c9e44d1a8b7f2e5d6c3bb81"
@@ -499,3 +501,25 @@ async def test_the_start_up_log_says_what_an_agent_inherits(tmp_path: Path, monk
     assert "MY_KEY" in fields["inherits"] and "PATH" in fields["inherits"] and fields["sets"] == ["OWN"]
     assert not [n for n in fields["inherits"] if n.startswith("UIBUS_")] and fields["sandbox"] is False
     assert OPERATOR not in repr(fields)
+
+
+@pytest.mark.redis
+async def test_a_second_replica_resumes_a_sandboxed_pi_from_the_shared_tenant_home(
+        tmp_path: Path, model: Model, redis_server: RedisProcess) -> None:
+    """Two replicas on one Redis, one workspaces directory (a volume both mount): the conversation
+    pi kept in its tenant's home on the first is picked up by the second."""
+    entry = sandboxed_pi(tmp_path, model)
+    entry["options"]["command"] = [a for a in entry["options"]["command"] if a != "--no-session"]
+    path = agents_file(tmp_path, [entry])
+    apps = [await start_app(Config(host="127.0.0.1", port=0, http_port=free_port(), store=str(tmp_path / f"{i}.db"),
+                                   redis_url=redis_server.url, grace_seconds=1.0, agents=path, agent_lease_seconds=2.0))
+            for i in range(2)]
+    try:
+        model.script(Reply(text="First answer."), Reply(text="Second answer."))
+        assert await pi_turn(apps[0], "s", "", "remember the word walnut") == "First answer."
+        await apps[0].aclose()
+        assert await pi_turn(apps[1], "s", "", "which word?") == "Second answer."
+        assert "remember the word walnut" in json.dumps(model.requests[1])  # resumed on the second replica
+    finally:
+        for app in apps:
+            await app.aclose()
