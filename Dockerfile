@@ -38,7 +38,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.
-# So uibus serves only with a token (it exits 2 without one, README "Security model"):
+# So uibus serves only with a token (it exits 2 without one, docs/security.md):
 #   docker run -e UIBUS_AUTH_TOKEN=$(openssl rand -hex 32) -p 26040:26040 -p 8080:8080 uibus:0.1.0
 ENV UIBUS_HOST=0.0.0.0 \
     UIBUS_PORT=26040 \

@@ -1,6 +1,6 @@
 """Configuration: one frozen dataclass, filled from CLI flags over `UIBUS_*` env vars over defaults.
 
-Everything the service reads at start-up is here so that `uibus serve --help` and the README table
+Everything the service reads at start-up is here so that `uibus serve --help` and docs/configuration.md's table
 stay the single list of knobs, and tests can build a config without touching the environment.
 """
 
@@ -253,7 +253,7 @@ class Config:
         check(1 <= self.workers <= 64, "workers", "must be within 1..64")
         check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",
               "more than 1 needs --redis-url (the workers share sessions and events through Redis)")
-        # A bind other machines can reach must not serve without tokens by accident (README, Security model).
+        # A bind other machines can reach must not serve without tokens by accident (docs/security.md).
         check(self.trust_network or bool(self.auth_token or self.tokens_file) or is_loopback(self.host), "host",
               f"{self.host or '(every interface)'} is not a loopback address and neither --auth-token nor "
               "--tokens-file is set, so anyone who can reach this machine could drive every API: set a token, "

@@ -110,3 +110,11 @@ def test_the_two_commands_exist() -> None:
     assert "bash .ci/serve" in (DOCS / "getting-started.md").read_text()
     assert "bash .ci/test" in (DOCS / "getting-started.md").read_text()
 
+
+def test_no_reference_outside_the_repository() -> None:
+    """Docstrings and comments in the code say what they mean or link a docs page: the product spec
+    (SPEC.md) is not part of the repository, so a reader could not follow `SPEC.md §n`."""
+    hits = [f"{p.relative_to(REPO)}:{n}" for root in ("server", "clients")
+            for p in (REPO / root).rglob("*.py") if "pb" not in p.relative_to(REPO).parts
+            for n, line in enumerate(p.read_text().splitlines(), 1) if "SPEC.md" in line]
+    assert not hits, f"references to SPEC.md, which is not in the repository: {hits}"

@@ -1,5 +1,5 @@
 """The topic bus across replicas: every publish is delivered locally at once and also handed to
-Redis pub/sub, and every replica delivers what the others publish (SPEC.md §4).
+Redis pub/sub, and every replica delivers what the others publish (docs/scaling.md, "Several replicas").
 
 This class is the facade: it is a `uibus.bus.Bus` and composes the parts, each a module of its own
 (see `uibus.redis`): the envelope codec, the outbox and its writer, the shards followed, the
