@@ -101,6 +101,10 @@ class _BusCollector(Collector):
                 yield CounterMetricFamily(f"uibus_replication_{name}", help_, value=value)
             yield GaugeMetricFamily("uibus_replication_connected", "1 while this replica both receives from and "
                                     "writes to Redis, else 0", value=float(bool(getattr(self.bus, "connected", 0))))
+            yield GaugeMetricFamily("uibus_replication_wire_version", "The wire protocol version this replica "
+                                    "writes envelopes in now: the lowest of every live replica's (an older release "
+                                    "beside it keeps it at that release's)",
+                                    value=float(getattr(self.bus, "wire_version", 0)))
             yield GaugeMetricFamily("uibus_replication_shards_subscribed", "Bus shards this replica listens to "
                                     "now (those its subscribers are in; of --bus-shards)",
                                     value=float(getattr(self.bus, "shards_subscribed", 0)))

@@ -88,6 +88,7 @@ class ReplicatedBus(Bus):
         self._small = Tasks("uibus-bus-small", quiet=True)  # hellos, whos, presence reads
         self._writer_up = True  # optimistic until a write fails, so early publishes are not dropped
         self._listening = asyncio.Event()  # the control channel is subscribed
+        self._presence.listening = self._listening.is_set  # the version census counts listening heartbeats only
         self._listening_since = 0.0  # monotonic time every channel was last confirmed after a loss
         self._listen_lost = 0.0  # monotonic time a subscription was last lost
         self._hello_due = True  # say hello once every channel is confirmed again
@@ -137,6 +138,16 @@ class ReplicatedBus(Bus):
     def connected(self) -> bool:
         """True while this replica can write to Redis and every channel it listens to is subscribed."""
         return self._listening.is_set() and self._writer_up and self._links.up
+
+    @property
+    def wire_version(self) -> int:
+        """The wire protocol version this replica writes data envelopes in now (for /metrics)."""
+        return self._presence.wire
+
+    @property
+    def peer_versions(self) -> dict[str, int]:
+        """The wire protocol version of each replica heard from recently."""
+        return {o: self._presence.versions.get(o, codec.LEGACY) for o in self._presence.seen}
 
     @property
     def shards_subscribed(self) -> int:
@@ -211,9 +222,13 @@ class ReplicatedBus(Bus):
             if not remote:  # no other replica listens: sending would deliver to nobody, or worse, to
                 return n  # a subscriber that joins later, after the caller was told "nobody is listening"
             n += remote
+        wire = self._presence.wire  # the form every live replica reads (uibus.redis.presence)
+        if kind.since > wire:  # a kind some live replica does not know: this replica's subscribers only
+            self.stats.kept_local += 1
+            return n
         # Traced (uibus.telemetry): one publish span, its traceparent in the envelope.
         trace = None if telemetry.tracer is None else published(session, name)
-        envelope = codec.encode(self.replica_id, session, name, target, key, item, trace)
+        envelope = codec.encode(self.replica_id, session, name, target, key, item, trace, wire)
         if envelope is None:
             self.stats.unreplicable += 1
             return n
@@ -345,6 +360,7 @@ class ReplicatedBus(Bus):
         self._listen_lost = time.monotonic()
         if channel == self._ctl:
             self._listening.clear()
+            self._presence.recount()
             return
         found = self._shards.by_channel(channel)
         if found is not None:
