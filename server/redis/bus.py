@@ -88,7 +88,6 @@ class ReplicatedBus(Bus):
         self._small = Tasks("uibus-bus-small", quiet=True)  # hellos, whos, presence reads
         self._writer_up = True  # optimistic until a write fails, so early publishes are not dropped
         self._listening = asyncio.Event()  # the control channel is subscribed
-        self._presence.listening = self._listening.is_set  # the version census counts listening heartbeats only
         self._listening_since = 0.0  # monotonic time every channel was last confirmed after a loss
         self._listen_lost = 0.0  # monotonic time a subscription was last lost
         self._hello_due = True  # say hello once every channel is confirmed again
@@ -342,6 +341,10 @@ class ReplicatedBus(Bus):
     def on_confirmed(self, channel: str) -> None:
         if channel == self._ctl:
             self._listening.set()
+            # Who is live, and which wire version each speaks: every listening replica answers the
+            # who with a hello carrying its version (uibus.redis.presence, the census).
+            self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._presence.who()))
+            asyncio.get_running_loop().call_later(self._presence.begin_census() + 0.01, self._presence.choose_wire)
         else:
             found = self._shards.by_channel(channel)
             if found is not None and not found[1].confirmed:
