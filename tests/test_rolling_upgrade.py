@@ -336,3 +336,7 @@ async def test_previous_release_and_this_one_side_by_side_then_the_old_replaced(
         assert metrics["uibus_replication_bad_total"] == 0, metrics
         assert metrics["uibus_replication_received_total"] > 0
     assert all(m["uibus_replication_kept_local_total"] == 0 for m in new_metrics)
+    # Traces were on across the two versions: each side continued traces the other published
+    # (a CONSUMER span per traced envelope received, from the console exporter's output).
+    for name in ("old", "new1"):
+        assert (tmp_path / f"{name}.log").read_text().count('"kind": "SpanKind.CONSUMER"') > 0, name
