@@ -192,6 +192,9 @@ class Config:
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
         "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
+    workspaces_dir: str = field(default="", metadata={
+        "help": "where hosted agents with workspace = \"worktree\" get their git worktrees (a shared volume "
+                "across replicas); empty: the agents file's workspaces_dir, else <state dir>/workspaces"})
     agent_lease_seconds: float = field(default=10.0, metadata={
         "help": "with --redis-url: a hosted agent's owner lease expires this long after its replica stops "
                 "renewing it; then another replica takes the agent over"})
