@@ -201,6 +201,7 @@ class Workspaces:
     """The workspaces of every (session, agent) under `root` (the workspaces directory)."""
 
     root: str
+    enabled: bool = False  # some agent has option workspace = "worktree" (else listings look for none)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _cache: dict[tuple[str, str], _Cached] = field(default_factory=dict)
     created = 0  # worktrees made by this process

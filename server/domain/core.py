@@ -48,7 +48,9 @@ class Core:
         sessions = AgentSessions(dialogs, feed, store)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store
-        sessions.workspaces = Workspaces(config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir())
+        sessions.workspaces = Workspaces(config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir(),
+                                         enabled=any(getattr(b, "workspace_repo", None) is not None
+                                                     for b in agents.backends.values()))
         listing = Sessions(store, dialogs, sessions, history)
         sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
         dialogs.pending.on_change = listing.poke  # shows in every watch at once
