@@ -141,7 +141,8 @@ async def git(*args: str, cwd: str, env: dict[str, str] | None = None, limit: in
             out = await proc.stdout.read(limit + 1)
             if len(out) > limit:  # the rest is not wanted: stop it rather than read it
                 out, cut = out[:limit], True
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
             err = await err_task
             code = await proc.wait()
     except BaseException:
