@@ -285,3 +285,8 @@ async def test_the_agents_file_names_the_workspaces_dir_and_the_flag_wins(config
         assert app.core.agent_sessions.workspaces.root == str(tmp_path / "flag")  # type: ignore[union-attr]
     finally:
         await app.aclose()
+
+
+def test_a_relative_workspaces_dir_is_refused() -> None:
+    with pytest.raises(InvalidConfig, match="--workspaces-dir: must be an absolute path"):
+        Config(workspaces_dir="spaces")

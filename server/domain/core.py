@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from uibus.agents.config import AgentTable
 from uibus.agents.workspaces import Workspaces, default_workspaces_dir
@@ -48,7 +49,8 @@ class Core:
         sessions = AgentSessions(dialogs, feed, store)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store
-        sessions.workspaces = Workspaces(config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir(),
+        root = config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir()
+        sessions.workspaces = Workspaces(str(Path(root).expanduser()),
                                          enabled=any(getattr(b, "workspace_repo", None) is not None
                                                      for b in agents.backends.values()))
         listing = Sessions(store, dialogs, sessions, history)
