@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.chatkit import write_agents
-from tests.conftest import free_port, require, start_app, wait_for
+from tests.conftest import free_port, require, shots, start_app, wait_for
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.replicakit import replicas
@@ -290,3 +290,50 @@ async def test_the_agents_file_names_the_workspaces_dir_and_the_flag_wins(config
 def test_a_relative_workspaces_dir_is_refused() -> None:
     with pytest.raises(InvalidConfig, match="--workspaces-dir: must be an absolute path"):
         Config(workspaces_dir="spaces")
+
+
+@pytest.mark.node
+async def test_the_page_shows_each_sessions_branch_and_diff(config: Config, tmp_path: Path, browser: Any) -> None:
+    """Headless Chromium: the session list names each session's branch and changes; the open
+    session's Workspaces panel shows the files and the unified diff of its own worktree only."""
+    need_pi()
+    repo = make_repo(tmp_path)
+    async with scripted_model() as model:
+        model.script(Reply(tool=("write", {"path": "note.txt", "content": "from a\n"})), Reply(text="Wrote a."),
+                     Reply(tool=("write", {"path": "note.txt", "content": "<b>from b</b>\n"})), Reply(text="Wrote b."))
+        async with hosting(config, tmp_path, [worktree_pi(tmp_path, model, repo)],
+                           workspaces_dir=str(tmp_path / "spaces"), http_port=free_port()) as app:
+            target = f"127.0.0.1:{app.port}"
+            assert await final(target, "a-1", "write") == "Wrote a."
+            assert await final(target, "a-2", "write") == "Wrote b."
+            page = await browser.new_page(viewport={"width": 1300, "height": 900})
+            try:
+                await page.goto(f"http://127.0.0.1:{app.http_port}/?session=a-1")
+                await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
+                await page.wait_for_selector('#session-list li[data-session="a-2"] .s-ws', timeout=10_000)
+                assert await page.text_content('#session-list li[data-session="a-2"] .s-ws') == "⎇ pi +1 −0"
+                row = '#workspaces .ws-row[data-agent="pi"]'
+                await page.wait_for_selector(row, timeout=10_000)
+                assert await page.text_content(f"{row} .ws-changes") == "1 file +1 −0"
+                assert session_key("a-1") in (await page.text_content(f"{row} .ws-open") or "")
+                await page.click(f"{row} .ws-open")
+                await page.wait_for_selector("#workspace-diff:not([hidden]) .ws-diff", timeout=10_000)
+                diff = await page.text_content("#workspace-diff .ws-diff") or ""
+                assert "+from a" in diff and "from b" not in diff
+                assert await page.text_content("#workspace-diff .ws-files li .ws-path") == "note.txt"
+                assert await page.locator("#workspace-diff .ws-diff span.add").count() >= 1
+                await page.screenshot(path=str(shots(tmp_path) / "workspaces-a1.png"), full_page=True)
+
+                await page.click('#session-list li[data-session="a-2"]')  # the other session: its own diff
+                await page.wait_for_function("() => document.querySelector('#workspace-diff').hidden", timeout=10_000)
+                await page.wait_for_function(
+                    "k => (document.querySelector('#workspaces .ws-open')?.textContent || '').includes(k)",
+                    arg=session_key("a-2"), timeout=10_000)
+                await page.click(f"{row} .ws-open")
+                await page.wait_for_selector("#workspace-diff:not([hidden]) .ws-diff", timeout=10_000)
+                diff = await page.text_content("#workspace-diff .ws-diff") or ""
+                assert "+<b>from b</b>" in diff and "from a" not in diff  # text, never markup
+                assert await page.locator("#workspace-diff .ws-diff b").count() == 0
+                await page.screenshot(path=str(shots(tmp_path) / "workspaces-a2.png"), full_page=True)
+            finally:
+                await page.close()
