@@ -337,3 +337,39 @@ async def test_the_page_shows_each_sessions_branch_and_diff(config: Config, tmp_
                 await page.screenshot(path=str(shots(tmp_path) / "workspaces-a2.png"), full_page=True)
             finally:
                 await page.close()
+
+
+async def test_an_edited_workspace_file_cannot_point_a_delete_elsewhere(tmp_path: Path) -> None:
+    """The `<agent>.json` beside a worktree is read back only if it describes its own place: an
+    agent (unsandboxed, it can write there) that points it at another directory gets it ignored."""
+    repo = make_repo(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious\n")
+    spaces = Workspaces(str(tmp_path / "spaces"))
+    made = await spaces.open("s", "pi", str(repo))
+    meta = Path(made.path).with_name("pi.json")
+    data = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**data, "path": str(victim)}))
+    assert await spaces.workspaces("s") == []
+    await spaces.remove_session("s")
+    assert (victim / "keep.txt").read_text() == "precious\n"
+    meta.write_text(json.dumps(data))  # put back: found again, and removed
+    assert [w.path for w in await spaces.workspaces("s")] == [made.path]
+    assert (await spaces.remove_session("s")).removed and not Path(made.path).exists()
+
+
+async def test_summaries_reuse_their_own_index_and_never_touch_the_agents(tmp_path: Path) -> None:
+    repo = make_repo(tmp_path)
+    spaces = Workspaces(str(tmp_path / "spaces"))
+    w = await spaces.open("s", "pi", str(repo))
+    (Path(w.path) / "new.txt").write_text("a\nb\n")
+    own_index = Path(git(Path(w.path), "rev-parse", "--path-format=absolute", "--git-path", "index").strip())
+    before = own_index.read_bytes()
+    first, second = await asyncio.gather(spaces.summary(w, fresh=True), spaces.summary(w, fresh=True))
+    assert first.files_total == second.files_total == 1 and first.added == 2 and not first.error
+    assert own_index.read_bytes() == before and git(Path(w.path), "status", "--porcelain") == "?? new.txt\n"
+    git_dir = Path(git(Path(w.path), "rev-parse", "--path-format=absolute", "--git-dir").strip())
+    assert (git_dir / "uibus-index").exists()
+    await spaces.remove_session("s")
+    assert not git_dir.exists()

@@ -58,6 +58,7 @@ LOCK_TIMEOUT_S = 120.0  # waiting for another process's `git worktree add` in th
 DIFF_BYTES = 256 * 1024  # the unified diff a GetWorkspaceDiff carries at most
 MAX_FILES = 500  # changed files listed at most
 TRUNCATED = "[… diff truncated at {limit} bytes; the rest is in the workspace's branch]\n"
+AGENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # an agent's name (uibus.agents.config)
 SUMMARY_S = 2.0  # a workspace's summary is computed again at most this often (listings re-read it)
 
 
@@ -261,6 +262,8 @@ class Workspaces:
                                                                  "path": str(path), "branch": known.branch}})
                 return known
             branch = self.branch_of(session, agent)
+            if await asyncio.to_thread(path.exists):  # half made (a crash mid-add), or not a worktree any more
+                await asyncio.to_thread(shutil.rmtree, path, True)
             await git("worktree", "prune", cwd=repo)  # a worktree removed by hand is forgotten first
             await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
             code, _, _ = await git("rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", cwd=repo, check=False)
@@ -281,13 +284,24 @@ class Workspaces:
                                                             "branch": branch, "base": base}})
             return workspace
 
-    @staticmethod
-    def _read_meta(meta: Path) -> Workspace | None:
+    def _read_meta(self, meta: Path) -> Workspace | None:
+        """The workspace a `<agent>.json` describes, if it is one this directory would make: its
+        session's key, path and branch are computed again, never taken from the file, so an edited
+        file cannot point a delete (which removes the path) anywhere else."""
         try:
             data = json.loads(meta.read_text())
-            return Workspace(**{k: str(data[k]) for k in ("session", "agent", "path", "repo", "branch", "base")})
+            found = Workspace(**{k: str(data[k]) for k in ("session", "agent", "path", "repo", "branch", "base")})
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        if not AGENT.fullmatch(found.agent) or meta.name != found.agent + ".json" \
+                or meta.parent != self.dir_of(found.session) \
+                or found.path != str(self.path_of(found.session, found.agent)) \
+                or found.branch != self.branch_of(found.session, found.agent) \
+                or not re.fullmatch(r"[0-9a-f]{40,64}", found.base):
+            log.warning("workspace file ignored: it does not describe its own place", extra={"fields": {
+                "file": str(meta)}})
+            return None
+        return found
 
     @staticmethod
     def _write_meta(meta: Path, workspace: Workspace) -> None:
@@ -309,17 +323,35 @@ class Workspaces:
 
     # ---- what changed ----
 
-    async def _staged(self, workspace: Workspace) -> tuple[str, str]:
-        """A temporary index holding everything in the worktree (untracked files too, ignored ones
-        not), made from a copy of its own index: (the index file, its folder to remove)."""
-        folder = await asyncio.to_thread(tempfile.mkdtemp, prefix="uibus-diff-")
-        index = os.path.join(folder, "index")
-        _, out, _ = await git("rev-parse", "--path-format=absolute", "--git-path", "index", cwd=workspace.path)
-        own = out.decode().strip()
-        with contextlib.suppress(FileNotFoundError):
-            await asyncio.to_thread(shutil.copyfile, own, index)
-        await git("add", "-A", cwd=workspace.path, env={"GIT_INDEX_FILE": index})
-        return index, folder
+    @contextlib.asynccontextmanager
+    async def _staged(self, workspace: Workspace) -> Any:
+        """An index holding everything in the worktree (untracked files too, ignored ones not), for
+        `git diff --cached <base>`: uibus's own index beside the worktree's in its git directory
+        (`uibus-index`, gone with the worktree), made from a copy of the worktree's index and kept,
+        so each summary hashes only what changed since the last; the agent's own index is never
+        touched. One at a time per workspace here; if another process holds it, a throwaway copy."""
+        lock = self._locks.setdefault("index:" + workspace.path, asyncio.Lock())
+        async with lock:
+            _, out, _ = await git("rev-parse", "--path-format=absolute", "--git-dir", "--git-path", "index",
+                                  cwd=workspace.path)
+            gitdir, own = [*out.decode().splitlines(), "", ""][:2]
+            index = os.path.join(gitdir, "uibus-index")
+            folder = ""
+            try:
+                if not await asyncio.to_thread(os.path.exists, index):
+                    with contextlib.suppress(FileNotFoundError):
+                        await asyncio.to_thread(shutil.copyfile, own, index)
+                code, _, _ = await git("add", "-A", cwd=workspace.path, env={"GIT_INDEX_FILE": index}, check=False)
+                if code != 0:  # held by another replica (its lock file), or damaged: a copy of our own
+                    folder = await asyncio.to_thread(tempfile.mkdtemp, prefix="uibus-diff-")
+                    index = os.path.join(folder, "index")
+                    with contextlib.suppress(FileNotFoundError):
+                        await asyncio.to_thread(shutil.copyfile, own, index)
+                    await git("add", "-A", cwd=workspace.path, env={"GIT_INDEX_FILE": index})
+                yield index
+            finally:
+                if folder:
+                    await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def summary(self, workspace: Workspace, *, fresh: bool = False) -> Summary:
         """Files changed and lines added/removed against the base (cached SUMMARY_S: listings re-read it)."""
@@ -340,12 +372,9 @@ class Workspaces:
     async def _summary(self, workspace: Workspace) -> Summary:
         if not await asyncio.to_thread(os.path.isdir, workspace.path):
             raise GitError(f"the worktree {workspace.path} is gone")
-        index, folder = await self._staged(workspace)
-        try:
+        async with self._staged(workspace) as index:
             _, out, _ = await git("diff", "--cached", "--numstat", "-z", "--no-renames", "--no-ext-diff",
                                   "--no-textconv", workspace.base, cwd=workspace.path, env={"GIT_INDEX_FILE": index})
-        finally:
-            await asyncio.to_thread(shutil.rmtree, folder, True)
         changes = _numstat(out)
         commits = await self._commits(workspace, cwd=workspace.path)
         return Summary(workspace, tuple(changes[:MAX_FILES]), sum(max(c.added, 0) for c in changes),
@@ -360,12 +389,9 @@ class Workspaces:
         summary = await self.summary(workspace, fresh=True)
         if summary.error:
             return summary, "", False
-        index, folder = await self._staged(workspace)
-        try:
+        async with self._staged(workspace) as index:
             _, out, cut = await git("diff", "--cached", "--no-renames", "--no-ext-diff", "--no-textconv",
                                     workspace.base, cwd=workspace.path, env={"GIT_INDEX_FILE": index}, limit=limit)
-        finally:
-            await asyncio.to_thread(shutil.rmtree, folder, True)
         text = out.decode(errors="replace")
         if cut:
             text = text[: text.rfind("\n") + 1] + TRUNCATED.format(limit=limit)  # cut at a line's end
