@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.chatkit import write_agents
+from tests.chatkit import request, write_agents
 from tests.conftest import free_port, require, shots, start_app, wait_for
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
@@ -29,6 +29,7 @@ from uibus.agents.workspaces import TRUNCATED, Workspaces, session_key
 from uibus.app import App
 from uibus.clients.connection import Connection
 from uibus.config import Config, InvalidConfig
+from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 
@@ -373,3 +374,27 @@ async def test_summaries_reuse_their_own_index_and_never_touch_the_agents(tmp_pa
     assert (git_dir / "uibus-index").exists()
     await spaces.remove_session("s")
     assert not git_dir.exists()
+
+
+@pytest.mark.node
+async def test_a_caller_that_names_no_session_gets_a_throwaway_worktree(config: Config, tmp_path: Path) -> None:
+    """No `x-uibus-session`: a one-shot agent, whose conversation is not kept; its worktree is its
+    own too, and goes when its turn ends (its branch with it, having no commits)."""
+    need_pi()
+    repo = make_repo(tmp_path)
+    spaces_dir = tmp_path / "spaces"
+    async with scripted_model() as model:
+        model.script(Reply(tool=("bash", {"command": "echo scratch > scratch.txt; pwd"})), Reply(text="Done."))
+        async with hosting(config, tmp_path, [worktree_pi(tmp_path, model, repo)],
+                           workspaces_dir=str(spaces_dir)) as app:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+                chat = ch.unary_stream("/pi.AgentService/StreamingChat",
+                                       request_serializer=agent_pb2.ChatRequest.SerializeToString,
+                                       response_deserializer=agent_pb2.ChatResponse.FromString)
+                answers = [r async for r in chat(request("scratch"))]
+            assert answers[-1].response.text == "Done."
+            where = json.dumps(model.requests[1]["messages"])
+            assert f"{spaces_dir}/sessions/default-one-shot-" in where
+            assert not (repo / "scratch.txt").exists() and branches(repo) == []
+            assert list((spaces_dir / "sessions").iterdir()) == []
+            assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
