@@ -24,6 +24,7 @@ from tests.conftest import free_port, require, shots, start_app, wait_for
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.replicakit import replicas
+from tests.test_acp_agent import ACP_DIR, fixture_agent, fixture_log
 from uibus.agents.config import load_agents
 from uibus.agents.workspaces import TRUNCATED, Workspaces, session_key
 from uibus.app import App
@@ -398,3 +399,31 @@ async def test_a_caller_that_names_no_session_gets_a_throwaway_worktree(config: 
             assert not (repo / "scratch.txt").exists() and branches(repo) == []
             assert list((spaces_dir / "sessions").iterdir()) == []
             assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+
+
+@pytest.mark.node
+async def test_an_acp_agent_opens_its_conversation_in_its_worktree_and_resumes_it_there(
+        config: Config, tmp_path: Path) -> None:
+    """ACP: `session/new` names the worktree as the conversation's cwd, and after an idle close the
+    new process's `session/load` names the same one (the handle's cwd matches: no fresh start)."""
+    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
+            "node")
+    repo = make_repo(tmp_path)
+    entry = fixture_agent(tmp_path, idle_seconds=0.3, workspace="worktree")
+    entry["options"]["cwd"] = str(repo)
+    state = tmp_path / "acp-state"
+    state.mkdir()
+    entry["options"]["env"]["ACP_FIXTURE_STATE"] = str(state)
+    async with hosting(config, tmp_path, [entry], workspaces_dir=str(tmp_path / "spaces")) as app:
+        sessions = app.core.agent_sessions
+        async with Connection(f"127.0.0.1:{app.port}", session="acp-ws") as conn:
+            assert (await turn_of(conn, "acp", "one"))[-1].response.text == "Turn 1: one"
+            await wait_for(lambda: sessions.closed_idle == 1 and sessions.count() == 0, timeout=10,
+                           what="the idle close")
+            assert (await turn_of(conn, "acp", "two"))[-1].response.text == "Turn 2: two"
+        path = str(Workspaces(str(tmp_path / "spaces")).path_of("acp-ws", "acp"))
+        (new,) = [e["session/new"] for e in fixture_log(tmp_path) if "session/new" in e]
+        (load,) = [e["session/load"] for e in fixture_log(tmp_path) if "session/load" in e]
+        assert new["cwd"] == path and load["cwd"] == path
+        assert (sessions.handles.resumed, sessions.handles.resume_failed) == (1, 0)
+        assert sessions.workspaces is not None and (sessions.workspaces.created, sessions.workspaces.reused) == (1, 1)
