@@ -206,6 +206,7 @@ class Workspaces:
     enabled: bool = False  # some agent has option workspace = "worktree" (else listings look for none)
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _cache: dict[tuple[str, str], _Cached] = field(default_factory=dict)
+    _listed: dict[str, tuple[float, list[Workspace]]] = field(default_factory=dict)  # session -> its workspaces
     created = 0  # worktrees made by this process
     reused = 0  # worktrees found and reopened (a resumed conversation)
 
@@ -279,6 +280,7 @@ class Workspaces:
                 await git("worktree", "add", "-b", branch, str(path), base, cwd=repo)
             workspace = Workspace(session=session, agent=agent, path=str(path), repo=repo, branch=branch, base=base)
             await asyncio.to_thread(self._write_meta, meta, workspace)
+            self._listed.pop(session, None)
             self.created += 1
             log.info("workspace created", extra={"fields": {"session": session, "agent": agent, "path": str(path),
                                                             "branch": branch, "base": base}})
@@ -319,7 +321,15 @@ class Workspaces:
         return [w for w in (self._read_meta(m) for m in metas) if w is not None and w.session == session]
 
     async def workspaces(self, session: str) -> list[Workspace]:
-        return await asyncio.to_thread(self.of_session, session)
+        """`of_session`, cached SUMMARY_S (a listing asks for every session it shows, every second)."""
+        cached = self._listed.get(session)
+        if cached is not None and time.monotonic() - cached[0] < SUMMARY_S:
+            return cached[1]
+        found = await asyncio.to_thread(self.of_session, session)
+        self._listed[session] = (time.monotonic(), found)
+        if len(self._listed) > 4096:
+            self._listed.pop(next(iter(self._listed)))
+        return found
 
     # ---- what changed ----
 
@@ -354,20 +364,23 @@ class Workspaces:
                     await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def summary(self, workspace: Workspace, *, fresh: bool = False) -> Summary:
-        """Files changed and lines added/removed against the base (cached SUMMARY_S: listings re-read it)."""
+        """Files changed and lines added/removed against the base, cached SUMMARY_S (every watch
+        of the sessions list re-reads it each second); listings asking at once compute it once."""
         key = (workspace.session, workspace.agent)
-        cached = self._cache.get(key)
-        if not fresh and cached is not None and time.monotonic() - cached.at < SUMMARY_S \
-                and cached.summary.workspace == workspace:
-            return cached.summary
-        try:
-            summary = await self._summary(workspace)
-        except (GitError, OSError) as exc:
-            summary = Summary(workspace, (), 0, 0, 0, 0, error=str(exc))
-        self._cache[key] = _Cached(time.monotonic(), summary)
-        if len(self._cache) > 4096:
-            self._cache.pop(next(iter(self._cache)))
-        return summary
+        started = time.monotonic()
+        async with self._locks.setdefault("summary:" + workspace.path, asyncio.Lock()):
+            cached = self._cache.get(key)
+            if cached is not None and cached.summary.workspace == workspace and \
+                    (cached.at >= started or (not fresh and time.monotonic() - cached.at < SUMMARY_S)):
+                return cached.summary
+            try:
+                summary = await self._summary(workspace)
+            except (GitError, OSError) as exc:
+                summary = Summary(workspace, (), 0, 0, 0, 0, error=str(exc))
+            self._cache[key] = _Cached(time.monotonic(), summary)
+            if len(self._cache) > 4096:
+                self._cache.pop(next(iter(self._cache)))
+            return summary
 
     async def _summary(self, workspace: Workspace) -> Summary:
         if not await asyncio.to_thread(os.path.isdir, workspace.path):
@@ -404,7 +417,8 @@ class Workspaces:
         with the session), then the branch unless it has commits beyond the base (kept, and said)."""
         removed: list[Workspace] = []
         kept: list[str] = []
-        for workspace in await self.workspaces(session):
+        self._listed.pop(session, None)
+        for workspace in await asyncio.to_thread(self.of_session, session):
             async with self._locked(workspace.repo):
                 if await asyncio.to_thread(os.path.isdir, workspace.path):
                     code, _, _ = await git("worktree", "remove", "--force", "--force", workspace.path,
@@ -428,4 +442,5 @@ class Workspaces:
                                                             "branch_kept": workspace.branch in kept}})
         with contextlib.suppress(OSError):
             await asyncio.to_thread(self.dir_of(session).rmdir)
+        self._listed.pop(session, None)
         return Removed(tuple(removed), tuple(kept))
