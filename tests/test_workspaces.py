@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.chatkit import request, write_agents
-from tests.conftest import free_port, require, shots, start_app, wait_for
+from tests.conftest import free_port, require, require_binary, shots, start_app, wait_for
 from tests.pikit import PI, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.replicakit import replicas
@@ -45,6 +45,7 @@ def git(repo: Path, *args: str) -> str:
 
 def make_repo(tmp_path: Path) -> Path:
     """A real repository with one commit: README.md."""
+    require_binary("git")
     repo = tmp_path / "repo"
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
