@@ -428,3 +428,15 @@ async def test_an_acp_agent_opens_its_conversation_in_its_worktree_and_resumes_i
         assert new["cwd"] == path and load["cwd"] == path
         assert (sessions.handles.resumed, sessions.handles.resume_failed) == (1, 0)
         assert sessions.workspaces is not None and (sessions.workspaces.created, sessions.workspaces.reused) == (1, 1)
+
+
+async def test_a_delete_frees_the_disk_even_when_the_repository_is_gone(tmp_path: Path) -> None:
+    """The repository moved away: git cannot say whether the branch has commits, so it is named as
+    kept (it went with its repository anyway), and the worktree's directory goes."""
+    repo = make_repo(tmp_path)
+    spaces = Workspaces(str(tmp_path / "spaces"))
+    w = await spaces.open("s", "pi", str(repo))
+    repo.rename(tmp_path / "moved")
+    removed = await spaces.remove_session("s")
+    assert [x.agent for x in removed.removed] == ["pi"] and removed.kept_branches == (w.branch,)
+    assert not Path(w.path).exists() and not spaces.dir_of("s").exists()

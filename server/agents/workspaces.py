@@ -412,6 +412,33 @@ class Workspaces:
 
     # ---- removing ----
 
+    async def _remove(self, workspace: Workspace) -> bool:
+        """Removes one worktree and its file; False when its branch is kept: it has commits beyond
+        the base, or git could not say (the repository moved or broke: kept, to be safe). The
+        directory goes whatever git says, so a delete always frees the disk."""
+        deleted = False
+        try:
+            if await asyncio.to_thread(os.path.isdir, workspace.path):
+                await git("worktree", "remove", "--force", "--force", workspace.path, cwd=workspace.repo,
+                          check=False)
+            await git("worktree", "prune", cwd=workspace.repo, check=False)
+            code, _, _ = await git("rev-parse", "--verify", "--quiet", f"refs/heads/{workspace.branch}",
+                                   cwd=workspace.repo, check=False)
+            if code != 0:
+                deleted = True  # no branch (deleted by hand): nothing to keep
+            elif await self._commits(workspace, cwd=workspace.repo) == 0:
+                await git("branch", "-D", workspace.branch, cwd=workspace.repo)
+                deleted = True
+        except (GitError, OSError) as exc:
+            log.warning("workspace branch kept: git could not say whether it has commits", extra={"fields": {
+                "session": workspace.session, "agent": workspace.agent, "branch": workspace.branch,
+                "error": str(exc)}})
+        finally:
+            await asyncio.to_thread(shutil.rmtree, workspace.path, True)  # not a worktree any more, half made…
+            meta = Path(workspace.path).with_name(workspace.agent + ".json")
+            await asyncio.to_thread(meta.unlink, True)
+        return deleted
+
     async def remove_session(self, session: str) -> Removed:
         """Removes every workspace of `session`: the worktree (`--force`: its uncommitted work goes
         with the session), then the branch unless it has commits beyond the base (kept, and said)."""
@@ -420,21 +447,8 @@ class Workspaces:
         self._listed.pop(session, None)
         for workspace in await asyncio.to_thread(self.of_session, session):
             async with self._locked(workspace.repo):
-                if await asyncio.to_thread(os.path.isdir, workspace.path):
-                    code, _, _ = await git("worktree", "remove", "--force", "--force", workspace.path,
-                                           cwd=workspace.repo, check=False)
-                    if code != 0:  # not a worktree any more (moved, half made): its files go anyway
-                        await asyncio.to_thread(shutil.rmtree, workspace.path, True)
-                await git("worktree", "prune", cwd=workspace.repo, check=False)
-                code, _, _ = await git("rev-parse", "--verify", "--quiet", f"refs/heads/{workspace.branch}",
-                                       cwd=workspace.repo, check=False)
-                if code == 0:
-                    if await self._commits(workspace, cwd=workspace.repo) > 0:
-                        kept.append(workspace.branch)
-                    else:
-                        await git("branch", "-D", workspace.branch, cwd=workspace.repo)
-                meta = Path(workspace.path).with_name(workspace.agent + ".json")
-                await asyncio.to_thread(meta.unlink, True)
+                if not await self._remove(workspace):
+                    kept.append(workspace.branch)
             self._cache.pop((session, workspace.agent), None)
             removed.append(workspace)
             log.info("workspace removed", extra={"fields": {"session": session, "agent": workspace.agent,
