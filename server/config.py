@@ -192,6 +192,9 @@ class Config:
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
         "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
+    workspaces_dir: str = field(default="", metadata={
+        "help": "where hosted agents with workspace = \"worktree\" get their git worktrees (a shared volume "
+                "across replicas); empty: the agents file's workspaces_dir, else <state dir>/workspaces"})
     agent_lease_seconds: float = field(default=10.0, metadata={
         "help": "with --redis-url: a hosted agent's owner lease expires this long after its replica stops "
                 "renewing it; then another replica takes the agent over"})
@@ -229,6 +232,8 @@ class Config:
                   f"must be at most half of --max-message-bytes ({self.max_message_bytes // 2}), as a reply "
                   "carries the context and the answer")
         check(self.mailboxes_bytes >= self.mailbox_bytes, "mailboxes_bytes", "must be at least --mailbox-bytes")
+        check(not self.workspaces_dir or Path(self.workspaces_dir).expanduser().is_absolute(), "workspaces_dir",
+              "must be an absolute path (every replica must name the same directory)")
         for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
         for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_idle_seconds",

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from uibus.agents import AgentSpec, Backend
+from uibus.agents import AgentSpec, Backend, option
+from uibus.agents.workspaces import MODES, WORKTREE, repository_of
 from uibus.config import InvalidConfig
 
 # backend name -> "module:Class"; imported only when configured.
@@ -59,6 +60,7 @@ class AgentTable:
     specs: dict[str, AgentSpec]
     backends: dict[str, Backend]
     default: str
+    workspaces_dir: str = ""  # the file's `workspaces_dir` ("": not set there)
 
     def names(self) -> list[str]:
         return list(self.specs)
@@ -72,6 +74,44 @@ class AgentTable:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+# ==== Workspaces (issue 42, item 1): a git worktree per conversation ====
+# Top level of the agents file: `workspaces_dir` (an absolute path; default <state dir>/workspaces,
+# the state dir being the default store's folder; `--workspaces-dir` / UIBUS_WORKSPACES_DIR win over
+# it). Per stdio agent (rpc, acp):
+#   workspace = "shared"     the default: every session's agent works in `cwd` itself (one user's checkout)
+#   workspace = "worktree"   each (session, agent) in its own `git worktree` of the repository at `cwd`
+#                            (uibus.agents.workspaces); `cwd` must then be in a git repository
+WORKSPACE_TOP_LEVEL = frozenset({"workspaces_dir"})
+WORKSPACE_OPTIONS = frozenset({"workspace"})
+
+
+def workspaces_dir_of(where: str, data: dict[str, Any]) -> str:
+    """The file's `workspaces_dir`, checked ("" when not set)."""
+    value = data.get("workspaces_dir", "")
+    if not isinstance(value, str) or (value and not Path(value).expanduser().is_absolute()):
+        raise ValueError(f"{where}: workspaces_dir must be an absolute path (a string), not {value!r}")
+    return str(Path(value).expanduser()) if value else ""
+
+
+def workspace_repo(spec: AgentSpec, cwd: str | None) -> str | None:
+    """The option `workspace` of `spec`, checked: the configured `cwd` when it is "worktree" (then
+    it must be in a git repository), None for "shared". ValueError naming agent and option."""
+    mode = option(spec, "workspace", str, "shared")
+    if mode not in MODES:
+        raise ValueError(f"agent {spec.name!r}: option workspace must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != WORKTREE:
+        return None
+    if not cwd:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\" needs option cwd (the repository "
+                         "each conversation gets a worktree of)")
+    try:
+        repository_of(cwd)
+    except ValueError as exc:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\": {exc}") from exc
+    return cwd
+# ==== end of the workspaces block ====
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -152,9 +192,11 @@ def load_agents(path: str) -> AgentTable:
 def _load_agents(path: str) -> AgentTable:
     data = read_config(path)
     where = path or "(built-in)"
-    unknown = sorted(set(data) - {"agents", "default_agent"})
+    unknown = sorted(set(data) - {"agents", "default_agent"} - WORKSPACE_TOP_LEVEL)
     if unknown:
-        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent")
+        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent, "
+                         f"{', '.join(sorted(WORKSPACE_TOP_LEVEL))}")
+    workspaces_dir = workspaces_dir_of(where, data)
     entries = data.get("agents")
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{where}: `agents` must be a non-empty list")
@@ -171,4 +213,4 @@ def _load_agents(path: str) -> AgentTable:
         backends = {name: build_backend(spec) for name, spec in specs.items()}
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
-    return AgentTable(specs=specs, backends=backends, default=default)
+    return AgentTable(specs=specs, backends=backends, default=default, workspaces_dir=workspaces_dir)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, SessionUi, check_options, option, seconds
+from uibus.agents.config import WORKSPACE_OPTIONS, workspace_repo
 from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
 from uibus.tasks import Tasks
@@ -143,6 +144,11 @@ class ProcessOptions:
                    resume=option(spec, "resume", bool, True))
 
 
+def workdir(options: ProcessOptions, ui: SessionUi) -> str | None:
+    """Where the agent of `ui`'s session works: its own workspace when it has one, else option cwd."""
+    return getattr(ui, "workspace", "") or options.cwd
+
+
 def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> str:
     """The program of `command`, found as it will be started (PATH from `env` first)."""
     if os.sep in program:
@@ -162,8 +168,9 @@ class StdioBackend(SessionBackend):
 
     def __init__(self, spec: AgentSpec) -> None:
         super().__init__(spec)
-        check_options(spec, set(OPTIONS | self.extra_options))
+        check_options(spec, set(OPTIONS | WORKSPACE_OPTIONS | self.extra_options))
         self.options = ProcessOptions.of(spec)
+        self.workspace_repo = workspace_repo(spec, self.options.cwd)
         self.processes = 0  # agent sessions holding (or starting) a process now
         self.started = 0  # processes started, ever
 
@@ -198,6 +205,7 @@ class AgentProcess:
         self.on_message = on_message
         self.on_exit = on_exit
         self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
+        self.cwd = workdir(self.options, ui)  # its workspace (uibus.agents.workspaces), else option cwd
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = ""  # why it is gone; "" while it runs
         self._lifeline = -1  # the write end of the agent watcher's pipe (see WATCHED), held while it may run
@@ -225,7 +233,7 @@ class AgentProcess:
             try:
                 self.proc = await asyncio.create_subprocess_exec(
                     "/bin/sh", "-c", WATCHED, "uibus-agent", str(lifeline), tenths, o.program, *o.command[1:],
-                    cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
+                    cwd=self.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
                     limit=o.max_line, pass_fds=(lifeline,))
             except OSError as exc:
