@@ -272,7 +272,8 @@ class App:
             res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
         bus = await res.enter("bus", make_bus(cfg))
-        agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths()))
+        agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths(),
+                                                       workspaces_dir=cfg.workspaces_dir))
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.

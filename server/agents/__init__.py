@@ -106,6 +106,9 @@ class SessionUi(Protocol):
     session: str
     # Whose session this is (uibus.auth.Tokens.tenant): a sandboxed agent's home is its tenant's.
     tenant: str
+    # The directory this (session, agent) works in when it has a workspace of its own (option
+    # `workspace = "worktree"`: its git worktree, uibus.agents.workspaces); "" for the configured cwd.
+    workspace: str
     # The conversation handle the last agent process of this (session, agent) reported (an ACP
     # sessionId and cwd, a pi sessionFile), or None: resume it rather than start a new conversation.
     handle: dict[str, Any] | None
@@ -205,6 +208,11 @@ class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, Ses
 class SessionBackend(Backend):
     """A backend whose agents live across turns: the engine answers each turn through the
     `AgentSession` this opens for the turn's uibus session (uibus.domain.agent_sessions)."""
+
+    # With option `workspace = "worktree"`: the configured cwd, of which each (session, agent) gets a
+    # git worktree of its own (uibus.agents.workspaces), made by the engine before `open_session`
+    # and handed over as `SessionUi.workspace`. None: every session works in the configured cwd.
+    workspace_repo: str | None = None
 
     @abc.abstractmethod
     def open_session(self, ui: SessionUi) -> AgentSession:

@@ -31,6 +31,7 @@ from typing import Any
 
 from uibus.agents import AgentSpec, Backend, option
 from uibus.agents.launcher import HOME_FILES, Sandbox, forbidden_name, installation_of, sandbox_problem
+from uibus.agents.workspaces import MODES, WORKTREE, default_workspaces_dir, repository_of
 from uibus.config import InvalidConfig
 
 log = logging.getLogger("uibus.agents")
@@ -65,6 +66,7 @@ class AgentTable:
     specs: dict[str, AgentSpec]
     backends: dict[str, Backend]
     default: str
+    workspaces_dir: str = ""  # the file's `workspaces_dir` ("": not set there)
 
     def names(self) -> list[str]:
         return list(self.specs)
@@ -80,23 +82,55 @@ class AgentTable:
         await self.aclose()
 
 
+# ==== Workspaces (issue 42, item 1): a git worktree per conversation ====
+# Top level of the agents file: `workspaces_dir` (an absolute path; default <state dir>/workspaces,
+# the state dir being the default store's folder; `--workspaces-dir` / UIBUS_WORKSPACES_DIR win over
+# it). Per stdio agent (rpc, acp):
+#   workspace = "shared"     the default: every session's agent works in `cwd` itself (one user's checkout)
+#   workspace = "worktree"   each (session, agent) in its own `git worktree` of the repository at `cwd`
+#                            (uibus.agents.workspaces); `cwd` must then be in a git repository
+WORKSPACE_TOP_LEVEL = frozenset({"workspaces_dir"})
+WORKSPACE_OPTIONS = frozenset({"workspace"})
+
+
+def workspaces_dir_of(where: str, data: dict[str, Any]) -> str:
+    """The file's `workspaces_dir`, checked ("" when not set)."""
+    value = data.get("workspaces_dir", "")
+    if not isinstance(value, str) or (value and not Path(value).expanduser().is_absolute()):
+        raise ValueError(f"{where}: workspaces_dir must be an absolute path (a string), not {value!r}")
+    return str(Path(value).expanduser()) if value else ""
+
+
+def workspace_repo(spec: AgentSpec, cwd: str | None) -> str | None:
+    """The option `workspace` of `spec`, checked: the configured `cwd` when it is "worktree" (then
+    it must be in a git repository), None for "shared". ValueError naming agent and option."""
+    mode = option(spec, "workspace", str, "shared")
+    if mode not in MODES:
+        raise ValueError(f"agent {spec.name!r}: option workspace must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != WORKTREE:
+        return None
+    if not cwd:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\" needs option cwd (the repository "
+                         "each conversation gets a worktree of)")
+    try:
+        repository_of(cwd)
+    except ValueError as exc:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\": {exc}") from exc
+    return cwd
+# ==== end of the workspaces block ====
+
+
 # ==== Isolation of hosted agents (issue 42): what they inherit, the sandbox, tenants' homes ====
-# Top level of the agents file: `workspaces_dir` (default <state dir>/workspaces, the state dir
-# being the default store's folder): tenants' homes live in its `homes/` (and conversations'
-# workspaces beside them). Per stdio agent (rpc, acp):
+# Tenants' homes live in `<workspaces_dir>/homes/` (the workspaces block's `workspaces_dir`, as
+# `--workspaces-dir` or the agents file set it; conversations' worktrees are in its `sessions/`).
+# Per stdio agent (rpc, acp):
 #   inherit_env = ["NAME", …]   more of uibus's environment to hand on (never UIBUS_*, Redis, TLS, OTLP)
 #   sandbox     = false         true: run under bubblewrap (docs/hosting/isolation.md)
 #   bwrap       = "bwrap"       the bubblewrap program (on PATH, or a path)
 #   network     = true          false: no network at all inside the sandbox (--unshare-net)
 #   read_only   = ["/path", …]  more to show read-only inside (the agent's installation is found)
 #   home_files  = [".pi/agent/models.json", …]  what of the operator's HOME is shown read-only
-TOP_LEVEL = frozenset({"workspaces_dir"})
 ISOLATION_OPTIONS = frozenset({"inherit_env", "sandbox", "bwrap", "network", "read_only", "home_files"})
-
-
-def default_workspaces_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return str(Path(base) / "uibus" / "workspaces")
 
 
 @dataclass(frozen=True)
@@ -211,30 +245,29 @@ def build_backend(spec: AgentSpec) -> Backend:
     return cls(spec)  # type: ignore[no-any-return]
 
 
-def load_agents(path: str, protect: tuple[str, ...] = ()) -> AgentTable:
+def load_agents(path: str, protect: tuple[str, ...] = (), workspaces_dir: str = "") -> AgentTable:
     """Reads and checks the config and builds every backend (which checks its options). A mistake raises
     InvalidConfig naming `--agents`, the file and the place, so `uibus serve` reports it as one line
     (and callers catching ValueError still do). `protect`: uibus's own paths (store, tokens file,
-    TLS files, …), which no sandboxed agent may see."""
+    TLS files, …), which no sandboxed agent may see; `workspaces_dir`: --workspaces-dir, over the file's."""
     try:
-        return _load_agents(path, protect)
+        return _load_agents(path, protect, workspaces_dir)
     except ValueError as exc:
         raise InvalidConfig("--agents", str(exc)) from exc
 
 
-def _load_agents(path: str, protect: tuple[str, ...] = ()) -> AgentTable:
+def _load_agents(path: str, protect: tuple[str, ...] = (), override: str = "") -> AgentTable:
     data = read_config(path)
     where = path or "(built-in)"
-    unknown = sorted(set(data) - {"agents", "default_agent"} - TOP_LEVEL)
+    unknown = sorted(set(data) - {"agents", "default_agent"} - WORKSPACE_TOP_LEVEL)
     if unknown:
         raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent, "
-                         f"{', '.join(sorted(TOP_LEVEL))}")
-    workspaces = data.get("workspaces_dir", "")
-    if not isinstance(workspaces, str) or (workspaces and not os.path.isabs(os.path.expanduser(workspaces))):
-        raise ValueError(f"{where}: workspaces_dir must be an absolute path")
-    workspaces = os.path.expanduser(workspaces) if workspaces else default_workspaces_dir()
-    # What sandboxes hide: uibus's own files, its config, its state directory (every tenant's home
-    # and workspace in it: each agent gets its own bound back on top).
+                         f"{', '.join(sorted(WORKSPACE_TOP_LEVEL))}")
+    workspaces_dir = workspaces_dir_of(where, data)
+    # Where tenants' homes go (the workspaces' directory: --workspaces-dir, else the file's, else the
+    # default), and what sandboxes hide: uibus's own files, the agents file, that directory and the
+    # state directory (an agent gets its own home and workspace bound back on top).
+    workspaces = os.path.expanduser(override or workspaces_dir or default_workspaces_dir())
     hidden = tuple(os.path.abspath(os.path.expanduser(p)) for p in
                    (*protect, *((path,) if path else ()), workspaces, str(Path(default_workspaces_dir()).parent)) if p)
     entries = data.get("agents")
@@ -257,4 +290,4 @@ def _load_agents(path: str, protect: tuple[str, ...] = ()) -> AgentTable:
         hide = getattr(backend, "hide", None)
         if hide is not None:
             hide(hidden)
-    return AgentTable(specs=specs, backends=backends, default=default)
+    return AgentTable(specs=specs, backends=backends, default=default, workspaces_dir=workspaces_dir)

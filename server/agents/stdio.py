@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, SessionUi, check_options, option, seconds
-from uibus.agents.config import ISOLATION_OPTIONS, Isolation
+from uibus.agents.config import ISOLATION_OPTIONS, WORKSPACE_OPTIONS, Isolation, workspace_repo
 from uibus.agents.launcher import LOCAL, Launch, Launcher, agent_env
 from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
@@ -134,6 +134,11 @@ class ProcessOptions:
                    resume=option(spec, "resume", bool, True))
 
 
+def workdir(options: ProcessOptions, ui: SessionUi) -> str | None:
+    """Where the agent of `ui`'s session works: its own workspace when it has one, else option cwd."""
+    return getattr(ui, "workspace", "") or options.cwd
+
+
 def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> str:
     """The program of `command`, found as it will be started (PATH from `env` first)."""
     if os.sep in program:
@@ -153,8 +158,9 @@ class StdioBackend(SessionBackend):
 
     def __init__(self, spec: AgentSpec) -> None:
         super().__init__(spec)
-        check_options(spec, set(OPTIONS | ISOLATION_OPTIONS | self.extra_options))
+        check_options(spec, set(OPTIONS | ISOLATION_OPTIONS | WORKSPACE_OPTIONS | self.extra_options))
         self.options = ProcessOptions.of(spec)
+        self.workspace_repo = workspace_repo(spec, self.options.cwd)
         self.processes = 0  # agent sessions holding (or starting) a process now
         self.started = 0  # processes started, ever
         self.launcher: Launcher = LOCAL
@@ -210,13 +216,13 @@ class AgentProcess:
     """One agent program on stdio (see the module docstring). `async with` starts it and stops it."""
 
     def __init__(self, backend: StdioBackend, ui: SessionUi, on_message: Callable[[dict[str, Any]], None],
-                 on_exit: Callable[[str], None], logger: logging.Logger, cwd: str | None = None) -> None:
+                 on_exit: Callable[[str], None], logger: logging.Logger) -> None:
         self.backend = backend
-        self.cwd = cwd  # where it works (None: the agents file's cwd); the launcher binds it in a sandbox
         self.options = backend.options
         self.on_message = on_message
         self.on_exit = on_exit
         self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
+        self.cwd = workdir(self.options, ui)  # its workspace (uibus.agents.workspaces), else option cwd
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = ""  # why it is gone; "" while it runs
         self.ui = ui

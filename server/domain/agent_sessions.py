@@ -32,12 +32,14 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
+from uibus.agents.workspaces import GitError, Workspaces
 from uibus.auth import Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
@@ -62,8 +64,10 @@ class SessionBound:
     """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
 
     def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None, *,
-                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None) -> None:
+                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None,
+                 workspace: str = "") -> None:
         self.session = session
+        self.workspace = workspace
         self._dialogs = dialogs
         self._feed = feed
         self._owner = owner
@@ -179,6 +183,8 @@ class AgentSessions:
         # The tokens in force (the app's): agents' /mcp tokens are minted there, tenants named by it.
         self.tokens: Tokens | None = None
         self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
+        # Where agents with option `workspace = "worktree"` get theirs (set by the core); None: none made
+        self.workspaces: Workspaces | None = None
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -367,12 +373,28 @@ class AgentSessions:
         if bound is not None:
             bound.release()
 
-    async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True) -> AgentSession:
+    async def _workspace(self, session: str, backend: SessionBackend, owner: str = "") -> str:
+        """The directory the agent of (`session`, this backend) works in, made at its first turn and
+        reopened after (uibus.agents.workspaces); "" for the configured cwd. `owner`: whose
+        workspace it is when not the session's own (a one-shot agent's throwaway one)."""
+        repo = backend.workspace_repo
+        if repo is None or self.workspaces is None:
+            return ""
+        try:
+            made = await self.workspaces.open(owner or session, backend.spec.name, repo)
+        except (GitError, OSError) as exc:
+            raise AgentError(f"cannot make the workspace of agent {backend.spec.name!r} (option workspace = "
+                             f"\"worktree\", a git worktree of {repo}): {exc}") from exc
+        return made.cwd_for(repo)
+
+    async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True,
+                    owner: str = "") -> AgentSession:
         name = backend.spec.name
-        ui = SessionBound(session, self.dialogs, self.feed, self, agent=name)
+        workspace = await self._workspace(session, backend, owner)
+        ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, workspace=workspace)
         if keep:  # a conversation that outlives its process: the handle of the last one, if any
             ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, handles=self.handles,
-                              handle=await self.handles.read(session, name))
+                              handle=await self.handles.read(session, name), workspace=workspace)
         agent = backend.open_session(ui)
         self._bound[agent] = ui
         try:
@@ -395,8 +417,10 @@ class AgentSessions:
             raise AgentError("the server is shutting down")
         if not keep:
             self._one_shot += 1
+            # a one-shot agent's workspace is its own and goes with it (a branch with commits is kept)
+            owner = f"{session}~one-shot-{uuid.uuid4().hex[:12]}" if backend.workspace_repo is not None else ""
             try:
-                agent = await self._open(session, backend, keep=False)
+                agent = await self._open(session, backend, keep=False, owner=owner)
                 try:
                     yield agent
                 finally:
@@ -406,6 +430,8 @@ class AgentSessions:
                         self._release(agent)
             finally:
                 self._one_shot -= 1
+                if owner and self.workspaces is not None:
+                    await self.workspaces.remove_session(owner)
             return
         key = (session, name)
         entry = self._live.get(key)
@@ -419,7 +445,10 @@ class AgentSessions:
                         try:  # the marker first: a sweep must never find a live agent without one
                             await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                         except BaseException:
-                            await agent.aclose()
+                            try:
+                                await agent.aclose()
+                            finally:
+                                self._release(agent)
                             raise
                         entry = self._live[key] = _Live(agent)
                         self._ensure_sweeper(agent.idle_seconds)
