@@ -523,3 +523,38 @@ async def test_a_second_replica_resumes_a_sandboxed_pi_from_the_shared_tenant_ho
     finally:
         for app in apps:
             await app.aclose()
+
+
+async def test_sandboxed_agents_in_worktrees_see_their_own_only(config: Config, tmp_path: Path, model: Model,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                hosted: list[App]) -> None:
+    """`sandbox = true` with `workspace = "worktree"`: tenant A's agent writes and commits in its
+    worktree; tenant B's agent, in its own, cannot read A's worktree, A's home, the main checkout
+    or uibus's files by any absolute path, yet commits in its own."""
+    from tests.test_workspaces import make_repo
+
+    require("git", shutil.which("git") is not None)
+    cfg, tokens, store = tenancy(tmp_path, config, monkeypatch)
+    repo = make_repo(tmp_path)
+    entry = sandboxed_pi(tmp_path, model, workspace="worktree")
+    entry["options"]["cwd"] = str(repo)
+    entry["options"]["env"].update(GIT_AUTHOR_NAME="agent", GIT_AUTHOR_EMAIL="a@a", GIT_COMMITTER_NAME="agent",
+                                   GIT_COMMITTER_EMAIL="a@a")
+    app = await start_app(replace(cfg, agents=agents_file(tmp_path, [entry])))
+    hosted.append(app)
+    model.script(Reply(tool=("bash", {"command": "echo A-SECRET > note.txt && git add note.txt && "
+                                                 "git commit -qm 'by A' && echo committed && pwd"})),
+                 Reply(text="A done."))
+    assert await pi_turn(app, "team-a-1", TOKEN_A) == "A done."
+    first = json.dumps(model.requests[1]["messages"][-1])
+    assert "committed" in first, first
+    (a_tree,) = [p for p in (tmp_path / "ws" / "sessions").rglob("note.txt")]
+    home_a = tmp_path / "ws" / "homes" / app.tokens.tenant("team-a-1")
+    look = (f"cat {a_tree} {repo}/README.md {home_a}/.tmp/x; ls {tmp_path / 'ws' / 'sessions'}; cat {tokens} {store}; "
+            "echo B > mine.txt && git add mine.txt && git commit -qm 'by B' && echo committed-b; echo ---end")
+    model.script(Reply(tool=("bash", {"command": look})), Reply(text="B done."))
+    assert await pi_turn(app, "team-b-1", TOKEN_B) == "B done."
+    seen = json.dumps(model.requests[3]["messages"][-1])
+    assert "---end" in seen and "committed-b" in seen, seen
+    assert "A-SECRET" not in seen and "# the project" not in seen and leaked(seen) == [] and "No such file" in seen
+    assert not (repo / "note.txt").exists() and not (repo / "mine.txt").exists()  # the checkout untouched
