@@ -47,7 +47,7 @@ from uibus.transports.inprocess import Channel
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.routes import Routes
 from uibus.webview import webview_html
-from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
+from uibus.wiring import AppKey, Gauges, Installer, Labelled, Registry, Setup
 from uibus.worker_table import Worker
 
 log = logging.getLogger("uibus")
@@ -330,8 +330,10 @@ class App:
                 lambda: float(sessions.handles.resume_failed)),
         }
         worker = self.worker
-        metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
-            "index": str(worker.index), "pid": str(worker.pid)})
+        labelled: Labelled = {}
+        metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,
+                                         worker=None if worker is None else {
+                                             "index": str(worker.index), "pid": str(worker.pid)})
         core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else ())
@@ -344,7 +346,8 @@ class App:
             *keepalive_options(cfg),
         ])
         registry = self.registry = Registry(server, pipeline)
-        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters)
+        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters,
+                                    labelled=labelled)
         for install in self._installers:
             await res.enter(getattr(install, "__name__", "installer"), install(setup))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)  # type: ignore[arg-type]

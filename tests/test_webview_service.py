@@ -13,10 +13,11 @@ from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus.bus import LIVE
 from uibus.clients.connection import Connection
+from uibus.domain.feed import UI_STREAMS
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
 
-STREAMS = 11
+STREAMS = len(UI_STREAMS)  # every UiService stream, multiplexed
 __all__ = ["redis_server"]  # the fixture, imported to be used here
 
 
@@ -39,11 +40,15 @@ async def test_one_stream_carries_every_ui_event(app, connect) -> None:
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="other"))  # not for c1
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="c1"))
     await host.PublishRelinquishControl(common_pb2.Empty())
-    got = [await asyncio.wait_for(call.read(), 2) for _ in range(5)]
+    await host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_WORKTREES))
+    await host.PublishShowWebview(ui_pb2.ShowWebviewEvent(preserve_editor_focus=True))
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(7)]
     assert [g.source for g in got] == ["subscribeToPartialMessage", "subscribeToAddToInput",
                                        "subscribeToSettingsButtonClicked", "subscribeToFocusChatInput",
-                                       "subscribeToRelinquishControl"]
+                                       "subscribeToRelinquishControl", "subscribeToWorktreesButtonClicked",
+                                       "subscribeToShowWebview"]
     assert got[0].partial_message.text == "hi" and got[1].text == "added" and got[2].HasField("signal")
+    assert got[6].show_webview.preserve_editor_focus
     call.cancel()
     await wait_for(lambda: app.bus.count() == 0, what="every inner subscription removed")
 

@@ -36,6 +36,11 @@ log = logging.getLogger("uibus.feed")
 
 THEME_KEY = "ui/theme"
 ANNOUNCEMENT_KEY = "ui/announcement"  # {"latest": id, "last_shown": id}
+TERMINAL_MODE_KEY = "ui/terminal_execution_mode"  # "vscodeTerminal" | "backgroundExec"
+# trackIntent's actions as upstream Cline's webview sends them; anything else is counted as "other",
+# so a caller cannot grow /metrics with labels of its choosing.
+INTENT_ACTIONS = ("new_task_clicked", "prompt_submitted")
+MAX_INTENT_FIELD_CHARS = 256
 MAX_URL_CHARS = 2048
 MAX_THEME_CHARS = 256 * 1024
 _EMPTY = common_pb2.Empty()
@@ -50,6 +55,8 @@ _BUTTONS: dict[int, Kind] = {
     host_pb2.BUTTON_CHAT: kinds.CHAT_BUTTON,
     host_pb2.BUTTON_ACCOUNT: kinds.ACCOUNT_BUTTON,
     host_pb2.BUTTON_SETTINGS: kinds.SETTINGS_BUTTON,
+    host_pb2.BUTTON_MARKETPLACE: kinds.MARKETPLACE_BUTTON,
+    host_pb2.BUTTON_WORKTREES: kinds.WORKTREES_BUTTON,
 }
 
 
@@ -90,6 +97,9 @@ UI_STREAMS: tuple[UiStream, ...] = (
     UiStream("subscribeToRelinquishControl", kinds.RELINQUISH_CONTROL),
     UiStream("subscribeToFocusChatInput", kinds.FOCUS_CHAT_INPUT, "client_id"),
     UiStream("subscribeToDidBecomeVisible", kinds.DID_BECOME_VISIBLE),
+    UiStream("subscribeToWorktreesButtonClicked", kinds.WORKTREES_BUTTON),
+    UiStream("subscribeToMarketplaceButtonClicked", kinds.MARKETPLACE_BUTTON),
+    UiStream("subscribeToShowWebview", kinds.SHOW_WEBVIEW),
 )
 _BY_PROVIDER = frozenset(s.kind for s in UI_STREAMS if s.target == "provider")
 
@@ -161,6 +171,8 @@ class UiFeed:
         self.store = store
         self.clock = clock
         self.recent = recent if recent is not None else RecentMessages(store)
+        # trackIntent calls by action (INTENT_ACTIONS and "other"): read by /metrics at scrape time.
+        self.intents: dict[str, int] = dict.fromkeys((*INTENT_ACTIONS, "other"), 0)
 
     # ---- webviews: streams ----
 
@@ -230,7 +242,8 @@ class UiFeed:
         """A button click; a typed click reaches the webviews that subscribed with that type."""
         kind = _BUTTONS.get(button)
         if kind is None:
-            raise InvalidArgument(f"button={button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS")
+            raise InvalidArgument(f"button={button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS, "
+                                  "MARKETPLACE, WORKTREES")
         target = None
         if provider_type is not None:
             if provider_type not in _PROVIDER_TYPES:
@@ -284,6 +297,11 @@ class UiFeed:
     def did_become_visible(self, session: str) -> int:
         return self.bus.publish(session, kinds.DID_BECOME_VISIBLE, _EMPTY)
 
+    def show_webview(self, session: str, preserve_editor_focus: bool = False) -> int:
+        """The host asks the session's webviews to show themselves (Cline's sendShowWebviewEvent)."""
+        return self.bus.publish(session, kinds.SHOW_WEBVIEW,
+                                ui_pb2.ShowWebviewEvent(preserve_editor_focus=preserve_editor_focus))
+
     # ---- webviews: requests of the host ----
 
     def scroll_to_settings(self, session: str, section: str) -> int:
@@ -307,6 +325,42 @@ class UiFeed:
         if not self.bus.publish(session, kinds.HOST_REQUEST, _host_request(open_url=host_pb2.OpenUrl(url=url))):
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      "nothing can open the URL")
+
+    async def open_walkthrough(self, session: str) -> None:
+        """Cline opens its walkthrough in the editor: that is the host's to do, as with `open_url`,
+        so the request goes to the host (on any replica), and with no host listening the caller
+        hears so rather than the request vanishing."""
+        await self.bus.ready(session)
+        request = _host_request(open_walkthrough=host_pb2.OpenWalkthrough())
+        if not self.bus.publish(session, kinds.HOST_REQUEST, request):
+            raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
+                                     "nothing can open the walkthrough")
+
+    async def set_terminal_execution_mode(self, session: str, background: bool) -> str:
+        """Keeps the webview's choice in the session (the host reads it in GetSessionState) and tells
+        a listening host at once; returns the mode's name as Cline says it."""
+        mode = "backgroundExec" if background else "vscodeTerminal"
+        await self.store.put(session, TERMINAL_MODE_KEY, mode)
+        self.bus.publish(session, kinds.HOST_REQUEST, _host_request(
+            terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
+        return mode
+
+    async def terminal_execution_mode(self, session: str) -> str:
+        mode = await self.store.get(session, TERMINAL_MODE_KEY)
+        return mode if isinstance(mode, str) else ""
+
+    def track_intent(self, event: ui_pb2.IntentEvent) -> str:
+        """Counts a webview's intent by action (a known action, else "other"); returns the label.
+        Nothing of it is stored: it is telemetry (counted on /metrics, an attribute of the call's span)."""
+        for name in ("action", "source"):
+            value = getattr(event, name)
+            if len(value) > MAX_INTENT_FIELD_CHARS:
+                raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {MAX_INTENT_FIELD_CHARS}")
+        if event.text_length < 0:
+            raise InvalidArgument(f"text_length={event.text_length} is negative")
+        action = event.action if event.action in INTENT_ACTIONS else "other"
+        self.intents[action] = self.intents.get(action, 0) + 1
+        return action
 
     # ---- announcements ----
 

@@ -57,6 +57,10 @@ class HostService(host_pb2_grpc.HostServiceServicer):
                                       context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
         return reply(self.feed.did_become_visible(session_of(context)), self.bus)
 
+    async def PublishShowWebview(self, request: ui_pb2.ShowWebviewEvent,
+                                 context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
+        return reply(self.feed.show_webview(session_of(context), request.preserve_editor_focus), self.bus)
+
     async def SetAnnouncement(self, request: host_pb2.AnnouncementState,
                               context: grpc.aio.ServicerContext) -> host_pb2.AnnouncementState:
         state = await self.feed.set_announcement(session_of(context), request.latest_announcement_id)
@@ -70,7 +74,8 @@ class HostService(host_pb2_grpc.HostServiceServicer):
         return host_pb2.SessionState(
             session=session, theme=await self.feed.theme(session) or "",
             announcement=host_pb2.AnnouncementState(latest_announcement_id=ann.latest,
-                                                    last_shown_announcement_id=ann.last_shown))
+                                                    last_shown_announcement_id=ann.last_shown),
+            terminal_execution_mode=await self.feed.terminal_execution_mode(session))
 
     async def SubscribeHostRequests(self, request: common_pb2.Empty,
                                     context: grpc.aio.ServicerContext) -> AsyncIterator[host_pb2.HostRequest]:

@@ -1,7 +1,7 @@
 """uibus.v1.WebviewService: every cline.UiService subscription of a webview over one stream.
 
 Browsers keep at most six HTTP/1.1 connections per server and a gRPC-Web stream holds one, so the
-webview page cannot open UiService's eleven streams. This service reads the very same feed streams
+webview page cannot open UiService's fourteen streams. This service reads the very same feed streams
 UiService serves (the feed's one table, `UI_STREAMS`) and multiplexes their messages, so behaviour
 (current theme first, provider-type filtering, targeted focus) cannot drift apart.
 
@@ -40,6 +40,8 @@ def _event(source: str, message: Any) -> webview_pb2.WebviewEvent:
         return event
     if isinstance(message, ui_pb2.ClineMessage):
         return webview_pb2.WebviewEvent(source=source, partial_message=message)
+    if isinstance(message, ui_pb2.ShowWebviewEvent):
+        return webview_pb2.WebviewEvent(source=source, show_webview=message)
     if isinstance(message, common_pb2.String):
         return webview_pb2.WebviewEvent(source=source, text=message.value)
     return webview_pb2.WebviewEvent(source=source, signal=common_pb2.Empty())
