@@ -283,7 +283,7 @@ class App:
             await res.enter("agent ownership", core.ownership)
             await res.enter("agent turn forwarding", core.forwarding)
         # Undone after the servers stop and before the store closes: the last states are written.
-        res.callback("recent messages", self._flush_recent)
+        res.callback("session log", self._flush_recent)
         gauges: Gauges = {
             "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down; "
                             "with --workers, every worker ready)",
@@ -425,14 +425,15 @@ class App:
         await cancel_and_wait(task)
 
     async def _flush_recent(self) -> None:
-        """Writes the recent messages still held in memory (at most the last quarter second's), so a
-        page opened after a restart shows them; bounded, since a failing store must not hold up exit."""
+        """Commits the session log's states still held in memory (at most the last write interval's),
+        so a page opened after a restart shows them, and stops its writer; bounded, since a failing
+        store must not hold up exit."""
         if self.core is None:
             return
         try:
-            await asyncio.wait_for(self.core.feed.recent.flush(), self._grace)
+            await asyncio.wait_for(self.core.feed.log.aclose(), self._grace)
         except TimeoutError:
-            log.warning("recent messages not all written before exit", extra={"fields": {"within_s": self._grace}})
+            log.warning("session log not all written before exit", extra={"fields": {"within_s": self._grace}})
 
     async def _stop_servers(self) -> None:
         """Stops accepting calls, lets running ones finish within the grace period, cancels the rest.

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from google.protobuf.message import DecodeError
+
 from uibus import kinds
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.domain.recent import RecentMessages
+from uibus.domain.session_log import MESSAGE, SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument
 from uibus.json_input import load_json
 from uibus.kinds import Kind
@@ -164,20 +167,52 @@ class _ReplayEnd:
 REPLAY_END = _ReplayEnd()
 
 
+class _Gap:
+    """What `UiFeed.events(..., since=...)` yields when the cursor is older than the session's log
+    keeps: the client missed events that are gone, so what follows is a snapshot, not the rest."""
+
+    def __repr__(self) -> str:
+        return "GAP"
+
+
+GAP = _Gap()
+
+
+def _by_seq(message: ui_pb2.ClineMessage) -> int:
+    return message.seq
+
+
+def _by_ts(message: ui_pb2.ClineMessage) -> int:
+    return message.ts
+
+
+def _messages(entries: list[Any]) -> dict[int, ui_pb2.ClineMessage]:
+    found: dict[int, ui_pb2.ClineMessage] = {}
+    for entry in entries:
+        try:
+            message = ui_pb2.ClineMessage.FromString(entry.data)
+        except DecodeError:
+            continue
+        found[message.ts] = message
+    return found
+
+
 class UiFeed:
-    def __init__(self, bus: Bus, store: Store, clock: TsClock, *, recent: RecentMessages | None = None) -> None:
-        """`recent` keeps the sessions' recent messages (by default with the module's bounds)."""
+    def __init__(self, bus: Bus, store: Store, clock: TsClock, *, log: SessionLog | None = None) -> None:
+        """`log` is the sessions' ordered log (by default with the default retention); the recent
+        messages a webview starts with are a view of it."""
         self.bus = bus
         self.store = store
         self.clock = clock
-        self.recent = recent if recent is not None else RecentMessages(store)
+        self.log = log if log is not None else SessionLog(store)
+        self.recent = RecentMessages(self.log)
         # trackIntent calls by action (INTENT_ACTIONS and "other"): read by /metrics at scrape time.
         self.intents: dict[str, int] = dict.fromkeys((*INTENT_ACTIONS, "other"), 0)
 
     # ---- webviews: streams ----
 
     async def events(self, session: str, stream: UiStream, target: str = "", *,
-                     replay: bool = False, mark_end: bool = False) -> AsyncIterator[Any]:
+                     replay: bool = False, mark_end: bool = False, since: int | None = None) -> AsyncIterator[Any]:
         """The stream's events until it ends: `LIVE` once subscribed (the pipeline sends the
         response headers then), the current state where the stream has one, then live events.
 
@@ -187,6 +222,11 @@ class UiFeed:
         With `mark_end`, `REPLAY_END` follows what the stream starts with (every stream yields it,
         once, also those that start with nothing), so WebviewService can tell its client the
         replay is complete instead of the client guessing from a quiet spell.
+
+        With `since` (a resume cursor: the seq of the last event the client had), the
+        partial-message stream first sends the latest state of every message whose state changed
+        after it, from the session's log, oldest seq first, each once, then live; a cursor older
+        than the log keeps gets `GAP` (webviews) or a fresh snapshot at a new epoch (Cline).
 
         The subscription is removed in the `finally` beside it, which runs on cancel, disconnect,
         deadline and shutdown alike.
@@ -204,20 +244,47 @@ class UiFeed:
                 if theme is not None:
                     value = common_pb2.String(value=theme)
                     yield Replayed(value) if replay else value
-            if replay and stream.kind is kinds.PARTIAL_MESSAGE:
+            sent = 0  # the highest seq this stream has sent: live states at or below it come again no more
+            if stream.kind is kinds.PARTIAL_MESSAGE and (replay or since is not None):
                 # Read after subscribing, so nothing published meanwhile is missed. What the mailbox
-                # got since then is taken into the replay (it is the same as, or newer than, what was
-                # read for its ts), so it is neither sent twice nor sent older after newer.
-                recent = await self.recent.read(session)
+                # got since then is taken into the replay (the higher seq of a ts wins), so it is
+                # neither sent twice nor sent older after newer.
+                gap = False
+                if since is None:
+                    found = await self.recent.read(session)
+                else:
+                    log_read = await self.log.read(session, since, kind=MESSAGE)
+                    gap = log_read.gap
+                    found = {} if gap else _messages(log_read.entries)
                 while len(sub):
                     item = await anext(sub)
-                    recent[item.ts] = item
-                for ts in sorted(recent):
-                    yield Replayed(recent[ts])
+                    known = found.get(item.ts)
+                    if known is None or item.seq >= known.seq:
+                        found[item.ts] = item
+                if gap:
+                    # The cursor is older than what the log keeps: say so, never a silent hole. A
+                    # webview (replay) gets GAP then the recent messages; a Cline stream gets the
+                    # snapshot at a new epoch (Cline's webview drops what it had of older epochs).
+                    if replay:
+                        yield GAP
+                        found.update(await self.recent.read(session))
+                    else:
+                        found = self._resnapshot(session, await self.recent.read(session))
+                # A snapshot in ts order (the conversation as shown), a resume in log (seq) order.
+                for message in sorted(found.values(), key=_by_ts if since is None or gap else _by_seq):
+                    if message.seq > sent:
+                        sent = message.seq
+                    yield Replayed(message) if replay else message
             if mark_end:
                 yield REPLAY_END
-            async for item in sub:
-                yield item
+            if sent:
+                async for item in sub:
+                    if item.seq <= sent:  # replayed already (a state queued before the replay was read)
+                        continue
+                    yield item
+            else:
+                async for item in sub:
+                    yield item
         finally:
             bus.unsubscribe(sub)
 
@@ -232,6 +299,20 @@ class UiFeed:
                 yield item
         finally:
             bus.unsubscribe(sub)
+
+    def _resnapshot(self, session: str, recent: dict[int, ui_pb2.ClineMessage]) -> dict[int, ui_pb2.ClineMessage]:
+        """The recent messages again, stamped at a new epoch and published to every UI of the
+        session (so all of them converge on the same conversation under the new fence, and a later
+        reader finds them in the log); returns them as stamped."""
+        again: dict[int, ui_pb2.ClineMessage] = {}
+        self.log.new_epoch(session)
+        for ts in sorted(recent):
+            message = ui_pb2.ClineMessage()
+            message.CopyFrom(recent[ts])
+            self.log.stamp(session, message)
+            self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=ts)
+            again[ts] = message
+        return again
 
     # ---- hosts: publishing (each returns how many subscribers the event reached) ----
 
@@ -252,19 +333,29 @@ class UiFeed:
                 target = ui_pb2.WebviewProviderType.Name(provider_type)
         return self.bus.publish(session, kind, _EMPTY, target=target)
 
+    async def prepare(self, session: str) -> None:
+        """Learns the session's current conversation (epoch) from its log, once per process:
+        awaited by the callers that can before they publish (a host's publish, a chat turn)."""
+        await self.log.prepare(session)
+
+    async def durable(self, session: str) -> None:
+        """Waits until every message state of the session published so far is committed to its
+        log: a chat turn's final reply is in the log before its caller's stream ends."""
+        await self.log.flush(session)
+
     def publish_message(self, session: str, message: ui_pb2.ClineMessage) -> int:
         """A (partial) ClineMessage as the host sent it; the bus coalesces its states by ts."""
         problem = check_cline_message(message)
         if problem:
             raise InvalidArgument(problem)
-        self.recent.note(session, message)
+        self.log.stamp(session, message)  # its seq and epoch, and into the log, before fan-out
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=message.ts)
 
     def say(self, session: str, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
         """A SAY message of uibus's own (chat replies, CodeBolt messages); `ts` from `clock`."""
         ts = ts or self.clock.next()
         msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=say, text=text, partial=partial)  # type: ignore[arg-type]
-        self.recent.note(session, msg)
+        self.log.stamp(session, msg)
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, msg, key=ts)
 
     def question(self, session: str, text: str) -> int:

@@ -39,7 +39,9 @@ class HostService(host_pb2_grpc.HostServiceServicer):
 
     async def PublishPartialMessage(self, request: ui_pb2.ClineMessage,
                                     context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.publish_message(session_of(context), request), self.bus)
+        session = session_of(context)
+        await self.feed.prepare(session)
+        return reply(self.feed.publish_message(session, request), self.bus)
 
     async def SetTheme(self, request: host_pb2.TextEvent,
                        context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:

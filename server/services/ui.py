@@ -18,7 +18,7 @@ import grpc
 from uibus import telemetry
 from uibus.domain.feed import UI_STREAMS, UiFeed, UiStream
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 from uibus.webview import webview_html
 
 
@@ -26,7 +26,7 @@ def _subscribe(stream: UiStream) -> Callable[..., AsyncIterator[Any]]:
     def handler(self: UiService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         # The feed's own stream, not a generator around it: every event would pay one more hop
         # (the pipeline serves a function that returns a stream as it serves a generator).
-        return self.feed.events(session_of(context), stream, stream.target_of(request))
+        return self.feed.events(session_of(context), stream, stream.target_of(request), since=since_of(context))
 
     handler.__name__ = handler.__qualname__ = stream.rpc
     return handler
