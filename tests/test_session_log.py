@@ -311,3 +311,30 @@ async def test_a_fresh_log_reads_what_another_wrote(tmp_path: Path) -> None:
         await log.aclose()
     finally:
         await store.close()
+
+
+async def test_a_new_chat_conversation_starts_a_new_epoch(app: Any, connect: Any) -> None:
+    """The chat's messages are stamped too: a turn continuing the conversation keeps its epoch, a
+    turn starting over (an empty ChatContext from the client) starts a new one."""
+    from tests.chatkit import answer
+    from uibus.pb.neuro_san.api.grpc import chat_pb2
+
+    conn = connect(session="convo")
+    reader = Reader(conn.ui.subscribeToPartialMessage(EMPTY))
+    await wait_for(lambda: app.bus.count("partial_message", "convo") == 1, what="subscribed")
+
+    async def turn(text: str, **kw: Any) -> list[ui_pb2.ClineMessage]:
+        await answer(conn, "hello_world", text, **kw)
+        shown = []
+        while not shown or shown[-1].partial or shown[-1].say != ui_pb2.TEXT:
+            shown.append(await reader.next())
+        return shown
+
+    first = await turn("one")
+    second = await turn("two")
+    fresh = await turn("over", context=chat_pb2.ChatContext())
+    seqs = [m.seq for m in first + second + fresh]
+    assert seqs == sorted(set(seqs))
+    assert {m.epoch for m in first + second} == {first[0].seq}  # the question opened the conversation
+    assert {m.epoch for m in fresh} == {fresh[0].seq} and fresh[0].seq > second[-1].seq
+    reader.cancel()
