@@ -122,6 +122,7 @@ class LogRetention:
 
 
 LOG_KEY = "log/entries"  # the generic log (Store's own implementation): one JSON document per session
+LOG_HEAD_KEY = "log/head"  # a store whose log lives beside its values stamps the session with its head here
 
 
 def _log_doc(current: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from tests.conftest import Reader, running, start_app, wait_for
-from tests.redisproc import RedisProcess, redis_server
+from tests.redisproc import RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.domain.session_log import MESSAGE, SessionLog
@@ -22,7 +22,7 @@ from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
 from uibus.sqlite_store import SqliteStore
 from uibus.store import LogEntry, LogRetention
 
-__all__ = ["redis_server"]  # the fixture, imported to be used here
+__all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]  # the fixtures, imported to be used here
 pytestmark = pytest.mark.timeout(120)
 EMPTY = common_pb2.EmptyRequest()
 
@@ -79,20 +79,41 @@ async def test_sqlite_log_coalesces_and_keeps_within_count_bytes_and_age(tmp_pat
         await store.close()
 
 
-async def test_generic_log_on_redis_has_the_same_semantics(redis_server: RedisProcess) -> None:
+async def _redis_log_semantics(store: Any) -> None:
+    keep = LogRetention(max_entries=3, max_bytes=0, max_age_s=0)
+    for session in ("s", "t", ""):  # sessions in different slots on a cluster ("" has a tag of its own)
+        await store.log_append(session, [_entry(1, "a"), _entry(2, "b"), _entry(3, "a")], keep)
+        assert [(e.seq, e.key) for e in (await store.log_read(session)).entries] == [(2, "b"), (3, "a")]
+        await store.log_append(session, [_entry(4, "c"), _entry(5, "d")], keep)
+        read = await store.log_read(session, 2)
+        assert [e.seq for e in read.entries] == [3, 4, 5] and read.floor == 2
+        assert [e.seq for e in (await store.log_read(session, last=2)).entries] == [4, 5]
+        assert await store.log_head(session) == (5, 1)
+        big = 1796 * 10**12 + 123  # a real seq (wall-clock microseconds): beyond what Lua prints plainly
+        await store.log_append(session, [_entry(big, "e"), _entry(big + 1, "a")], keep)
+        assert [e.seq for e in (await store.log_read(session, 5)).entries] == [big, big + 1]
+        assert session in [s for s, _ in await store.sessions()]  # a log write stamps the session
+        assert await store.drop_session(session)
+        assert (await store.log_read(session)).entries == [] and await store.log_head(session) == (0, 0)
+
+
+async def test_redis_streams_log(redis_server: RedisProcess) -> None:
     from uibus.redis import RedisStore
 
     store = RedisStore(redis_server.url, "logtest")
     try:
-        keep = LogRetention(max_entries=3, max_bytes=0, max_age_s=0)
-        await store.log_append("s", [_entry(1, "a"), _entry(2, "b"), _entry(3, "a")], keep)
-        assert [(e.seq, e.key) for e in (await store.log_read("s")).entries] == [(2, "b"), (3, "a")]
-        await store.log_append("s", [_entry(4, "c"), _entry(5, "d")], keep)
-        read = await store.log_read("s", 2)
-        assert [e.seq for e in read.entries] == [3, 4, 5] and read.floor == 2
-        assert await store.log_head("s") == (5, 1)
-        assert await store.drop_session("s")
-        assert (await store.log_read("s")).entries == []
+        await _redis_log_semantics(store)
+    finally:
+        await store.close()
+
+
+async def test_redis_streams_log_on_a_cluster(redis_cluster_clean: Any) -> None:
+    """Each session's stream and index share the session's hash slot: no CROSSSLOT anywhere."""
+    from uibus.redis import RedisStore
+
+    store = RedisStore(redis_cluster_clean.url, "logtest", cluster=True)
+    try:
+        await _redis_log_semantics(store)
     finally:
         await store.close()
 
