@@ -359,3 +359,77 @@ async def test_a_new_chat_conversation_starts_a_new_epoch(app: Any, connect: Any
     assert {m.epoch for m in first + second} == {first[0].seq}  # the question opened the conversation
     assert {m.epoch for m in fresh} == {fresh[0].seq} and fresh[0].seq > second[-1].seq
     reader.cancel()
+
+
+async def test_the_host_request_stream_resumes_after_its_cursor(app: Any, connect: Any) -> None:
+    """The host's request stream: requests made while the host was away come first, exactly once,
+    in order, then live; an openUrl nobody heard (refused to its caller) is never replayed."""
+    from uibus.pb.uibus.v1 import host_pb2  # noqa: F401  (the message the stream carries)
+
+    conn = connect(session="hostr")
+    host = Reader(conn.host.SubscribeHostRequests(common_pb2.Empty()))
+    await wait_for(lambda: app.bus.count("host_request", "hostr") == 1, what="host subscribed")
+    await conn.ui.scrollToSettings(common_pb2.StringRequest(value="a"))
+    first = await host.next()
+    host.cancel()
+    await wait_for(lambda: app.bus.count("host_request", "hostr") == 0, what="host gone")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await conn.ui.openUrl(common_pb2.StringRequest(value="https://example.com/"))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for section in ("b", "c"):
+        await conn.ui.scrollToSettings(common_pb2.StringRequest(value=section))
+    back = Reader(conn.host.SubscribeHostRequests(common_pb2.Empty(), metadata=_since(first.seq)))
+    missed = [await back.next() for _ in range(2)]
+    assert [m.scroll_to_settings.section for m in missed] == ["b", "c"]
+    assert first.seq < missed[0].seq < missed[1].seq
+    await _quiet(back)
+    await conn.ui.scrollToSettings(common_pb2.StringRequest(value="d"))
+    live = await back.next()
+    assert live.scroll_to_settings.section == "d" and live.seq > missed[1].seq
+    await _quiet(back)
+    back.cancel()
+
+
+async def test_the_extension_ui_stream_resumes_after_its_cursor(app: Any, connect: Any) -> None:
+    """A dialog UI that reconnects: the notices and the dialog's close it missed, each once, in
+    order, then live; a too-old cursor gets `gap` and then the snapshot (kept state)."""
+    from tests.support import ext
+    from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+
+    conn = connect(session="dlgr")
+    ui = Reader(ext(conn).Subscribe(pb.SubscribeRequest()))
+    await wait_for(lambda: app.bus.count("extension_ui", "dlgr") == 1, what="UI subscribed")
+    await ext(conn).Notify(pb.NotifyRequest(message="one"))
+    one = await ui.next()
+    assert one.request.notify.message == "one" and one.seq > 0
+    ask = asyncio.ensure_future(ext(conn).Confirm(pb.ConfirmRequest(title="Deploy?", timeout_ms=300)))
+    asked = await ui.next()
+    ui.cancel()
+    await wait_for(lambda: app.bus.count("extension_ui", "dlgr") == 0, what="UI gone")
+    await ext(conn).Notify(pb.NotifyRequest(message="two"))
+    await ext(conn).SetStatus(pb.SetStatusRequest(key="k", text="v1"))
+    await ext(conn).SetStatus(pb.SetStatusRequest(key="k", text="v2"))  # coalesced with v1 in the log
+    await ask  # timed out meanwhile: its closed event replaces its request in the log
+    back = Reader(ext(conn).Subscribe(pb.SubscribeRequest(), metadata=_since(asked.seq)))
+    got = [await back.next() for _ in range(3)]
+    kinds_seen = [(g.WhichOneof("event"), g.request.WhichOneof("method") if g.HasField("request") else "")
+                  for g in got]
+    assert kinds_seen == [("request", "notify"), ("request", "set_status"), ("closed", "")], kinds_seen
+    assert got[0].request.notify.message == "two" and got[1].request.set_status.text == "v2"
+    assert got[2].closed.id == asked.request.id
+    assert [g.seq for g in got] == sorted({g.seq for g in got}) and got[0].seq > asked.seq
+    await _quiet(back)
+    await ext(conn).Notify(pb.NotifyRequest(message="three"))
+    assert (await back.next()).request.notify.message == "three"
+    back.cancel()
+
+    app.core.feed.log.retention = LogRetention(max_entries=2, max_bytes=0, max_age_s=0)
+    for text in ("x", "y", "z"):
+        await ext(conn).Notify(pb.NotifyRequest(message=text))
+    await app.core.feed.log.flush("dlgr")
+    old = Reader(ext(conn).Subscribe(pb.SubscribeRequest(), metadata=_since(one.seq)))
+    gap = await old.next()
+    assert gap.gap and not gap.HasField("request")
+    status = await old.next()  # the snapshot: kept state (the status), replayed
+    assert status.request.set_status.text == "v2" and status.request.replayed
+    old.cancel()

@@ -43,7 +43,7 @@ class Core:
         clock = TsClock()
         feed = UiFeed(bus, store, clock)
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
-        dialogs = Dialogs(bus, store, config.queue_size)
+        dialogs = Dialogs(bus, store, config.queue_size, log=feed.log)
         sessions = AgentSessions(dialogs, feed, store)
         listing = Sessions(store, dialogs, sessions, history)
         sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,

@@ -44,6 +44,7 @@ TERMINAL_MODE_KEY = "ui/terminal_execution_mode"  # "vscodeTerminal" | "backgrou
 # so a caller cannot grow /metrics with labels of its choosing.
 INTENT_ACTIONS = ("new_task_clicked", "prompt_submitted")
 MAX_INTENT_FIELD_CHARS = 256
+HOST_REQUESTS = "host_request"  # the kind of the host's requests in the session log
 MAX_URL_CHARS = 2048
 MAX_THEME_CHARS = 256 * 1024
 _EMPTY = common_pb2.Empty()
@@ -288,17 +289,33 @@ class UiFeed:
         finally:
             bus.unsubscribe(sub)
 
-    async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest | Live]:
-        """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE` first."""
+    async def host_requests(self, session: str, since: int | None = None) -> AsyncIterator[host_pb2.HostRequest | Live]:
+        """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE`
+        first. With `since`, the requests logged after that seq come first (each once, in order),
+        or one `gap` request when the cursor is older than the log keeps."""
         bus = self.bus
         sub = bus.subscribe(session, kinds.HOST_REQUEST)
         try:
             await bus.ready(session)
             yield LIVE
+            sent = 0
+            if since is not None:
+                missed, gap = await self.log.resume(session, since, HOST_REQUESTS, host_pb2.HostRequest, sub)
+                if gap:
+                    yield host_pb2.HostRequest(gap=True, seq=self.log.head(session))
+                for item in missed:
+                    sent = item.seq
+                    yield item
             async for item in sub:
-                yield item
+                if item.seq > sent:
+                    yield item
         finally:
             bus.unsubscribe(sub)
+
+    def _to_host(self, session: str, request: host_pb2.HostRequest) -> int:
+        """Logs a request of the host (its seq) and publishes it; how many hosts got it."""
+        self.log.stamp_event(session, HOST_REQUESTS, request.id, request)
+        return self.bus.publish(session, kinds.HOST_REQUEST, request)
 
     def _resnapshot(self, session: str, recent: dict[int, ui_pb2.ClineMessage]) -> dict[int, ui_pb2.ClineMessage]:
         """The recent messages again, stamped at a new epoch and published to every UI of the
@@ -396,12 +413,11 @@ class UiFeed:
     # ---- webviews: requests of the host ----
 
     def scroll_to_settings(self, session: str, section: str) -> int:
-        return self.bus.publish(session, kinds.HOST_REQUEST, _host_request(
-            scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
+        return self._to_host(session, _host_request(scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
 
     async def initialize_webview(self, session: str) -> None:
         """Tells the host, and replays the current theme so every stream of the session is fresh."""
-        self.bus.publish(session, kinds.HOST_REQUEST, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
+        self._to_host(session, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
         theme = await self.theme(session)
         if theme is not None:
             self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
@@ -413,7 +429,9 @@ class UiFeed:
         if problem:
             raise InvalidArgument(problem)
         await self.bus.ready(session)
-        if not self.bus.publish(session, kinds.HOST_REQUEST, _host_request(open_url=host_pb2.OpenUrl(url=url))):
+        request = _host_request(open_url=host_pb2.OpenUrl(url=url))
+        if not self._to_host(session, request):
+            self.log.retract(session, HOST_REQUESTS, request.id)  # refused to its caller: never replayed
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      "nothing can open the URL")
 
@@ -423,7 +441,8 @@ class UiFeed:
         hears so rather than the request vanishing."""
         await self.bus.ready(session)
         request = _host_request(open_walkthrough=host_pb2.OpenWalkthrough())
-        if not self.bus.publish(session, kinds.HOST_REQUEST, request):
+        if not self._to_host(session, request):
+            self.log.retract(session, HOST_REQUESTS, request.id)
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      "nothing can open the walkthrough")
 
@@ -432,8 +451,7 @@ class UiFeed:
         a listening host at once; returns the mode's name as Cline says it."""
         mode = "backgroundExec" if background else "vscodeTerminal"
         await self.store.put(session, TERMINAL_MODE_KEY, mode)
-        self.bus.publish(session, kinds.HOST_REQUEST, _host_request(
-            terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
+        self._to_host(session, _host_request(terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
         return mode
 
     async def terminal_execution_mode(self, session: str) -> str:

@@ -25,6 +25,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
 
 from uibus.errors import StoreFull, StoreUnavailable
 from uibus.pb.cline import ui_pb2
@@ -39,7 +42,7 @@ MAX_PENDING = 4096  # unwritten states kept per session (oldest dropped first) w
 
 
 # A session's states waiting to be written: (kind, key) -> (entry, the message whose bytes it gets).
-_Batch = dict[tuple[str, str], tuple[LogEntry, "ui_pb2.ClineMessage | None"]]
+_Batch = dict[tuple[str, str], tuple[LogEntry, "Message | None"]]
 
 
 @dataclass(slots=True)
@@ -133,7 +136,47 @@ class SessionLog:
         self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, 0.0, b""), message)
         return message
 
-    def _note(self, session: str, entry: LogEntry, message: ui_pb2.ClineMessage | None) -> None:
+    def stamp_event(self, session: str, kind: str, key: str, message: Message) -> int:
+        """Gives an event of another kind (a host request, an extension-UI event) the session's next
+        seq (its `seq` field) and queues it for the store under (kind, key): a newer event of the
+        same key replaces the older one. Returns the seq."""
+        seq = self.next_seq(session)
+        head = self._heads[session]
+        if not head.epoch:
+            head.epoch = seq
+        message.seq = seq  # type: ignore[attr-defined]
+        self._note(session, LogEntry(seq, kind, key, head.epoch, 0.0, b""), message)
+        return seq
+
+    def retract(self, session: str, kind: str, key: str) -> None:
+        """Takes back an event stamped a moment ago that reached nobody and was refused to its
+        caller (an openUrl with no host listening), so no later reader replays it. Only while it
+        is still unwritten; the next state of its key replaces it anyway."""
+        pending = self._pending.get(session)
+        if pending is not None:
+            pending.pop((kind, key), None)
+
+    async def resume(self, session: str, since: int, kind: str, payload: type[Message],
+                     sub: Any) -> tuple[list[Any], bool]:
+        """What a stream resuming after `since` sends before going live: the events of `kind`
+        after the cursor from the log, merged with what its subscription `sub` (taken before
+        this read) queued meanwhile, each seq once, in seq order; and whether the cursor was
+        older than the log keeps (a gap: the caller sends its snapshot instead)."""
+        replay = await self.read(session, since, kind=kind)
+        by_seq: dict[int, Any] = {}
+        if not replay.gap:
+            for entry in replay.entries:
+                try:
+                    by_seq[entry.seq] = payload.FromString(entry.data)
+                except DecodeError:
+                    continue
+        while len(sub):
+            item = await anext(sub)
+            if item.seq > since:
+                by_seq.setdefault(item.seq, item)
+        return [by_seq[seq] for seq in sorted(by_seq)], replay.gap
+
+    def _note(self, session: str, entry: LogEntry, message: Message | None) -> None:
         pending = self._pending.get(session)
         if pending is None:
             pending = self._pending[session] = {}
@@ -155,6 +198,9 @@ class SessionLog:
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a synchronous caller): nothing can write
+            self.write_failures += 1
+            return
+        if self._tasks.closed:  # stamped after shutdown wrote the log: live delivery goes on, unkept
             self.write_failures += 1
             return
         self._writing[session] = batch

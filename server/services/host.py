@@ -15,7 +15,7 @@ from uibus.bus import Bus
 from uibus.domain.feed import UiFeed
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 
 
 def reply(n: int, bus: Bus) -> host_pb2.PublishReply:
@@ -81,7 +81,7 @@ class HostService(host_pb2_grpc.HostServiceServicer):
 
     async def SubscribeHostRequests(self, request: common_pb2.Empty,
                                     context: grpc.aio.ServicerContext) -> AsyncIterator[host_pb2.HostRequest]:
-        async for item in self.feed.host_requests(session_of(context)):
+        async for item in self.feed.host_requests(session_of(context), since_of(context)):
             yield item
 
     async def GetBusStats(self, request: common_pb2.Empty,

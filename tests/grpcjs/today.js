@@ -60,6 +60,13 @@ function firstAfter(call, act) {
 
   const walk = await firstAfter(host.SubscribeHostRequests({}, md()), () => unary(ui, "openWalkthrough", {}));
   out.openWalkthrough = { reply: walk.acted, request: walk.msg.request };
+  for (let i = 0; ; i++) {  // the cancelled host stream gone on the server too
+    const stats = await unary(host, "GetBusStats", {});
+    const kind = stats.kinds.find((k) => k.kind === "host_request");
+    if (!kind || Number(kind.subscriptions) === 0) break;
+    if (i > 200) throw new Error("the host stream was never unsubscribed");
+    await new Promise((r) => setTimeout(r, 10));
+  }
   try {  // nobody listens now: the webview hears so
     await unary(ui, "openWalkthrough", {});
     out.openWalkthroughUnheard = "OK";
