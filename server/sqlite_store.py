@@ -345,17 +345,27 @@ class SqliteStore(Store):
             db.execute("BEGIN IMMEDIATE")
             meta = db.execute("SELECT floor, count, bytes FROM log_meta WHERE session=?", (session,)).fetchone()
             floor, count, size = meta if meta is not None else (0, 0, 0)
-            for e in entries:
-                old = db.execute("SELECT seq, length(data) FROM log WHERE session=? AND kind=? AND key=?",
-                                 (session, e.kind, e.key)).fetchone()
-                if old is not None:
-                    db.execute("DELETE FROM log WHERE session=? AND seq=?", (session, old[0]))
-                    count -= 1
-                    size -= old[1]
-                db.execute("INSERT OR REPLACE INTO log(session, seq, kind, key, epoch, at, data) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?)", (session, e.seq, e.kind, e.key, e.epoch, e.at, e.data))
-                count += 1
-                size += len(e.data)
+            newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
+            by_kind: dict[str, list[str]] = {}
+            for kind, key in newest:
+                by_kind.setdefault(kind, []).append(key)
+            old: list[tuple[str, int]] = []
+            for kind, keys in by_kind.items():  # the rows these entries replace, a few statements per batch
+                for start in range(0, len(keys), 500):
+                    chunk = keys[start:start + 500]
+                    # INDEXED BY: without statistics SQLite would scan the session's rows by seq
+                    old += db.execute("SELECT seq, length(data) FROM log INDEXED BY log_by_key WHERE session=? "
+                                      f"AND kind=? AND key IN ({','.join('?' * len(chunk))})",
+                                      (session, kind, *chunk)).fetchall()
+            if old:
+                db.executemany("DELETE FROM log WHERE session=? AND seq=?", [(session, seq) for seq, _ in old])
+                count -= len(old)
+                size -= sum(n for _, n in old)
+            db.executemany("INSERT OR REPLACE INTO log(session, seq, kind, key, epoch, at, data) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(session, e.seq, e.kind, e.key, e.epoch, e.at, e.data) for e in newest.values()])
+            count += len(newest)
+            size += sum(len(e.data) for e in newest.values())
             cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
             over = (count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
             oldest = db.execute("SELECT at FROM log WHERE session=? ORDER BY seq LIMIT 1", (session,)).fetchone()

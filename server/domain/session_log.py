@@ -37,7 +37,7 @@ from uibus.tasks import Tasks
 log = logging.getLogger("uibus.log")
 
 MESSAGE = "message"  # a ClineMessage state, keyed by its ts
-LOG_WRITE_S = 0.05  # a session's log is committed at most once per this (at once when idle)
+LOG_WRITE_S = 0.25  # a session's log is committed at most once per this (at once when idle)
 MAX_PENDING = 4096  # unwritten states kept per session (oldest dropped first) while its store fails
 
 
