@@ -399,13 +399,14 @@ class Dialogs:
             if since is not None and self.log is not None:
                 missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, sub)
                 if not gap:  # exactly what came after the cursor, then live
-                    sent = 0
+                    sent = {event.seq for event in missed}  # queued meanwhile too: sent once
                     for event in missed:
-                        sent = event.seq
                         yield event
                     async for event in sub:
-                        if event.seq > sent:
-                            yield event
+                        if sent and event.seq in sent:
+                            sent.discard(event.seq)
+                            continue
+                        yield event
                     return
                 yield pb.ExtensionUiEvent(gap=True)  # too old: the snapshot follows
             kept = await self.store.scan(session, PREFIX)

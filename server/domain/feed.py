@@ -245,7 +245,10 @@ class UiFeed:
                 if theme is not None:
                     value = common_pb2.String(value=theme)
                     yield Replayed(value) if replay else value
-            sent = 0  # the highest seq this stream has sent: live states at or below it come again no more
+            # The seq of each message (by ts) this stream has replayed: a live state of it that is not
+            # newer was queued before the replay was read and is sent no more. By ts, not a seq
+            # threshold: another replica's publisher may stamp a newer message with a lower seq.
+            sent: dict[int, int] = {}
             if stream.kind is kinds.PARTIAL_MESSAGE and (replay or since is not None):
                 # Read after subscribing, so nothing published meanwhile is missed. What the mailbox
                 # got since then is taken into the replay (the higher seq of a ts wins), so it is
@@ -268,19 +271,21 @@ class UiFeed:
                     # snapshot at a new epoch (Cline's webview drops what it had of older epochs).
                     if replay:
                         yield GAP
-                        found.update(await self.recent.read(session))
+                        for ts, message in (await self.recent.read(session)).items():
+                            known = found.get(ts)
+                            if known is None or message.seq > known.seq:
+                                found[ts] = message
                     else:
                         found = self._resnapshot(session, await self.recent.read(session))
                 # A snapshot in ts order (the conversation as shown), a resume in log (seq) order.
                 for message in sorted(found.values(), key=_by_ts if since is None or gap else _by_seq):
-                    if message.seq > sent:
-                        sent = message.seq
+                    sent[message.ts] = message.seq
                     yield Replayed(message) if replay else message
             if mark_end:
                 yield REPLAY_END
             if sent:
                 async for item in sub:
-                    if item.seq <= sent:  # replayed already (a state queued before the replay was read)
+                    if sent and item.seq <= sent.get(item.ts, 0):  # replayed already (queued before the read)
                         continue
                     yield item
             else:
@@ -298,17 +303,19 @@ class UiFeed:
         try:
             await bus.ready(session)
             yield LIVE
-            sent = 0
+            sent: set[int] = set()  # the seqs replayed: the same requests queued meanwhile come no more
             if since is not None:
                 missed, gap = await self.log.resume(session, since, HOST_REQUESTS, host_pb2.HostRequest, sub)
                 if gap:
                     yield host_pb2.HostRequest(gap=True, seq=self.log.head(session))
                 for item in missed:
-                    sent = item.seq
+                    sent.add(item.seq)
                     yield item
             async for item in sub:
-                if item.seq > sent:
-                    yield item
+                if sent and item.seq in sent:
+                    sent.discard(item.seq)
+                    continue
+                yield item
         finally:
             bus.unsubscribe(sub)
 
