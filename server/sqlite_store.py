@@ -385,7 +385,14 @@ class SqliteStore(Store):
                     floor = max(floor, cut)
             db.execute("INSERT OR REPLACE INTO log_meta(session, floor, count, bytes) VALUES (?, ?, ?, ?)",
                        (session, floor, count, size))
-            created = self._touch(session, create=True)
+            # The session was active when its events happened, not when the write-behind wrote them:
+            # a later write of an earlier event must not make the session look newer than it is.
+            at = max(e.at for e in newest.values())
+            created = False
+            touched = db.execute("UPDATE sessions SET last_used=MAX(last_used, ?) WHERE session=?", (at, session))
+            if not touched.rowcount:
+                db.execute("INSERT INTO sessions(session, last_used) VALUES (?, ?)", (session, at))
+                created = True
         if created:
             self._created(session)
 

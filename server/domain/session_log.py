@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError, Message
 
 from uibus.errors import StoreFull, StoreUnavailable
 from uibus.pb.cline import ui_pb2
-from uibus.store import LogEntry, LogRetention, Store, now_ms
+from uibus.store import LogEntry, LogRetention, Store
 from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.log")
@@ -133,7 +133,8 @@ class SessionLog:
             head.epoch = seq
         message.seq = seq
         message.epoch = head.epoch
-        self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, 0.0, b""), message)
+        # `at`: when it happened (the seq is the wall clock in µs, or just above), not when written
+        self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, seq / 1000, b""), message)
         return message
 
     def stamp_event(self, session: str, kind: str, key: str, message: Message) -> int:
@@ -145,7 +146,7 @@ class SessionLog:
         if not head.epoch:
             head.epoch = seq
         message.seq = seq  # type: ignore[attr-defined]
-        self._note(session, LogEntry(seq, kind, key, head.epoch, 0.0, b""), message)
+        self._note(session, LogEntry(seq, kind, key, head.epoch, seq / 1000, b""), message)
         return seq
 
     def retract(self, session: str, kind: str, key: str) -> None:
@@ -209,12 +210,10 @@ class SessionLog:
 
     async def _write(self, session: str, batch: _Batch) -> None:
         try:
-            at = now_ms()
             entries = []
             for entry, message in batch.values():
                 if message is not None:
                     entry.data = message.SerializeToString()
-                entry.at = at
                 entries.append(entry)
             await self.store.log_append(session, entries, self.retention)
             self.appended += len(entries)
