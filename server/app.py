@@ -47,7 +47,7 @@ from uibus.transports.inprocess import Channel
 from uibus.transports.mcp_http import PATH as MCP_PATH
 from uibus.transports.routes import Routes
 from uibus.webview import webview_html
-from uibus.wiring import AppKey, Gauges, Installer, Registry, Setup
+from uibus.wiring import AppKey, Gauges, Installer, Labelled, Registry, Setup
 from uibus.worker_table import Worker
 
 log = logging.getLogger("uibus")
@@ -284,7 +284,7 @@ class App:
             await res.enter("agent ownership", core.ownership)
             await res.enter("agent turn forwarding", core.forwarding)
         # Undone after the servers stop and before the store closes: the last states are written.
-        res.callback("recent messages", self._flush_recent)
+        res.callback("session log", self._flush_recent)
         gauges: Gauges = {
             "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down; "
                             "with --workers, every worker ready)",
@@ -331,8 +331,10 @@ class App:
                 lambda: float(sessions.handles.resume_failed)),
         }
         worker = self.worker
-        metrics = self.metrics = Metrics(bus, gauges, counters, store=store, worker=None if worker is None else {
-            "index": str(worker.index), "pid": str(worker.pid)})
+        labelled: Labelled = {}
+        metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,
+                                         worker=None if worker is None else {
+                                             "index": str(worker.index), "pid": str(worker.pid)})
         core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         # Hosted agents' /mcp tokens are minted here for each (never --auth-token); tenants named here.
@@ -347,7 +349,8 @@ class App:
             *keepalive_options(cfg),
         ])
         registry = self.registry = Registry(server, pipeline)
-        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters)
+        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters,
+                                    labelled=labelled)
         for install in self._installers:
             await res.enter(getattr(install, "__name__", "installer"), install(setup))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, registry)  # type: ignore[arg-type]
@@ -424,14 +427,15 @@ class App:
         await cancel_and_wait(task)
 
     async def _flush_recent(self) -> None:
-        """Writes the recent messages still held in memory (at most the last quarter second's), so a
-        page opened after a restart shows them; bounded, since a failing store must not hold up exit."""
+        """Commits the session log's states still held in memory (at most the last write interval's),
+        so a page opened after a restart shows them, and stops its writer; bounded, since a failing
+        store must not hold up exit."""
         if self.core is None:
             return
         try:
-            await asyncio.wait_for(self.core.feed.recent.flush(), self._grace)
+            await asyncio.wait_for(self.core.feed.log.aclose(), self._grace)
         except TimeoutError:
-            log.warning("recent messages not all written before exit", extra={"fields": {"within_s": self._grace}})
+            log.warning("session log not all written before exit", extra={"fields": {"within_s": self._grace}})
 
     async def _stop_servers(self) -> None:
         """Stops accepting calls, lets running ones finish within the grace period, cancels the rest.

@@ -32,6 +32,9 @@ async def ui_feed(setup: Setup) -> AsyncIterator[None]:
     """cline.UiService (the webviews' side) and uibus.v1.HostService (the host's side)."""
     core = setup.core
     setup.serve(ui.add_to(setup.registry, core.feed), host.add_to(setup.registry, core.feed, core.bus))
+    intents = core.feed.intents
+    setup.labelled_counter("uibus_cline_intents_total", "cline.UiService trackIntent calls by action "
+                           "(new_task_clicked, prompt_submitted, other)", "action", lambda: intents)
     yield
 
 

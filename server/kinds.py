@@ -45,6 +45,10 @@ HISTORY_BUTTON = Kind("history_button", _EMPTY)
 CHAT_BUTTON = Kind("chat_button", _EMPTY)
 ACCOUNT_BUTTON = Kind("account_button", _EMPTY)
 SETTINGS_BUTTON = Kind("settings_button", _EMPTY)
+# Today's Cline webview's streams: new in wire protocol 2, so a 0.1.0 replica is never sent them.
+MARKETPLACE_BUTTON = Kind("marketplace_button", _EMPTY, since=2)
+WORKTREES_BUTTON = Kind("worktrees_button", _EMPTY, since=2)
+SHOW_WEBVIEW = Kind("show_webview", ui_pb2.ShowWebviewEvent, since=2)
 # Keyed by ClineMessage.ts: at a full mailbox the newest state of a message replaces its older one.
 PARTIAL_MESSAGE = Kind("partial_message", ui_pb2.ClineMessage, Policy.COALESCE)
 THEME = Kind("theme", common_pb2.String, Policy.LATEST)
@@ -72,6 +76,7 @@ AGENT_TURN = Kind("agent_turn", dict, presence=True)
 AGENT_TURN_REPLY = Kind("agent_turn_reply", dict)
 
 ALL: tuple[Kind, ...] = (ADD_TO_INPUT, MCP_BUTTON, HISTORY_BUTTON, CHAT_BUTTON, ACCOUNT_BUTTON, SETTINGS_BUTTON,
+                         MARKETPLACE_BUTTON, WORKTREES_BUTTON, SHOW_WEBVIEW,
                          PARTIAL_MESSAGE, THEME, RELINQUISH_CONTROL, FOCUS_CHAT_INPUT, DID_BECOME_VISIBLE,
                          HOST_REQUEST, EXTENSION_UI, EXT_UI_ANSWER, EXT_UI_ANSWER_RESULT, CHAT_MESSAGE,
                          AGENT_TURN, AGENT_TURN_REPLY)

@@ -7,7 +7,7 @@ observation each, made by the handler pipeline (uibus.pipeline) for every transp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -31,9 +31,11 @@ class _BusCollector(Collector):
     def __init__(self, bus: Bus, chat_turns: dict[str, int],
                  gauges: dict[str, tuple[str, Callable[[], float]]],
                  counters: dict[str, tuple[str, Callable[[], float]]], store: Store | None = None,
-                 worker: dict[str, str] | None = None) -> None:
+                 worker: dict[str, str] | None = None,
+                 labelled: dict[str, tuple[str, str, Callable[[], Mapping[str, float]]]] | None = None) -> None:
         self.bus = bus
         self.version = version()  # read once: the installed distribution does not change under a process
+        self.labelled = labelled if labelled is not None else {}
         self.worker = worker
         self.store = store
         self.chat_turns = chat_turns
@@ -95,6 +97,11 @@ class _BusCollector(Collector):
             yield info
         for name, (help_, read) in sorted(self.counters.items()):
             yield CounterMetricFamily(name, help_, value=read())
+        for name, (help_, label, read_all) in sorted(self.labelled.items()):
+            fam = CounterMetricFamily(name, help_, labels=[label])
+            for value, n in sorted(read_all().items()):
+                fam.add_metric([value], n)
+            yield fam
         stats = getattr(self.bus, "stats", None)  # only a ReplicatedBus counts what crossed Redis
         if stats is not None:
             for name, (value, help_) in stats.counters().items():
@@ -115,7 +122,8 @@ class Metrics:
 
     def __init__(self, bus: Bus, gauges: dict[str, tuple[str, Callable[[], float]]] | None = None,
                  counters: dict[str, tuple[str, Callable[[], float]]] | None = None, *,
-                 store: Store | None = None, worker: dict[str, str] | None = None) -> None:
+                 store: Store | None = None, worker: dict[str, str] | None = None,
+                 labelled: dict[str, tuple[str, str, Callable[[], Mapping[str, float]]]] | None = None) -> None:
         """`worker`: the labels of the `uibus_worker` gauge (index, pid), in a worker process only."""
         self.registry = CollectorRegistry(auto_describe=False)
         self.chat_turns: dict[str, int] = {}
@@ -135,7 +143,7 @@ class Metrics:
         self._children: dict[tuple[str, str, str], Any] = {}
         self._methods: set[str] = set()
         self.registry.register(_BusCollector(bus, self.chat_turns, gauges if gauges is not None else {},
-                                             counters if counters is not None else {}, store, worker))
+                                             counters if counters is not None else {}, store, worker, labelled))
 
     def observe(self, method: str, code: str, seconds: float, transport: str) -> None:
         key = (method, code, transport)

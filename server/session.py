@@ -48,3 +48,28 @@ def names_session(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
 def session_of(context: grpc.aio.ServicerContext) -> str:
     """The calling session; BadSession (INVALID_ARGUMENT) when the name is invalid."""
     return session_from_metadata(context.invocation_metadata())
+
+
+SINCE_KEY = "x-uibus-since"
+MAX_SINCE = 2**63 - 1
+
+
+def parse_since(value: str) -> int:
+    """A resume cursor as a caller wrote it (metadata or `?since=`): a non-negative seq."""
+    if not value.isdigit() or len(value) > 19 or int(value) > MAX_SINCE:
+        raise InvalidArgument(f"{SINCE_KEY} {value[:40]!r} is not a sequence number (a non-negative integer "
+                              "from an event's seq)")
+    return int(value)
+
+
+def since_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The cursor a stream resumes after (`x-uibus-since`), or None when it asks for none."""
+    for key, value in metadata or ():
+        if key == SINCE_KEY:
+            return parse_since(value if isinstance(value, str) else value.decode(errors="replace"))
+    return None
+
+
+def since_of(context: grpc.aio.ServicerContext) -> int | None:
+    """The calling stream's resume cursor; InvalidArgument when it is not a seq."""
+    return since_from_metadata(context.invocation_metadata())

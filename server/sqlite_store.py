@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.errors import ConfigError, StoreFull, StoreUnavailable
-from uibus.store import EVICT_BATCH, Store, now_ms
+from uibus.store import EVICT_BATCH, LogEntry, LogRead, LogRetention, Store, now_ms
 
 __all__ = ["SqliteStore"]
 
@@ -70,6 +70,14 @@ class SqliteStore(Store):
                   session TEXT NOT NULL, key TEXT NOT NULL, seq INTEGER NOT NULL, value TEXT NOT NULL,
                   size INTEGER NOT NULL DEFAULT 0,
                   PRIMARY KEY (session, key, seq)) WITHOUT ROWID;
+                CREATE TABLE IF NOT EXISTS log (
+                  session TEXT NOT NULL, seq INTEGER NOT NULL, kind TEXT NOT NULL, key TEXT NOT NULL,
+                  epoch INTEGER NOT NULL, at REAL NOT NULL, data BLOB NOT NULL,
+                  PRIMARY KEY (session, seq)) WITHOUT ROWID;
+                CREATE UNIQUE INDEX IF NOT EXISTS log_by_key ON log(session, kind, key);
+                CREATE TABLE IF NOT EXISTS log_meta (
+                  session TEXT NOT NULL PRIMARY KEY, floor INTEGER NOT NULL, count INTEGER NOT NULL,
+                  bytes INTEGER NOT NULL) WITHOUT ROWID;
                 """
             )
             damage = self._damage()
@@ -166,7 +174,7 @@ class SqliteStore(Store):
         """Deletes all of each session (values, lists, list totals, its activity), inside the
         caller's transaction."""
         rows = [(s,) for s in sessions]
-        for table in ("kv", "lists", "list_bytes", "sessions"):
+        for table in ("kv", "lists", "list_bytes", "log", "log_meta", "sessions"):
             self._db.executemany(f"DELETE FROM {table} WHERE session=?", rows)  # fixed table names
 
     def _evict_over_max(self, keep: str | None) -> int:
@@ -324,6 +332,86 @@ class SqliteStore(Store):
                 rows = self._db.execute("SELECT value FROM lists WHERE session=? AND key=? ORDER BY seq",
                                         (session, key)).fetchall()
         return [json.loads(r[0]) for r in rows]
+
+    # ---- the session log: one row per (session, kind, key), ordered by seq ------------------------
+
+    async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
+        """One transaction for the whole batch (one commit, never one per event): each entry
+        replaces its (kind, key)'s row; `log_meta` keeps the session's count, bytes and floor, so
+        retention trims from the oldest seq without counting the log."""
+        db = self._db
+        now = now_ms()
+        with self._faults, db:
+            db.execute("BEGIN IMMEDIATE")
+            meta = db.execute("SELECT floor, count, bytes FROM log_meta WHERE session=?", (session,)).fetchone()
+            floor, count, size = meta if meta is not None else (0, 0, 0)
+            newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
+            by_kind: dict[str, list[str]] = {}
+            for kind, key in newest:
+                by_kind.setdefault(kind, []).append(key)
+            old: list[tuple[str, int]] = []
+            for kind, keys in by_kind.items():  # the rows these entries replace, a few statements per batch
+                for start in range(0, len(keys), 500):
+                    chunk = keys[start:start + 500]
+                    # INDEXED BY: without statistics SQLite would scan the session's rows by seq
+                    old += db.execute("SELECT seq, length(data) FROM log INDEXED BY log_by_key WHERE session=? "
+                                      f"AND kind=? AND key IN ({','.join('?' * len(chunk))})",
+                                      (session, kind, *chunk)).fetchall()
+            if old:
+                db.executemany("DELETE FROM log WHERE session=? AND seq=?", [(session, seq) for seq, _ in old])
+                count -= len(old)
+                size -= sum(n for _, n in old)
+            db.executemany("INSERT OR REPLACE INTO log(session, seq, kind, key, epoch, at, data) "
+                           "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           [(session, e.seq, e.kind, e.key, e.epoch, e.at, e.data) for e in newest.values()])
+            count += len(newest)
+            size += sum(len(e.data) for e in newest.values())
+            cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
+            over = (count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
+            oldest = db.execute("SELECT at FROM log WHERE session=? ORDER BY seq LIMIT 1", (session,)).fetchone()
+            if count > 1 and (over or (oldest is not None and oldest[0] < cutoff)):
+                cut = None
+                rows = db.execute("SELECT seq, at, length(data) FROM log WHERE session=? ORDER BY seq", (session,))
+                try:
+                    for seq, at, n in rows:
+                        if count <= 1 or not ((count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
+                                              or at < cutoff):
+                            break
+                        cut, count, size = seq, count - 1, size - n
+                finally:
+                    rows.close()
+                if cut is not None:
+                    db.execute("DELETE FROM log WHERE session=? AND seq<=?", (session, cut))
+                    floor = max(floor, cut)
+            db.execute("INSERT OR REPLACE INTO log_meta(session, floor, count, bytes) VALUES (?, ?, ?, ?)",
+                       (session, floor, count, size))
+            # The session was active when its events happened, not when the write-behind wrote them:
+            # a later write of an earlier event must not make the session look newer than it is.
+            at = max(e.at for e in newest.values())
+            created = False
+            touched = db.execute("UPDATE sessions SET last_used=MAX(last_used, ?) WHERE session=?", (at, session))
+            if not touched.rowcount:
+                db.execute("INSERT INTO sessions(session, last_used) VALUES (?, ?)", (session, at))
+                created = True
+        if created:
+            self._created(session)
+
+    async def log_read(self, session: str, after: int = 0, *, kind: str = "", last: int = 0) -> LogRead:
+        db = self._db
+        with self._faults:
+            meta = db.execute("SELECT floor FROM log_meta WHERE session=?", (session,)).fetchone()
+            sql = "SELECT seq, kind, key, epoch, at, data FROM log WHERE session=? AND seq>?"
+            args: tuple[Any, ...] = (session, after)
+            if kind:
+                sql += " AND kind=?"
+                args += (kind,)
+            if last > 0:
+                rows = db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, last)).fetchall()
+                rows.reverse()
+            else:
+                rows = db.execute(sql + " ORDER BY seq", args).fetchall()
+        return LogRead([LogEntry(r[0], r[1], r[2], r[3], r[4], bytes(r[5])) for r in rows],
+                       int(meta[0]) if meta is not None else 0)
 
     async def close(self) -> None:
         """Checkpoints the WAL into the file and closes it. A checkpoint that fails (disk full,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ from uibus.errors import StoreFull, StoreUnavailable
 from uibus.logs import Throttle
 from uibus.tasks import Tasks
 
-__all__ = ["Lease", "Store", "StoreFull", "StoreStats", "StoreUnavailable"]
+__all__ = ["Lease", "LogEntry", "LogRead", "LogRetention", "Store", "StoreFull", "StoreStats", "StoreUnavailable"]
 
 log = logging.getLogger("uibus.store")
 
@@ -84,6 +85,62 @@ class Lease:
     owner: str
     token: int
     taken_from: str = ""
+
+
+@dataclass(slots=True)
+class LogEntry:
+    """One entry of a session's ordered log (uibus.domain.session_log): its position `seq`, what it
+    is (`kind`) and which thing it is a state of (`key`: a ClineMessage's ts), the conversation
+    (`epoch`), when it was written (Unix ms) and its bytes. The log keeps one entry per (kind,
+    key): a newer state replaces the older one (it gets a new, higher seq)."""
+
+    seq: int
+    kind: str
+    key: str
+    epoch: int
+    at: float
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LogRead:
+    """What `Store.log_read` found: the entries after the cursor (oldest seq first), and `floor`,
+    the highest seq retention has dropped (a cursor below it missed entries: a gap)."""
+
+    entries: list[LogEntry]
+    floor: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LogRetention:
+    """How much of a session's log is kept: the newest `max_entries`, within `max_bytes` of data,
+    none older than `max_age_s` (0: unbounded); the newest entry is always kept."""
+
+    max_entries: int = 10_000
+    max_bytes: int = 8 * 1024 * 1024
+    max_age_s: float = 7 * 24 * 3600.0
+
+
+LOG_KEY = "log/entries"  # the generic log (Store's own implementation): one JSON document per session
+LOG_HEAD_KEY = "log/head"  # a store whose log lives beside its values stamps the session with its head here
+
+
+def _log_doc(current: Any) -> dict[str, Any]:
+    if isinstance(current, dict) and isinstance(current.get("e"), list):
+        return {"floor": int(current.get("floor", 0)), "e": list(current["e"])}
+    return {"floor": 0, "e": []}
+
+
+def _entry_json(e: LogEntry) -> list[Any]:
+    return [e.seq, e.kind, e.key, e.epoch, e.at, base64.b64encode(e.data).decode("ascii")]
+
+
+def _entry_of(row: Any) -> LogEntry | None:
+    try:
+        seq, kind, key, epoch, at, data = row
+        return LogEntry(int(seq), str(kind), str(key), int(epoch), float(at), base64.b64decode(data))
+    except (TypeError, ValueError):
+        return None
 
 
 class Store(abc.ABC):
@@ -179,6 +236,47 @@ class Store(abc.ABC):
         held = self._leases.get((session, name))
         if held is not None and held[0] == owner and held[1] == token:
             held[0], held[2] = "", 0.0  # free, its token kept: the next owner's is higher
+
+    # ---- the session log --------------------------------------------------------------------------
+    # A generic implementation over `update` (one document per session, atomic on every backend);
+    # SqliteStore overrides all three with indexed rows.
+
+    async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
+        """Appends `entries` (ascending seq), each replacing the entry of its (kind, key), then
+        applies `keep` (oldest first; what goes raises the floor). Stamps the session's activity."""
+        now = now_ms()
+
+        def change(current: Any) -> Any:
+            doc = _log_doc(current)
+            newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
+            rows = [r for r in doc["e"] if (r[1], r[2]) not in newest] + [_entry_json(e) for e in newest.values()]
+            rows.sort(key=lambda r: r[0])
+            floor, total = doc["floor"], sum(len(r[5]) for r in rows)
+            cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
+            while len(rows) > 1 and (len(rows) > keep.max_entries > 0 or total > keep.max_bytes > 0
+                                     or rows[0][4] < cutoff):
+                gone = rows.pop(0)
+                total -= len(gone[5])
+                floor = max(floor, gone[0])
+            return {"floor": floor, "e": rows}
+
+        await self.update(session, LOG_KEY, change)
+
+    async def log_read(self, session: str, after: int = 0, *, kind: str = "", last: int = 0) -> LogRead:
+        """The entries with seq > `after` (of `kind` only, when given), oldest first; with `last`,
+        only the newest `last` of them."""
+        doc = _log_doc(await self.get(session, LOG_KEY))
+        entries = [e for e in map(_entry_of, doc["e"]) if e is not None and e.seq > after
+                   and (not kind or e.kind == kind)]
+        if last > 0:
+            entries = entries[-last:]
+        return LogRead(entries, doc["floor"])
+
+    async def log_head(self, session: str) -> tuple[int, int]:
+        """(the highest seq, its epoch) of the session's log; (floor, 0) when it holds nothing."""
+        read = await self.log_read(session, last=1)
+        return (read.entries[-1].seq, read.entries[-1].epoch) if read.entries else (read.floor, 0)
+
     async def sessions(self) -> list[tuple[str, float]]:
         """Every stored session with its last activity (Unix ms), most recently active first: what
         the sessions API lists (uibus.domain.sessions). A backend that cannot list raises

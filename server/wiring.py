@@ -8,7 +8,7 @@ reverse order of installation when the app closes (or when a later start-up step
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -21,6 +21,8 @@ from uibus.pipeline import Pipeline
 
 T = TypeVar("T")
 Gauges = dict[str, tuple[str, Callable[[], float]]]
+# Counters with one label: name -> (help, label name, read() -> {label value: count}).
+Labelled = dict[str, tuple[str, str, Callable[[], Mapping[str, float]]]]
 
 
 class _CallDetails(grpc.HandlerCallDetails):
@@ -115,6 +117,7 @@ class Setup:
     mounts: dict[str, Any] = field(default_factory=dict)  # ASGI apps on the HTTP port, by path prefix
     gauges: Gauges = field(default_factory=dict)
     counters: Gauges = field(default_factory=dict)
+    labelled: Labelled = field(default_factory=dict)
     shutdown_hooks: list[Callable[[], None]] = field(default_factory=list)
     service_names: list[str] = field(default_factory=list)
     provided: dict[AppKey[Any], Any] = field(default_factory=dict)
@@ -135,6 +138,11 @@ class Setup:
         """A counter on /metrics (`name` ends in `_total`), read at scrape time from a plain int the
         owner increments: nothing runs per event."""
         self.counters[name] = (help_, read)
+
+    def labelled_counter(self, name: str, help_: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
+        """A counter with one label on /metrics, read at scrape time from plain ints the owner keeps
+        (the owner bounds the label's values)."""
+        self.labelled[name] = (help_, label, read)
 
     def on_shutdown(self, hook: Callable[[], None]) -> None:
         """Runs `hook` when shutdown begins (health NOT_SERVING, after the drain), so long calls

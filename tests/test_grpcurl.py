@@ -37,10 +37,12 @@ async def test_list_and_describe_ui_service(app):
     rc, out, err = await grpcurl(app.port, "list", "cline.UiService")
     assert rc == 0, err
     methods = {line.rsplit(".", 1)[1] for line in out.split()}
-    assert len(methods) == 16 and {"scrollToSettings", "subscribeToPartialMessage", "openUrl"} <= methods
+    assert len(methods) == 22 and {"scrollToSettings", "subscribeToPartialMessage", "openUrl", "trackIntent",
+                                   "subscribeToShowWebview", "setTerminalExecutionMode"} <= methods
     rc, out, err = await grpcurl(app.port, "describe", "cline.ClineMessage")
     assert rc == 0, err
     assert "int64 ts = 1;" in out and ".cline.ClineSayTool say_tool = 15;" in out
+    assert "int64 seq = 24;" in out and "int64 epoch = 25;" in out
     rc, out, err = await grpcurl(app.port, "describe", "cline.StringRequest")
     assert rc == 0 and ".cline.Metadata metadata = 1;" in out and "string value = 2;" in out
 

@@ -109,7 +109,8 @@ async def test_tenants_list_create_and_delete_only_their_own(tenants: App) -> No
         # a watch sees the list now, then a session go
         watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=auth("team-a-token"))
         first = await asyncio.wait_for(watch.read(), 5)
-        assert [s.session for s in first.sessions] == ["team-a-1", "team-a-2"]
+        # the dialog is an event of team-a-2 (kept in its log): team-a-2 was active last
+        assert [s.session for s in first.sessions] == ["team-a-2", "team-a-1"]
         await api.DeleteSession(pb.DeleteSessionRequest(), metadata=auth("team-a-token", "team-a-2"))
         second = await asyncio.wait_for(watch.read(), 5)
         assert [s.session for s in second.sessions] == ["team-a-1"]

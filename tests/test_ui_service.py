@@ -134,9 +134,21 @@ async def test_partial_messages_in_order_per_session(app, connect):
     for m in updates:
         await a.host.PublishPartialMessage(m)
     await b.host.PublishPartialMessage(msg(5, "only b"))
-    assert [await next_message(sa) for _ in updates] == updates
-    assert await next_message(sb) == msg(5, "only b")
-    await assert_quiet(sa, lambda: a.host.PublishPartialMessage(msg(2000, "end")), msg(2000, "end"))
+    got = [await next_message(sa) for _ in updates]
+    seqs = [m.seq for m in got]
+    assert seqs == sorted(set(seqs)) and seqs[0] > 0 and {m.epoch for m in got} == {seqs[0]}  # stamped
+    for m in got:
+        m.ClearField("seq")
+        m.ClearField("epoch")
+    assert got == updates
+    only_b = await next_message(sb)
+    assert only_b.seq > 0 and only_b.epoch == only_b.seq  # its own session, its own conversation
+    only_b.ClearField("seq")
+    only_b.ClearField("epoch")
+    assert only_b == msg(5, "only b")
+    await a.host.PublishPartialMessage(msg(2000, "end"))
+    end = await next_message(sa)
+    assert (end.ts, end.text, end.seq > seqs[-1], end.epoch) == (2000, "end", True, seqs[0])
 
 
 async def test_theme_current_value_first_then_changes(app, connect):

@@ -15,11 +15,12 @@ from typing import Any
 from tests.conftest import shots, wait_for
 from uibus.app import App
 from uibus.clients.connection import Connection
+from uibus.domain.feed import UI_STREAMS
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 
 # Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
-STREAMS_PER_PAGE = 12
+STREAMS_PER_PAGE = len(UI_STREAMS) + 1
 WITHIN = 1000  # ms: each published update must be on screen within a second
 
 
@@ -493,3 +494,36 @@ async def test_page_renders_what_a_coding_agent_says(web: App, web_connect: Call
     assert not errors, errors
     await page.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the page closed")
+
+
+async def test_page_reconnects_from_its_cursor_after_a_restart(web_config: Any, browser: Any) -> None:
+    """The server restarts under an open page: the page reconnects with `x-uibus-since` (the seq of
+    the last message it showed), gets exactly what was published while it was away, once, and no
+    replay of what it already had."""
+    from tests.conftest import running
+
+    sent: list[dict[str, str]] = []
+    errors: list[str] = []
+    ts = 1_700_000_000_000
+    async with running(web_config) as app, Connection(f"127.0.0.1:{app.port}", session="rc") as conn:
+        page = await _open(browser, app, "session=rc", errors)
+        page.on("request", lambda r: sent.append(r.headers) if r.url.endswith("WebviewService/Subscribe") else None)
+        await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                                  text="before the restart"))
+        await _shown_within(page, "() => document.querySelectorAll('#messages .msg').length === 1", None, "the first")
+        shown = await app.core.feed.log.read("rc")
+        cursor = shown.head
+    async with running(web_config) as app, Connection(f"127.0.0.1:{app.port}", session="rc") as conn:
+        await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts + 1, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                                  text="while the page was away"))
+        await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
+        await page.wait_for_function("() => document.querySelectorAll('#messages .msg').length === 2", timeout=5000)
+        assert await _texts(page) == ["before the restart", "while the page was away"]
+        assert any(h.get("x-uibus-since") == str(cursor) for h in sent), sent  # resumed, not a snapshot
+        await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts + 2, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                                  text="live again"))
+        await _shown_within(page, "() => document.querySelectorAll('#messages .msg').length === 3", None, "live")
+        assert await _texts(page) == ["before the restart", "while the page was away", "live again"]
+        # While the server was down the page's other requests failed (its unary calls): nothing else.
+        assert [e for e in errors if "Failed to fetch" not in e] == [], errors
+        await page.close()

@@ -13,10 +13,11 @@ from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus.bus import LIVE
 from uibus.clients.connection import Connection
+from uibus.domain.feed import UI_STREAMS
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
 
-STREAMS = 11
+STREAMS = len(UI_STREAMS)  # every UiService stream, multiplexed
 __all__ = ["redis_server"]  # the fixture, imported to be used here
 
 
@@ -39,11 +40,15 @@ async def test_one_stream_carries_every_ui_event(app, connect) -> None:
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="other"))  # not for c1
     await host.PublishFocusChatInput(host_pb2.FocusChatInput(client_id="c1"))
     await host.PublishRelinquishControl(common_pb2.Empty())
-    got = [await asyncio.wait_for(call.read(), 2) for _ in range(5)]
+    await host.PublishButtonClick(host_pb2.ButtonClick(button=host_pb2.BUTTON_WORKTREES))
+    await host.PublishShowWebview(ui_pb2.ShowWebviewEvent(preserve_editor_focus=True))
+    got = [await asyncio.wait_for(call.read(), 2) for _ in range(7)]
     assert [g.source for g in got] == ["subscribeToPartialMessage", "subscribeToAddToInput",
                                        "subscribeToSettingsButtonClicked", "subscribeToFocusChatInput",
-                                       "subscribeToRelinquishControl"]
+                                       "subscribeToRelinquishControl", "subscribeToWorktreesButtonClicked",
+                                       "subscribeToShowWebview"]
     assert got[0].partial_message.text == "hi" and got[1].text == "added" and got[2].HasField("signal")
+    assert got[6].show_webview.preserve_editor_focus
     call.cancel()
     await wait_for(lambda: app.bus.count() == 0, what="every inner subscription removed")
 
@@ -122,11 +127,12 @@ async def test_messages_published_while_subscribing_are_sent_once(app, connect) 
     call.cancel()
 
 
-async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
-    """The newest 200 by ts are kept, each in its latest state, in the session store: a finished
-    message under RECENT_KEY, one still growing under RECENT_PARTIAL_KEY (so streaming rewrites
-    only the small key); a message that finishes moves from the second to the first."""
-    from uibus.domain.recent import MAX_RECENT, RECENT_KEY, RECENT_PARTIAL_KEY, RecentMessages
+async def test_recent_messages_are_a_view_of_the_log(app, connect) -> None:
+    """The session log keeps the latest state of each message (one entry per ts, the newest seq);
+    the recent messages a webview starts with are its newest 200, read from the store alone after
+    a flush (a fresh SessionLog over the same store has nothing in memory)."""
+    from uibus.domain.recent import MAX_RECENT, RecentMessages
+    from uibus.domain.session_log import MESSAGE, SessionLog
 
     session = "bound"
     host = connect(session=session).host
@@ -134,12 +140,12 @@ async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
         await host.PublishPartialMessage(_say(ts, f"m{ts}-partial", partial=True))
     await host.PublishPartialMessage(_say(250, "m250 final"))
     await app.core.feed.recent.flush()
-    assert list(await app.store.get(session, RECENT_KEY)) == ["250"]
-    growing = await app.store.get(session, RECENT_PARTIAL_KEY)
-    assert len(growing) <= MAX_RECENT and "250" not in growing and list(growing)[-1] == "249"
-    stored = await RecentMessages(app.store).read(session)  # the store alone, nothing from memory
+    rows = (await app.store.log_read(session, kind=MESSAGE)).entries
+    assert [int(e.key) for e in rows] == list(range(1, 251))  # coalesced: one entry per message
+    assert [e.seq for e in rows] == sorted({e.seq for e in rows}) and len({e.epoch for e in rows}) == 1
+    stored = await RecentMessages(SessionLog(app.store)).read(session)
     assert list(stored) == list(range(51, 251))  # the newest 200
-    assert stored[250].text == "m250 final" and not stored[250].partial
+    assert stored[250].text == "m250 final" and not stored[250].partial and stored[250].seq == rows[-1].seq
     assert stored[249].text == "m249-partial" and stored[249].partial
 
     call = _subscribe(connect(session=session), session)
@@ -147,25 +153,6 @@ async def test_recent_messages_are_bounded_and_stored(app, connect) -> None:
     assert [g.partial_message.ts for g in got] == list(range(51, 251)) and all(g.replayed for g in got)
     assert got[-1].partial_message.text == "m250 final"
     call.cancel()
-
-
-async def test_recent_messages_are_bounded_in_bytes(app, connect) -> None:
-    from uibus.domain.recent import MAX_RECENT_BYTES, RECENT_KEY
-
-    session = "big"
-    host = connect(session=session).host
-    big = "x" * (50 * 1024)
-    for ts in range(1, 11):
-        await host.PublishPartialMessage(_say(ts, big))
-    await app.core.feed.recent.flush()
-    stored = await app.store.get(session, RECENT_KEY)
-    assert 0 < len(stored) < 10 and list(stored)[-1] == "10"  # the newest kept, the oldest dropped
-    assert sum(len(k) + len(v) for k, v in stored.items()) <= MAX_RECENT_BYTES
-
-    huge = "y" * (MAX_RECENT_BYTES + 1)  # alone over the bound: kept (the newest always is), alone
-    await host.PublishPartialMessage(_say(11, huge))
-    await app.core.feed.recent.flush()
-    assert list(await app.store.get(session, RECENT_KEY)) == ["11"]
 
 
 async def test_ui_service_does_not_replay(app, connect) -> None:
@@ -207,17 +194,18 @@ async def test_published_between_subscribing_and_reading_is_replayed_once(app) -
 
 
 async def test_recent_messages_are_written_without_being_asked(app, connect) -> None:
-    """Write-behind: a burst of states is written at once, then at most every RECENT_WRITE_S, and
+    """Write-behind: a burst of states is written at once, then at most every LOG_WRITE_S, and
     the latest state of each message reaches the store on its own (no flush)."""
-    from uibus.domain.recent import RECENT_WRITE_S, RecentMessages
+    from uibus.domain.recent import RecentMessages
+    from uibus.domain.session_log import LOG_WRITE_S, SessionLog
 
     session = "behind"
     host = connect(session=session).host
     for i in range(30):
         await host.PublishPartialMessage(_say(5, "x" * (i + 1), partial=i < 29))
     await host.PublishPartialMessage(_say(6, "still growing", partial=True))
-    from_store = RecentMessages(app.store)
-    deadline = asyncio.get_running_loop().time() + 4 * RECENT_WRITE_S + 1
+    from_store = RecentMessages(SessionLog(app.store))
+    deadline = asyncio.get_running_loop().time() + 4 * LOG_WRITE_S + 1
     while True:
         stored = await from_store.read(session)
         if stored.get(5) is not None and stored[5].text == "x" * 30 and 6 in stored:

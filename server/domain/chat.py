@@ -307,6 +307,9 @@ class Chat:
 
         feed = self.feed
         origin = [chat_pb2.Origin(tool=agent, instantiation_index=1)]
+        await feed.prepare(session)
+        if not turn.history:  # a new conversation: a new epoch in the session's log
+            feed.log.new_epoch(session)
         feed.question(session, text)  # before the reply's ts: the turn shows (and replays) in order
         ts = 0  # the reply's message, taken at its first piece: what an agent shows before it comes first
         parts: list[str] = []
@@ -377,6 +380,7 @@ class Chat:
         reply = agent_pb2.ChatResponse(request=echo, response=message) if maximal \
             else agent_pb2.ChatResponse(response=message)
         _fit_reply(reply, self.send_limit)
+        await feed.durable(session)  # acknowledged is durable: the reply is in the log before the caller has it
         yield reply
 
     async def _keep(self, session: str, agent: str, loaded: chat_pb2.ChatContext, new_ctx: chat_pb2.ChatContext,

@@ -45,7 +45,7 @@ class Core:
         clock = TsClock()
         feed = UiFeed(bus, store, clock)
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
-        dialogs = Dialogs(bus, store, config.queue_size)
+        dialogs = Dialogs(bus, store, config.queue_size, log=feed.log)
         sessions = AgentSessions(dialogs, feed, store)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store

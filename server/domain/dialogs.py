@@ -38,6 +38,7 @@ from uibus import kinds, telemetry
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.domain.dialog_sharing import SharedDialogs
+from uibus.domain.session_log import SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.store import Store
@@ -104,12 +105,16 @@ class Dialog:
     answered_by: list[str] | None = None  # with tracing on: [transport, identity] of the UI's call
 
 
+EXT_UI = "ext_ui"  # the kind of extension-UI events in the session log
+
+
 class PendingDialogs:
     """The open dialogs of every session, and a bounded memory of closed ones."""
 
     def __init__(self, bus: Bus, max_per_session: int = MAX_PENDING_PER_SESSION, remember: int = 4096,
-                 shared: SharedDialogs | None = None) -> None:
+                 shared: SharedDialogs | None = None, log: SessionLog | None = None) -> None:
         self.bus = bus
+        self.log = log  # the session log: every event a UI gets is stamped and kept there first
         self.shared = shared  # with Redis: closing removes the dialog's store entry before telling UIs
         self.max_per_session = max_per_session
         self._remember = remember
@@ -154,8 +159,10 @@ class PendingDialogs:
                                                                  TIMED_OUT)
         self._open[dialog.id] = dialog
         self._by_session.setdefault(dialog.session, {})[dialog.id] = dialog
-        self.bus.publish(dialog.session, kinds.EXTENSION_UI, pb.ExtensionUiEvent(request=dialog.request),
-                         key=dialog.id)
+        event = pb.ExtensionUiEvent(request=dialog.request)
+        if self.log is not None:
+            self.log.stamp_event(dialog.session, EXT_UI, dialog.id, event)
+        self.bus.publish(dialog.session, kinds.EXTENSION_UI, event, key=dialog.id)
         self.on_change()
 
     async def wait(self, dialog: Dialog) -> Answer:
@@ -183,6 +190,8 @@ class PendingDialogs:
         if not dialog.future.done():
             dialog.future.set_result(Answer(outcome, value, confirmed))
         session, event = dialog.session, pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome))
+        if self.log is not None:
+            self.log.stamp_event(session, EXT_UI, dialog.id, event)  # replaces the dialog's request
         if self.shared is None:
             self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id)
         else:  # the store entry goes first: a UI that subscribes after the event must not replay it
@@ -237,13 +246,16 @@ def state_events(state: dict[str, Any]) -> list[pb.ExtensionUiEvent]:
 
 
 class Dialogs:
-    def __init__(self, bus: Bus, store: Store, queue_size: int = UI_QUEUE) -> None:
+    def __init__(self, bus: Bus, store: Store, queue_size: int = UI_QUEUE, *, log: SessionLog | None = None) -> None:
+        """`log`: the session log the UIs' events are stamped into (resumable streams); without
+        one (a Dialogs of its own, in tests) events carry no seq."""
         self.bus = bus
         self.store = store
+        self.log = log
         # With a replicated bus, waiting dialogs are shared through the store, and answers given on
         # other replicas are forwarded to this one; alone, memory is all there is.
         self.shared = SharedDialogs(bus, store) if bus.replicated else None
-        self.pending = PendingDialogs(bus, shared=self.shared)
+        self.pending = PendingDialogs(bus, shared=self.shared, log=log)
         self.ui_queue = max(UI_QUEUE, queue_size)
         self.forwarding = AnswerForwarding(bus, self._verdict) if bus.replicated else None
         # How long each dialog waited for a person: (kind, outcome, seconds); /metrics (uibus.metrics).
@@ -324,6 +336,8 @@ class Dialogs:
 
     def _fire(self, session: str, key: Any, **method: Any) -> pb.FireReply:
         event = _event(**method)
+        if self.log is not None:  # a status or widget replaces its key's older state; a notice is its own
+            self.log.stamp_event(session, EXT_UI, "/".join(key) if key else event.request.id, event)
         n = self.bus.publish(session, kinds.EXTENSION_UI, event, key=key)
         return pb.FireReply(id=event.request.id, subscribers=n)
 
@@ -368,7 +382,7 @@ class Dialogs:
 
     # ---- UIs ----
 
-    async def events(self, session: str) -> AsyncIterator[pb.ExtensionUiEvent | Live]:
+    async def events(self, session: str, since: int | None = None) -> AsyncIterator[pb.ExtensionUiEvent | Live]:
         """`LIVE` once subscribed, kept state, then waiting dialogs (oldest first), then live events.
 
         The subscription is taken before the waiting dialogs are listed, with no await between,
@@ -383,6 +397,19 @@ class Dialogs:
             waiting = self.pending.waiting(session)
             await bus.ready(session)  # heard on every replica (and their dialogs' holders known) first
             yield LIVE  # subscribed: the pipeline sends the response headers now
+            if since is not None and self.log is not None:
+                missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, sub)
+                if not gap:  # exactly what came after the cursor, then live
+                    sent = {event.seq for event in missed}  # queued meanwhile too: sent once
+                    for event in missed:
+                        yield event
+                    async for event in sub:
+                        if sent and event.seq in sent:
+                            sent.discard(event.seq)
+                            continue
+                        yield event
+                    return
+                yield pb.ExtensionUiEvent(gap=True)  # too old: the snapshot follows
             kept = await self.store.scan(session, PREFIX)
             for event in state_events(kept):
                 yield event

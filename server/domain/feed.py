@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from google.protobuf.message import DecodeError
+
 from uibus import kinds
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.domain.recent import RecentMessages
+from uibus.domain.session_log import MESSAGE, SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument
 from uibus.json_input import load_json
 from uibus.kinds import Kind
@@ -36,6 +39,12 @@ log = logging.getLogger("uibus.feed")
 
 THEME_KEY = "ui/theme"
 ANNOUNCEMENT_KEY = "ui/announcement"  # {"latest": id, "last_shown": id}
+TERMINAL_MODE_KEY = "ui/terminal_execution_mode"  # "vscodeTerminal" | "backgroundExec"
+# trackIntent's actions as upstream Cline's webview sends them; anything else is counted as "other",
+# so a caller cannot grow /metrics with labels of its choosing.
+INTENT_ACTIONS = ("new_task_clicked", "prompt_submitted")
+MAX_INTENT_FIELD_CHARS = 256
+HOST_REQUESTS = "host_request"  # the kind of the host's requests in the session log
 MAX_URL_CHARS = 2048
 MAX_THEME_CHARS = 256 * 1024
 _EMPTY = common_pb2.Empty()
@@ -50,6 +59,8 @@ _BUTTONS: dict[int, Kind] = {
     host_pb2.BUTTON_CHAT: kinds.CHAT_BUTTON,
     host_pb2.BUTTON_ACCOUNT: kinds.ACCOUNT_BUTTON,
     host_pb2.BUTTON_SETTINGS: kinds.SETTINGS_BUTTON,
+    host_pb2.BUTTON_MARKETPLACE: kinds.MARKETPLACE_BUTTON,
+    host_pb2.BUTTON_WORKTREES: kinds.WORKTREES_BUTTON,
 }
 
 
@@ -90,6 +101,9 @@ UI_STREAMS: tuple[UiStream, ...] = (
     UiStream("subscribeToRelinquishControl", kinds.RELINQUISH_CONTROL),
     UiStream("subscribeToFocusChatInput", kinds.FOCUS_CHAT_INPUT, "client_id"),
     UiStream("subscribeToDidBecomeVisible", kinds.DID_BECOME_VISIBLE),
+    UiStream("subscribeToWorktreesButtonClicked", kinds.WORKTREES_BUTTON),
+    UiStream("subscribeToMarketplaceButtonClicked", kinds.MARKETPLACE_BUTTON),
+    UiStream("subscribeToShowWebview", kinds.SHOW_WEBVIEW),
 )
 _BY_PROVIDER = frozenset(s.kind for s in UI_STREAMS if s.target == "provider")
 
@@ -154,18 +168,52 @@ class _ReplayEnd:
 REPLAY_END = _ReplayEnd()
 
 
+class _Gap:
+    """What `UiFeed.events(..., since=...)` yields when the cursor is older than the session's log
+    keeps: the client missed events that are gone, so what follows is a snapshot, not the rest."""
+
+    def __repr__(self) -> str:
+        return "GAP"
+
+
+GAP = _Gap()
+
+
+def _by_seq(message: ui_pb2.ClineMessage) -> int:
+    return message.seq
+
+
+def _by_ts(message: ui_pb2.ClineMessage) -> int:
+    return message.ts
+
+
+def _messages(entries: list[Any]) -> dict[int, ui_pb2.ClineMessage]:
+    found: dict[int, ui_pb2.ClineMessage] = {}
+    for entry in entries:
+        try:
+            message = ui_pb2.ClineMessage.FromString(entry.data)
+        except DecodeError:
+            continue
+        found[message.ts] = message
+    return found
+
+
 class UiFeed:
-    def __init__(self, bus: Bus, store: Store, clock: TsClock, *, recent: RecentMessages | None = None) -> None:
-        """`recent` keeps the sessions' recent messages (by default with the module's bounds)."""
+    def __init__(self, bus: Bus, store: Store, clock: TsClock, *, log: SessionLog | None = None) -> None:
+        """`log` is the sessions' ordered log (by default with the default retention); the recent
+        messages a webview starts with are a view of it."""
         self.bus = bus
         self.store = store
         self.clock = clock
-        self.recent = recent if recent is not None else RecentMessages(store)
+        self.log = log if log is not None else SessionLog(store)
+        self.recent = RecentMessages(self.log)
+        # trackIntent calls by action (INTENT_ACTIONS and "other"): read by /metrics at scrape time.
+        self.intents: dict[str, int] = dict.fromkeys((*INTENT_ACTIONS, "other"), 0)
 
     # ---- webviews: streams ----
 
     async def events(self, session: str, stream: UiStream, target: str = "", *,
-                     replay: bool = False, mark_end: bool = False) -> AsyncIterator[Any]:
+                     replay: bool = False, mark_end: bool = False, since: int | None = None) -> AsyncIterator[Any]:
         """The stream's events until it ends: `LIVE` once subscribed (the pipeline sends the
         response headers then), the current state where the stream has one, then live events.
 
@@ -175,6 +223,11 @@ class UiFeed:
         With `mark_end`, `REPLAY_END` follows what the stream starts with (every stream yields it,
         once, also those that start with nothing), so WebviewService can tell its client the
         replay is complete instead of the client guessing from a quiet spell.
+
+        With `since` (a resume cursor: the seq of the last event the client had), the
+        partial-message stream first sends the latest state of every message whose state changed
+        after it, from the session's log, oldest seq first, each once, then live; a cursor older
+        than the log keeps gets `GAP` (webviews) or a fresh snapshot at a new epoch (Cline).
 
         The subscription is removed in the `finally` beside it, which runs on cancel, disconnect,
         deadline and shutdown alike.
@@ -192,34 +245,98 @@ class UiFeed:
                 if theme is not None:
                     value = common_pb2.String(value=theme)
                     yield Replayed(value) if replay else value
-            if replay and stream.kind is kinds.PARTIAL_MESSAGE:
+            # The seq of each message (by ts) this stream has replayed: a live state of it that is not
+            # newer was queued before the replay was read and is sent no more. By ts, not a seq
+            # threshold: another replica's publisher may stamp a newer message with a lower seq.
+            sent: dict[int, int] = {}
+            if stream.kind is kinds.PARTIAL_MESSAGE and (replay or since is not None):
                 # Read after subscribing, so nothing published meanwhile is missed. What the mailbox
-                # got since then is taken into the replay (it is the same as, or newer than, what was
-                # read for its ts), so it is neither sent twice nor sent older after newer.
-                recent = await self.recent.read(session)
+                # got since then is taken into the replay (the higher seq of a ts wins), so it is
+                # neither sent twice nor sent older after newer.
+                gap = False
+                if since is None:
+                    found = await self.recent.read(session)
+                else:
+                    log_read = await self.log.read(session, since, kind=MESSAGE)
+                    gap = log_read.gap
+                    found = {} if gap else _messages(log_read.entries)
                 while len(sub):
                     item = await anext(sub)
-                    recent[item.ts] = item
-                for ts in sorted(recent):
-                    yield Replayed(recent[ts])
+                    known = found.get(item.ts)
+                    if known is None or item.seq >= known.seq:
+                        found[item.ts] = item
+                if gap:
+                    # The cursor is older than what the log keeps: say so, never a silent hole. A
+                    # webview (replay) gets GAP then the recent messages; a Cline stream gets the
+                    # snapshot at a new epoch (Cline's webview drops what it had of older epochs).
+                    if replay:
+                        yield GAP
+                        for ts, message in (await self.recent.read(session)).items():
+                            known = found.get(ts)
+                            if known is None or message.seq > known.seq:
+                                found[ts] = message
+                    else:
+                        found = self._resnapshot(session, await self.recent.read(session))
+                # A snapshot in ts order (the conversation as shown), a resume in log (seq) order.
+                for message in sorted(found.values(), key=_by_ts if since is None or gap else _by_seq):
+                    sent[message.ts] = message.seq
+                    yield Replayed(message) if replay else message
             if mark_end:
                 yield REPLAY_END
-            async for item in sub:
-                yield item
+            if sent:
+                async for item in sub:
+                    if sent and item.seq <= sent.get(item.ts, 0):  # replayed already (queued before the read)
+                        continue
+                    yield item
+            else:
+                async for item in sub:
+                    yield item
         finally:
             bus.unsubscribe(sub)
 
-    async def host_requests(self, session: str) -> AsyncIterator[host_pb2.HostRequest | Live]:
-        """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE` first."""
+    async def host_requests(self, session: str, since: int | None = None) -> AsyncIterator[host_pb2.HostRequest | Live]:
+        """What the session's webviews ask of the host (open a URL, scroll, initialized); `LIVE`
+        first. With `since`, the requests logged after that seq come first (each once, in order),
+        or one `gap` request when the cursor is older than the log keeps."""
         bus = self.bus
         sub = bus.subscribe(session, kinds.HOST_REQUEST)
         try:
             await bus.ready(session)
             yield LIVE
+            sent: set[int] = set()  # the seqs replayed: the same requests queued meanwhile come no more
+            if since is not None:
+                missed, gap = await self.log.resume(session, since, HOST_REQUESTS, host_pb2.HostRequest, sub)
+                if gap:
+                    yield host_pb2.HostRequest(gap=True, seq=self.log.head(session))
+                for item in missed:
+                    sent.add(item.seq)
+                    yield item
             async for item in sub:
+                if sent and item.seq in sent:
+                    sent.discard(item.seq)
+                    continue
                 yield item
         finally:
             bus.unsubscribe(sub)
+
+    def _to_host(self, session: str, request: host_pb2.HostRequest) -> int:
+        """Logs a request of the host (its seq) and publishes it; how many hosts got it."""
+        self.log.stamp_event(session, HOST_REQUESTS, request.id, request)
+        return self.bus.publish(session, kinds.HOST_REQUEST, request)
+
+    def _resnapshot(self, session: str, recent: dict[int, ui_pb2.ClineMessage]) -> dict[int, ui_pb2.ClineMessage]:
+        """The recent messages again, stamped at a new epoch and published to every UI of the
+        session (so all of them converge on the same conversation under the new fence, and a later
+        reader finds them in the log); returns them as stamped."""
+        again: dict[int, ui_pb2.ClineMessage] = {}
+        self.log.new_epoch(session)
+        for ts in sorted(recent):
+            message = ui_pb2.ClineMessage()
+            message.CopyFrom(recent[ts])
+            self.log.stamp(session, message)
+            self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=ts)
+            again[ts] = message
+        return again
 
     # ---- hosts: publishing (each returns how many subscribers the event reached) ----
 
@@ -230,7 +347,8 @@ class UiFeed:
         """A button click; a typed click reaches the webviews that subscribed with that type."""
         kind = _BUTTONS.get(button)
         if kind is None:
-            raise InvalidArgument(f"button={button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS")
+            raise InvalidArgument(f"button={button} is not one of MCP, HISTORY, CHAT, ACCOUNT, SETTINGS, "
+                                  "MARKETPLACE, WORKTREES")
         target = None
         if provider_type is not None:
             if provider_type not in _PROVIDER_TYPES:
@@ -239,19 +357,29 @@ class UiFeed:
                 target = ui_pb2.WebviewProviderType.Name(provider_type)
         return self.bus.publish(session, kind, _EMPTY, target=target)
 
+    async def prepare(self, session: str) -> None:
+        """Learns the session's current conversation (epoch) from its log, once per process:
+        awaited by the callers that can before they publish (a host's publish, a chat turn)."""
+        await self.log.prepare(session)
+
+    async def durable(self, session: str) -> None:
+        """Waits until every message state of the session published so far is committed to its
+        log: a chat turn's final reply is in the log before its caller's stream ends."""
+        await self.log.flush(session)
+
     def publish_message(self, session: str, message: ui_pb2.ClineMessage) -> int:
         """A (partial) ClineMessage as the host sent it; the bus coalesces its states by ts."""
         problem = check_cline_message(message)
         if problem:
             raise InvalidArgument(problem)
-        self.recent.note(session, message)
+        self.log.stamp(session, message)  # its seq and epoch, and into the log, before fan-out
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=message.ts)
 
     def say(self, session: str, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
         """A SAY message of uibus's own (chat replies, CodeBolt messages); `ts` from `clock`."""
         ts = ts or self.clock.next()
         msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=say, text=text, partial=partial)  # type: ignore[arg-type]
-        self.recent.note(session, msg)
+        self.log.stamp(session, msg)
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, msg, key=ts)
 
     def question(self, session: str, text: str) -> int:
@@ -284,15 +412,19 @@ class UiFeed:
     def did_become_visible(self, session: str) -> int:
         return self.bus.publish(session, kinds.DID_BECOME_VISIBLE, _EMPTY)
 
+    def show_webview(self, session: str, preserve_editor_focus: bool = False) -> int:
+        """The host asks the session's webviews to show themselves (Cline's sendShowWebviewEvent)."""
+        return self.bus.publish(session, kinds.SHOW_WEBVIEW,
+                                ui_pb2.ShowWebviewEvent(preserve_editor_focus=preserve_editor_focus))
+
     # ---- webviews: requests of the host ----
 
     def scroll_to_settings(self, session: str, section: str) -> int:
-        return self.bus.publish(session, kinds.HOST_REQUEST, _host_request(
-            scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
+        return self._to_host(session, _host_request(scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
 
     async def initialize_webview(self, session: str) -> None:
         """Tells the host, and replays the current theme so every stream of the session is fresh."""
-        self.bus.publish(session, kinds.HOST_REQUEST, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
+        self._to_host(session, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
         theme = await self.theme(session)
         if theme is not None:
             self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
@@ -304,9 +436,47 @@ class UiFeed:
         if problem:
             raise InvalidArgument(problem)
         await self.bus.ready(session)
-        if not self.bus.publish(session, kinds.HOST_REQUEST, _host_request(open_url=host_pb2.OpenUrl(url=url))):
+        request = _host_request(open_url=host_pb2.OpenUrl(url=url))
+        if not self._to_host(session, request):
+            self.log.retract(session, HOST_REQUESTS, request.id)  # refused to its caller: never replayed
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      "nothing can open the URL")
+
+    async def open_walkthrough(self, session: str) -> None:
+        """Cline opens its walkthrough in the editor: that is the host's to do, as with `open_url`,
+        so the request goes to the host (on any replica), and with no host listening the caller
+        hears so rather than the request vanishing."""
+        await self.bus.ready(session)
+        request = _host_request(open_walkthrough=host_pb2.OpenWalkthrough())
+        if not self._to_host(session, request):
+            self.log.retract(session, HOST_REQUESTS, request.id)
+            raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
+                                     "nothing can open the walkthrough")
+
+    async def set_terminal_execution_mode(self, session: str, background: bool) -> str:
+        """Keeps the webview's choice in the session (the host reads it in GetSessionState) and tells
+        a listening host at once; returns the mode's name as Cline says it."""
+        mode = "backgroundExec" if background else "vscodeTerminal"
+        await self.store.put(session, TERMINAL_MODE_KEY, mode)
+        self._to_host(session, _host_request(terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
+        return mode
+
+    async def terminal_execution_mode(self, session: str) -> str:
+        mode = await self.store.get(session, TERMINAL_MODE_KEY)
+        return mode if isinstance(mode, str) else ""
+
+    def track_intent(self, event: ui_pb2.IntentEvent) -> str:
+        """Counts a webview's intent by action (a known action, else "other"); returns the label.
+        Nothing of it is stored: it is telemetry (counted on /metrics, an attribute of the call's span)."""
+        for name in ("action", "source"):
+            value = getattr(event, name)
+            if len(value) > MAX_INTENT_FIELD_CHARS:
+                raise InvalidArgument(f"{name} is {len(value)} characters; the limit is {MAX_INTENT_FIELD_CHARS}")
+        if event.text_length < 0:
+            raise InvalidArgument(f"text_length={event.text_length} is negative")
+        action = event.action if event.action in INTENT_ACTIONS else "other"
+        self.intents[action] = self.intents.get(action, 0) + 1
+        return action
 
     # ---- announcements ----
 

@@ -51,6 +51,14 @@ class Keys:
     def lists(self, session: str) -> str:
         return self.base(session) + ":lists"
 
+    def log(self, session: str) -> str:
+        """The session's log: a Stream whose ids are the entries' seqs (`seq-0`)."""
+        return self.base(session) + ":log"
+
+    def log_index(self, session: str) -> str:
+        """Which id holds each (kind, key) of the log, and its count, bytes and floor."""
+        return self.base(session) + ":logidx"
+
 
 class IndexHost(Protocol):
     """What an index strategy uses of its RedisStore: the client, the key names, retention's

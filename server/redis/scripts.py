@@ -18,7 +18,7 @@ local function drop(ns, m)
   for _, k in ipairs(redis.call('HKEYS', base .. ':lists')) do
     redis.call('DEL', base .. ':list:' .. k)
   end
-  redis.call('DEL', base .. ':kv', base .. ':lists')
+  redis.call('DEL', base .. ':kv', base .. ':lists', base .. ':log', base .. ':logidx')
 end
 """
 
@@ -150,7 +150,7 @@ end
 for _, k in ipairs(redis.call('HKEYS', KEYS[2])) do
   redis.call('DEL', ARGV[1] .. ':list:' .. k)
 end
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], ARGV[1] .. ':log', ARGV[1] .. ':logidx')
 return {1}
 """
 
@@ -186,4 +186,61 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+
+# ---- the session log (uibus.domain.session_log): a Stream per session, ids `seq-0` -----------------
+
+# KEYS: the session's log stream, its index hash (field "kind NUL key" -> "seq size"; `_count`,
+# `_bytes`, `_floor`). ARGV: max_entries, max_bytes, cutoff (ms; -1 none), n, then per entry seq,
+# kind, key, epoch, at, data. Each entry replaces its (kind, key)'s (XDEL of the old id), then
+# retention trims from the oldest id, raising `_floor`; one step, so replicas never interleave
+# inside a batch. Seqs are kept as strings (Lua's numbers print large integers in exponent form);
+# an entry whose seq is not above the stream's last id (another replica wrote a higher one) is
+# written at last + 1. Returns the last id's seq.
+LOG_APPEND = """
+local maxn, maxb, cutoff, n = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local meta = redis.call('HMGET', KEYS[2], '_count', '_bytes', '_floor')
+local count, bytes, floor = tonumber(meta[1] or '0'), tonumber(meta[2] or '0'), tonumber(meta[3] or '0')
+local last = 0
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top > 0 then last = tonumber(string.match(top[1][1], '^(%d+)')) end
+for i = 0, n - 1 do
+  local b = 5 + i * 6
+  local seq, kind, key, data = tonumber(ARGV[b]), ARGV[b + 1], ARGV[b + 2], ARGV[b + 5]
+  local field = kind .. '\0' .. key
+  local old = redis.call('HGET', KEYS[2], field)
+  if old then
+    local oseq, osize = string.match(old, '^(%d+) (%d+)$')
+    if redis.call('XDEL', KEYS[1], oseq .. '-0') == 1 then
+      count = count - 1
+      bytes = bytes - tonumber(osize)
+    end
+  end
+  if seq <= last then seq = last + 1 end
+  local id = string.format('%.0f', seq)
+  redis.call('XADD', KEYS[1], id .. '-0', 'k', kind, 'y', key, 'e', ARGV[b + 3], 'a', ARGV[b + 4], 'd', data)
+  redis.call('HSET', KEYS[2], field, id .. ' ' .. #data)
+  last = seq
+  count = count + 1
+  bytes = bytes + #data
+end
+while count > 1 do
+  local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+  if #first == 0 then break end
+  local f = first[1][2]
+  local at, size = tonumber(f[8]), #f[10]
+  if not ((maxn > 0 and count > maxn) or (maxb > 0 and bytes > maxb) or (cutoff >= 0 and at < cutoff)) then
+    break
+  end
+  redis.call('XDEL', KEYS[1], first[1][1])
+  redis.call('HDEL', KEYS[2], f[2] .. '\0' .. f[4])
+  count = count - 1
+  bytes = bytes - size
+  local gone = tonumber(string.match(first[1][1], '^(%d+)'))
+  if gone > floor then floor = gone end
+end
+redis.call('HSET', KEYS[2], '_count', string.format('%.0f', count), '_bytes', string.format('%.0f', bytes),
+           '_floor', string.format('%.0f', floor))
+return string.format('%.0f', last)
 """

@@ -47,7 +47,8 @@ from uibus.redis.index_cluster import EMPTY_TAG, ClusterIndex
 from uibus.redis.index_single import SingleIndex
 from uibus.redis.keys import Keys, dumps
 from uibus.redis.leases import RedisLeases
-from uibus.store import Lease, Store
+from uibus.redis.scripts import LOG_APPEND
+from uibus.store import LOG_HEAD_KEY, Lease, LogEntry, LogRead, LogRetention, Store, now_ms
 from uibus.telemetry.spans import store_op
 
 log = logging.getLogger("uibus.store")
@@ -113,6 +114,7 @@ class RedisStore(Store):
         # The session index, chosen once: every write that stamps a session goes through it.
         self._sessions: SingleIndex | ClusterIndex = ClusterIndex(self) if cluster else SingleIndex(self)
         self._lease_steps = RedisLeases(self.redis, self.keys)  # agent ownership (uibus.redis.leases)
+        self._log_append = self.redis.register_script(LOG_APPEND)
 
     async def _ready(self) -> None:
         """On a cluster, the first learning of the slots, once (uibus.redis.conn.SlotMap: several
@@ -203,7 +205,7 @@ class RedisStore(Store):
         with self.guard():
             lists = [k.decode() for k in await self.redis.hkeys(keys.lists(session))]
             await self.redis.delete(*(keys.list(session, k) for k in lists), keys.kv(session), keys.lists(session),
-                                    base + ":seen")
+                                    base + ":seen", keys.log(session), keys.log_index(session))
             removed = 0
             for index in self._sessions.index_keys():
                 removed += int(await self.redis.zrem(index, member))
@@ -283,6 +285,40 @@ class RedisStore(Store):
         with self.guard():
             start = -last if last > 0 else 0
             return [json.loads(v) for v in await self.redis.lrange(self.keys.list(session, key), start, -1)]
+
+    # ---- the session log: a Stream per session in the session's slot (uibus.redis.scripts.LOG_APPEND) --
+
+    @keeps_cancel
+    async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
+        """One script for the batch (replacing each (kind, key), then retention), then the
+        session's activity stamp through the index strategy, as any write of the session."""
+        await self._ready()
+        cutoff = now_ms() - keep.max_age_s * 1000 if keep.max_age_s > 0 else -1
+        args: list[Any] = [keep.max_entries, keep.max_bytes, int(cutoff), len(entries)]
+        for e in entries:
+            args += [e.seq, e.kind, e.key, e.epoch, int(e.at), e.data]
+        with self.guard():
+            head = await self._log_append(keys=[self.keys.log(session), self.keys.log_index(session)], args=args)
+        await self._sessions.put(session, LOG_HEAD_KEY, dumps(int(head)))
+
+    @keeps_cancel
+    async def log_read(self, session: str, after: int = 0, *, kind: str = "", last: int = 0) -> LogRead:
+        await self._ready()
+        name = self.keys.log(session)
+        with self.guard():
+            floor = await self.redis.hget(self.keys.log_index(session), "_floor")
+            if last > 0:
+                rows = list(reversed(await self.redis.xrevrange(name, "+", f"({after}-0" if after else "-",
+                                                                 count=last)))
+            else:
+                rows = await self.redis.xrange(name, f"({after}-0" if after else "-", "+")
+        entries = []
+        for rid, fields in rows:
+            entry = LogEntry(int(rid.split(b"-")[0]), fields[b"k"].decode(), fields[b"y"].decode(),
+                             int(fields[b"e"]), float(fields[b"a"]), bytes(fields[b"d"]))
+            if not kind or entry.kind == kind:
+                entries.append(entry)
+        return LogRead(entries, int(floor) if floor is not None else 0)
 
     # ---- leases (uibus.redis.leases): atomic on the server, shared by every replica ---------------
 

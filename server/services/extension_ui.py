@@ -15,7 +15,7 @@ import grpc
 from uibus.domain.dialogs import Dialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 
 
 class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
@@ -58,7 +58,7 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.ExtensionUiEvent]:
-        async for event in self.dialogs.events(session_of(context)):
+        async for event in self.dialogs.events(session_of(context), since_of(context)):
             yield event
 
     async def Respond(self, request: pb.RespondRequest, context: grpc.aio.ServicerContext) -> pb.RespondReply:

@@ -16,7 +16,7 @@ from uibus.bus import Bus
 from uibus.domain.feed import UiFeed
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 
 
 def reply(n: int, bus: Bus) -> host_pb2.PublishReply:
@@ -40,7 +40,9 @@ class HostService(host_pb2_grpc.HostServiceServicer):
 
     async def PublishPartialMessage(self, request: ui_pb2.ClineMessage,
                                     context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
-        return reply(self.feed.publish_message(session_of(context), request), self.bus)
+        session = session_of(context)
+        await self.feed.prepare(session)
+        return reply(self.feed.publish_message(session, request), self.bus)
 
     async def SetTheme(self, request: host_pb2.TextEvent,
                        context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
@@ -58,6 +60,10 @@ class HostService(host_pb2_grpc.HostServiceServicer):
                                       context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
         return reply(self.feed.did_become_visible(session_of(context)), self.bus)
 
+    async def PublishShowWebview(self, request: ui_pb2.ShowWebviewEvent,
+                                 context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
+        return reply(self.feed.show_webview(session_of(context), request.preserve_editor_focus), self.bus)
+
     async def SetAnnouncement(self, request: host_pb2.AnnouncementState,
                               context: grpc.aio.ServicerContext) -> host_pb2.AnnouncementState:
         state = await self.feed.set_announcement(session_of(context), request.latest_announcement_id)
@@ -71,11 +77,12 @@ class HostService(host_pb2_grpc.HostServiceServicer):
         return host_pb2.SessionState(
             session=session, theme=await self.feed.theme(session) or "",
             announcement=host_pb2.AnnouncementState(latest_announcement_id=ann.latest,
-                                                    last_shown_announcement_id=ann.last_shown))
+                                                    last_shown_announcement_id=ann.last_shown),
+            terminal_execution_mode=await self.feed.terminal_execution_mode(session))
 
     async def SubscribeHostRequests(self, request: common_pb2.Empty,
                                     context: grpc.aio.ServicerContext) -> AsyncIterator[host_pb2.HostRequest]:
-        async for item in self.feed.host_requests(session_of(context)):
+        async for item in self.feed.host_requests(session_of(context), since_of(context)):
             yield item
 
     async def GetBusStats(self, request: common_pb2.Empty,

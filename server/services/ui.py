@@ -1,9 +1,11 @@
-"""cline.UiService: the 16 RPCs a Cline webview calls, wire-compatible with Cline's proto.
+"""cline.UiService: the 22 RPCs a Cline webview calls (the seed's 16 and six upstream added),
+wire-compatible with Cline's proto.
 
 Behaviour follows Cline's controller (Cline's `src/core/controller/ui/`, the
 handlers of the `cline/ui.proto` this serves) with the differences uibus needs as a
 multi-client server: state lives per session in the store, events come from the bus, and what
-Cline would do on the host machine (open a URL, scroll) becomes a host request. The eleven
+Cline would do on the host machine (open a URL or the walkthrough, scroll) becomes a host request,
+and trackIntent (Cline's telemetry) is counted on /metrics and marked on the call's span. The fourteen
 `subscribeTo*` methods are made from the feed's one table of UI streams.
 """
 
@@ -14,9 +16,10 @@ from typing import Any
 
 import grpc
 
+from uibus import telemetry
 from uibus.domain.feed import UI_STREAMS, UiFeed, UiStream
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 from uibus.webview import webview_html
 
 
@@ -24,7 +27,7 @@ def _subscribe(stream: UiStream) -> Callable[..., AsyncIterator[Any]]:
     def handler(self: UiService, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         # The feed's own stream, not a generator around it: every event would pay one more hop
         # (the pipeline serves a function that returns a stream as it serves a generator).
-        return self.feed.events(session_of(context), stream, stream.target_of(request))
+        return self.feed.events(session_of(context), stream, stream.target_of(request), since=since_of(context))
 
     handler.__name__ = handler.__qualname__ = stream.rpc
     return handler
@@ -56,6 +59,25 @@ class UiService(ui_pb2_grpc.UiServiceServicer):
     async def openUrl(self, request: common_pb2.StringRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.Empty:
         await self.feed.open_url(session_of(context), request.value)
+        return common_pb2.Empty()
+
+    async def openWalkthrough(self, request: common_pb2.EmptyRequest,
+                              context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        await self.feed.open_walkthrough(session_of(context))
+        return common_pb2.Empty()
+
+    async def setTerminalExecutionMode(self, request: common_pb2.BooleanRequest,
+                                       context: grpc.aio.ServicerContext) -> common_pb2.KeyValuePair:
+        mode = await self.feed.set_terminal_execution_mode(session_of(context), request.value)
+        return common_pb2.KeyValuePair(key="terminalExecutionModeSet", value=mode)  # as Cline answers
+
+    async def trackIntent(self, request: ui_pb2.IntentEvent, context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        action = self.feed.track_intent(request)
+        telemetry.annotate({"uibus.intent.action": action, "uibus.intent.source": request.source[:64],
+                            "uibus.intent.has_text": request.has_text, "uibus.intent.has_images": request.has_images,
+                            "uibus.intent.has_files": request.has_files,
+                            "uibus.intent.has_active_task": request.has_active_task,
+                            "uibus.intent.text_length": request.text_length})
         return common_pb2.Empty()
 
 

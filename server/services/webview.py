@@ -1,7 +1,7 @@
 """uibus.v1.WebviewService: every cline.UiService subscription of a webview over one stream.
 
 Browsers keep at most six HTTP/1.1 connections per server and a gRPC-Web stream holds one, so the
-webview page cannot open UiService's eleven streams. This service reads the very same feed streams
+webview page cannot open UiService's fourteen streams. This service reads the very same feed streams
 UiService serves (the feed's one table, `UI_STREAMS`) and multiplexes their messages, so behaviour
 (current theme first, provider-type filtering, targeted focus) cannot drift apart.
 
@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 
 from uibus.bus import LIVE
-from uibus.domain.feed import REPLAY_END, UI_STREAMS, Replayed, UiFeed, UiStream
+from uibus.domain.feed import GAP, REPLAY_END, UI_STREAMS, Replayed, UiFeed, UiStream
 from uibus.errors import InvalidArgument
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
-from uibus.session import session_of
+from uibus.session import session_of, since_of
 from uibus.tasks import cancel_all
 
 _END = object()
@@ -40,6 +40,8 @@ def _event(source: str, message: Any) -> webview_pb2.WebviewEvent:
         return event
     if isinstance(message, ui_pb2.ClineMessage):
         return webview_pb2.WebviewEvent(source=source, partial_message=message)
+    if isinstance(message, ui_pb2.ShowWebviewEvent):
+        return webview_pb2.WebviewEvent(source=source, show_webview=message)
     if isinstance(message, common_pb2.String):
         return webview_pb2.WebviewEvent(source=source, text=message.value)
     return webview_pb2.WebviewEvent(source=source, signal=common_pb2.Empty())
@@ -59,6 +61,7 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
     async def Subscribe(self, request: webview_pb2.WebviewSubscribeRequest,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[webview_pb2.WebviewEvent]:
         session = session_of(context)
+        since = since_of(context)
         if not request.client_id:
             raise InvalidArgument("client_id is required (it targets subscribeToFocusChatInput)")
         targets = _targets(request)
@@ -69,8 +72,11 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
         async def pump(stream: UiStream, target: str) -> None:
             try:
                 async with contextlib.aclosing(self.feed.events(session, stream, target, replay=True,
-                                                                mark_end=True)) as events:
+                                                                mark_end=True, since=since)) as events:
                     async for message in events:
+                        if message is GAP:
+                            await queue.put(webview_pb2.WebviewEvent(source=stream.rpc, gap=True))
+                            continue
                         plain = message is LIVE or message is REPLAY_END
                         await queue.put(message if plain else _event(stream.rpc, message))
             except asyncio.CancelledError:  # the call ended

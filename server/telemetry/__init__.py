@@ -261,6 +261,16 @@ def start_span(name: str, kind: SpanKind = SpanKind.INTERNAL, ctx: Context | Non
     return t.start_span(name, context=ctx, kind=kind, attributes=attributes)
 
 
+def annotate(attributes: dict[str, Any]) -> None:
+    """Adds `attributes` to the current span (the call being served) when it is recorded: what a
+    call means beyond its method (trackIntent's action) goes on the call's own span, not a new one."""
+    if tracer is None:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(attributes)
+
+
 def error(span: Span, exc: BaseException) -> None:
     span.record_exception(exc)
     span.set_status(trace.StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:200])

@@ -42,7 +42,7 @@ from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, header
 
 log = logging.getLogger("uibus.web")
 
-ALLOW_HEADERS = ("content-type, x-grpc-web, x-user-agent, grpc-timeout, x-uibus-session, authorization, "
+ALLOW_HEADERS = ("content-type, x-grpc-web, x-user-agent, grpc-timeout, x-uibus-session, x-uibus-since, authorization, "
                  "service_version, user_id, request_id, mcp-session-id, mcp-protocol-version, last-event-id, "
                  "traceparent, tracestate, baggage")  # W3C trace context: a traced page's calls join its trace
 EXPOSE_HEADERS = "grpc-status, grpc-message, grpc-status-details-bin, content-type, mcp-session-id"

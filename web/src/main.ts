@@ -228,18 +228,27 @@ function applyTheme(json: string): void {
 }
 
 // ---- UI streams -----------------------------------------------------------------------------------
+// The highest seq of a message this page has shown: a reconnect resumes after it (the server sends
+// exactly what changed since, not the whole snapshot again; docs/streams/resume.md).
+let cursor = 0n;
+
 async function followUi(signal: AbortSignal): Promise<void> {
   for (let attempt = 0; !signal.aborted; attempt++) {
     try {
       setStatus("connecting", "connecting…");
-      const stream = webview.subscribe({ clientId, providerType: provider }, { signal });
+      const headers = cursor > 0n ? { "x-uibus-since": cursor.toString() } : undefined;
+      const stream = webview.subscribe({ clientId, providerType: provider }, { signal, headers });
       let first = true;
       await ui.initializeWebview(create(EmptyRequestSchema), { signal });
       setStatus("live", "live");
       for await (const ev of stream) {
         if (first) { first = false; attempt = 0; }
         const e = ev.event;
-        if (e.case === "partialMessage") showPartial(e.value, ev.replayed);
+        if (ev.gap) logEvent("gap: the session's log no longer reaches back to what this page had");
+        if (e.case === "partialMessage") {
+          if (e.value.seq > cursor) cursor = e.value.seq;
+          showPartial(e.value, ev.replayed);
+        }
         else if (ev.source === "subscribeToTheme" && e.case === "text") applyTheme(e.value);
         else if (ev.source === "subscribeToAddToInput" && e.case === "text") {
           input.value = input.value ? `${input.value}\n${e.value}` : e.value;

@@ -1,0 +1,304 @@
+"""One ordered log per session: every ClineMessage state gets the session's next sequence number
+(`seq`) and its conversation (`epoch`) before it is fanned out, and is kept in the store, so a
+UI that reconnects says "after seq N" and gets exactly what it missed (docs/streams/resume.md).
+
+Why write-behind and coalescing: a reply grows many times a second and publishing must never
+await (`UiFeed.say` runs in cancel paths), so stamping is in memory (a clock read and a dict
+insert) and a session's stamped states are written in one transaction at once when the session
+was not written in the last `write_s`, else at the end of that interval: one commit per session
+per `write_s` at most, never one per token. Only the latest state of a growing message is kept
+(its (kind, key) row is replaced, with the new seq), so a 10,000-piece reply is one entry. `read`
+merges the store with what is still in memory, so on this process an event can be replayed the
+moment it is stamped; `flush(session)` waits until the session's states are committed (a chat
+turn calls it before its final reply: acknowledged is durable).
+
+The seq is the session's position: it grows by at least one per event and never goes back,
+across restarts too, because it is max(last + 1, wall-clock microseconds); so no read of the
+store is needed before stamping. The epoch of a conversation is the seq of its first event; the
+session's current epoch is read from the log once per process (`prepare`), before the session's
+first event here when the caller can await (a chat turn, a host publish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from google.protobuf.message import DecodeError, Message
+
+from uibus.errors import StoreFull, StoreUnavailable
+from uibus.pb.cline import ui_pb2
+from uibus.store import LogEntry, LogRetention, Store
+from uibus.tasks import Tasks
+
+log = logging.getLogger("uibus.log")
+
+MESSAGE = "message"  # a ClineMessage state, keyed by its ts
+LOG_WRITE_S = 0.25  # a session's log is committed at most once per this (at once when idle)
+MAX_PENDING = 4096  # unwritten states kept per session (oldest dropped first) while its store fails
+
+
+# A session's states waiting to be written: (kind, key) -> (entry, the message whose bytes it gets).
+_Batch = dict[tuple[str, str], tuple[LogEntry, "Message | None"]]
+
+
+@dataclass(slots=True)
+class _Head:
+    seq: int = 0
+    epoch: int = 0
+    prepared: bool = False
+    loading: asyncio.Future[None] | None = None
+
+
+@dataclass(slots=True)
+class Replay:
+    """What a reader gets from a cursor: the entries after it (oldest seq first) and whether
+    entries after it were already dropped by retention (`gap`), so it must start over."""
+
+    entries: list[LogEntry] = field(default_factory=list)
+    gap: bool = False
+    head: int = 0  # the highest seq known when read (the cursor of a reader that got everything)
+
+
+class SessionLog:
+    def __init__(self, store: Store, *, retention: LogRetention | None = None, write_s: float = LOG_WRITE_S) -> None:
+        self.store = store
+        self.retention = retention if retention is not None else LogRetention()
+        self.write_s = write_s
+        self.write_failures = 0
+        self.appended = 0  # entries committed (after coalescing), for /metrics and the bench
+        self._heads: dict[str, _Head] = {}
+        self._pending: dict[str, _Batch] = {}  # stamped, not yet being written: by (kind, key), in seq order
+        self._writing: dict[str, _Batch] = {}  # the batch whose write is in flight
+        self._done: dict[str, asyncio.Event] = {}  # set when the session's write in flight ends
+        self._cooling: dict[str, asyncio.TimerHandle] = {}
+        self._tasks = Tasks("uibus-log")
+
+    # ---- stamping ----------------------------------------------------------------------------
+
+    def _head(self, session: str) -> _Head:
+        head = self._heads.get(session)
+        if head is None:
+            head = self._heads[session] = _Head()
+        return head
+
+    async def prepare(self, session: str) -> None:
+        """Learns the session's current epoch (and last seq) from the store, once per process. A
+        store that fails leaves the session unprepared (tried again next time); stamping works
+        either way."""
+        head = self._head(session)
+        if head.prepared:
+            return
+        if head.loading is not None:
+            await asyncio.shield(head.loading)
+            return
+        head.loading = asyncio.get_running_loop().create_future()
+        try:
+            seq, epoch = await self.store.log_head(session)
+            if seq > head.seq:
+                head.seq = seq
+            if not head.epoch:
+                head.epoch = epoch
+            head.prepared = True
+        except (StoreUnavailable, StoreFull):
+            pass
+        finally:
+            head.loading.set_result(None)
+            head.loading = None
+
+    def next_seq(self, session: str) -> int:
+        head = self._head(session)
+        seq = head.seq + 1
+        now = time.time_ns() // 1000
+        if now > seq:
+            seq = now
+        head.seq = seq
+        return seq
+
+    def new_epoch(self, session: str) -> None:
+        """The session's next event starts a new conversation (its seq becomes the epoch)."""
+        self._head(session).epoch = 0
+
+    def stamp(self, session: str, message: ui_pb2.ClineMessage, *, new_epoch: bool = False) -> ui_pb2.ClineMessage:
+        """Gives `message` the session's next seq and the current epoch (a new one with
+        `new_epoch`, or for Cline's TASK message, which starts a task) and queues it for the
+        store. The message is kept as it is (not copied): callers hand over a message they no
+        longer change. Returns it."""
+        seq = self.next_seq(session)
+        head = self._heads[session]
+        if new_epoch or not head.epoch or (message.type == ui_pb2.SAY and message.say == ui_pb2.TASK):
+            head.epoch = seq
+        message.seq = seq
+        message.epoch = head.epoch
+        # `at`: when it happened (the seq is the wall clock in µs, or just above), not when written
+        self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, seq / 1000, b""), message)
+        return message
+
+    def stamp_event(self, session: str, kind: str, key: str, message: Message) -> int:
+        """Gives an event of another kind (a host request, an extension-UI event) the session's next
+        seq (its `seq` field) and queues it for the store under (kind, key): a newer event of the
+        same key replaces the older one. Returns the seq."""
+        seq = self.next_seq(session)
+        head = self._heads[session]
+        if not head.epoch:
+            head.epoch = seq
+        message.seq = seq  # type: ignore[attr-defined]
+        self._note(session, LogEntry(seq, kind, key, head.epoch, seq / 1000, b""), message)
+        return seq
+
+    def retract(self, session: str, kind: str, key: str) -> None:
+        """Takes back an event stamped a moment ago that reached nobody and was refused to its
+        caller (an openUrl with no host listening), so no later reader replays it. Only while it
+        is still unwritten; the next state of its key replaces it anyway."""
+        pending = self._pending.get(session)
+        if pending is not None:
+            pending.pop((kind, key), None)
+
+    async def resume(self, session: str, since: int, kind: str, payload: type[Message],
+                     sub: Any) -> tuple[list[Any], bool]:
+        """What a stream resuming after `since` sends before going live: the events of `kind`
+        after the cursor from the log, merged with what its subscription `sub` (taken before
+        this read) queued meanwhile, each seq once, in seq order; and whether the cursor was
+        older than the log keeps (a gap: the caller sends its snapshot instead)."""
+        replay = await self.read(session, since, kind=kind)
+        by_seq: dict[int, Any] = {}
+        if not replay.gap:
+            for entry in replay.entries:
+                try:
+                    by_seq[entry.seq] = payload.FromString(entry.data)
+                except DecodeError:
+                    continue
+        while len(sub):
+            item = await anext(sub)
+            if item.seq > since:
+                by_seq.setdefault(item.seq, item)
+        return [by_seq[seq] for seq in sorted(by_seq)], replay.gap
+
+    def _note(self, session: str, entry: LogEntry, message: Message | None) -> None:
+        pending = self._pending.get(session)
+        if pending is None:
+            pending = self._pending[session] = {}
+        key = (entry.kind, entry.key)
+        pending.pop(key, None)  # re-inserted last: the dict stays in seq order
+        pending[key] = (entry, message)
+        if len(pending) > MAX_PENDING:
+            del pending[next(iter(pending))]
+        if session not in self._cooling and session not in self._writing:
+            self._start(session)
+
+    # ---- writing -----------------------------------------------------------------------------
+
+    def _start(self, session: str) -> None:
+        self._cooling.pop(session, None)
+        batch = self._pending.pop(session, None)
+        if not batch:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a synchronous caller): nothing can write
+            self.write_failures += 1
+            return
+        if self._tasks.closed:  # stamped after shutdown wrote the log: live delivery goes on, unkept
+            self.write_failures += 1
+            return
+        self._writing[session] = batch
+        self._done[session] = asyncio.Event()
+        self._tasks.spawn(self._write(session, batch), name="uibus-log-write")
+
+    async def _write(self, session: str, batch: _Batch) -> None:
+        try:
+            entries = []
+            for entry, message in batch.values():
+                if message is not None:
+                    entry.data = message.SerializeToString()
+                entries.append(entry)
+            await self.store.log_append(session, entries, self.retention)
+            self.appended += len(entries)
+        except (StoreUnavailable, StoreFull):
+            self.write_failures += 1
+            self._requeue(session, batch)
+        except Exception as exc:  # a bug of ours must not stop the session's writes
+            self.write_failures += 1
+            log.error("session log not written", exc_info=exc, extra={"fields": {"session": session}})
+        finally:
+            self._writing.pop(session, None)
+            done = self._done.pop(session, None)
+            if done is not None:
+                done.set()
+        self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
+
+    def _requeue(self, session: str, batch: _Batch) -> None:
+        """A failed batch goes back before what was noted since (newer states of a key win)."""
+        newer = self._pending.get(session, {})
+        merged = {k: v for k, v in batch.items() if k not in newer}
+        merged.update(newer)
+        while len(merged) > MAX_PENDING:
+            del merged[next(iter(merged))]
+        self._pending[session] = merged
+
+    async def flush(self, session: str | None = None) -> None:
+        """Waits until what was stamped (for `session`, or every session) is committed, writing
+        it now instead of at the end of the interval. Raises nothing: a store that fails keeps
+        the states queued (and says so on its health)."""
+        while True:
+            sessions = [session] if session is not None else list({*self._pending, *self._writing})
+            busy = False
+            for s in sessions:
+                if s in self._writing:
+                    busy = True
+                    await self._done[s].wait() if s in self._done else asyncio.sleep(0)
+                elif s in self._pending:
+                    timer = self._cooling.pop(s, None)
+                    if timer is not None:
+                        timer.cancel()
+                    self._start(s)
+                    busy = s in self._writing
+                    if busy:
+                        await self._done[s].wait()
+                    if s in self._pending and self.store.problem:  # failing: do not spin
+                        return
+            if not busy:
+                return
+
+    async def aclose(self) -> None:
+        """Writes what is pending, then stops (the store closes after this)."""
+        await self.flush()
+        for timer in self._cooling.values():
+            timer.cancel()
+        self._cooling.clear()
+        await self._tasks.aclose()
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    async def read(self, session: str, after: int = 0, *, kind: str = "", last: int = 0) -> Replay:
+        """The session's entries after `after` (of `kind`, when given): the store's, overridden by
+        what this process stamped and has not committed yet; `gap` when retention dropped entries
+        after the cursor."""
+        stored = await self.store.log_read(session, after, kind=kind, last=last)
+        by_key: dict[tuple[str, str], LogEntry] = {(e.kind, e.key): e for e in stored.entries}
+        for batch in (self._writing.get(session), self._pending.get(session)):  # read after the await
+            if batch:
+                for key, (entry, message) in batch.items():
+                    if entry.seq > after and (not kind or entry.kind == kind):
+                        if message is not None and not entry.data:
+                            entry = LogEntry(entry.seq, entry.kind, entry.key, entry.epoch, entry.at,
+                                             message.SerializeToString())
+                        by_key[key] = entry
+        entries = sorted(by_key.values(), key=lambda e: e.seq)
+        if last > 0:
+            entries = entries[-last:]
+        head = max(self._head(session).seq, entries[-1].seq if entries else 0)
+        return Replay(entries, gap=0 < after < stored.floor, head=head)
+
+    def head(self, session: str) -> int:
+        """The last seq stamped on this process for the session (0: none yet)."""
+        head = self._heads.get(session)
+        return head.seq if head is not None else 0
+
+    def forget(self, session: str) -> None:
+        """The session was deleted: its head and unwritten states go too."""
+        self._heads.pop(session, None)
+        self._pending.pop(session, None)
