@@ -523,6 +523,21 @@ def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
     assert tokens.grant(OPERATOR.encode()).tenant == "operator"  # type: ignore[union-attr]
 
 
+def test_a_tenant_home_is_one_directory_named_after_its_tenant(tmp_path: Path) -> None:
+    from uibus.agents.launcher import Launch, Sandbox
+
+    homes = tmp_path / "homes"
+    box = Sandbox(bwrap="/usr/bin/bwrap", homes_dir=str(homes))
+
+    def home(tenant: str) -> str | None:
+        return Launch(agent="a", session="s", tenant=tenant, argv=("x",), cwd=None, env={"HOME": "/h"},
+                      sandbox=box).tenant_home()
+
+    assert home("team-a") == str(homes / "team-a") and home("") == str(homes / "operator")
+    assert home("team-a+team-b") == str(homes / "team-a+team-b") != home("team-a_team-b")
+    assert [Path(home(t)).parent for t in ("..", ".", "../x", "a/b")] == [homes] * 4  # type: ignore[arg-type]
+
+
 def test_a_token_line_may_name_its_tenant_and_names_win(tmp_path: Path) -> None:
     from uibus.auth import Tokens
 

@@ -134,7 +134,11 @@ def _private_dirs(*paths: str) -> None:
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "_"
+    """A tenant's name as one directory name: `+` kept (sessions two named tenants share, `a+b`,
+    must not meet a tenant named `a_b`), anything else outside A-Z a-z 0-9 . _ - made `_`, and
+    never `.` or `..`."""
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", name)[:160]
+    return "_" if safe in ("", ".", "..") else safe
 
 
 class Launcher(abc.ABC):
