@@ -646,3 +646,35 @@ async def test_sandboxed_agents_in_worktrees_see_their_own_only(config: Config, 
     assert "---end" in seen and "committed-b" in seen, seen
     assert "A-SECRET" not in seen and "# the project" not in seen and leaked(seen) == [] and "No such file" in seen
     assert not (repo / "note.txt").exists() and not (repo / "mine.txt").exists()  # the checkout untouched
+
+    # B plants what would make uibus's own git (its summary, diff, `git add`, `worktree add`) run
+    # code as uibus, outside the sandbox: a config, a hook, a commondir, its worktree's gitdir link,
+    # A's worktree's admin files. Every write is refused; it still commits in its own worktree.
+    common = repo / ".git"
+    plant = ("c=$(git rev-parse --git-common-dir); git config core.fsmonitor 'touch /tmp/pwned'; "
+             "echo '[core] fsmonitor = touch /tmp/pwned' >> $c/config; mkdir -p $c/hooks; "
+             "echo 'touch /tmp/pwned' > $c/hooks/post-checkout; echo /tmp > $c/commondir; "
+             "echo 'gitdir: /tmp' > .git; o=$(git rev-parse --absolute-git-dir); "
+             "for d in $c/worktrees/*; do [ \"$d\" = \"$o\" ] || echo x > $d/HEAD; done; "
+             "echo B2 > more.txt && git add more.txt && git commit -qm 'by B again' && echo committed-again; "
+             "echo ---end")
+    before = {f: (common / f).read_bytes() for f in ("config",)}
+    model.script(Reply(tool=("bash", {"command": plant})), Reply(text="Planted."))
+    assert await pi_turn(app, "team-b-1", TOKEN_B, "plant") == "Planted."
+    seen = json.dumps(model.requests[5]["messages"][-1])
+    assert "---end" in seen and "committed-again" in seen, seen
+    assert seen.count("Read-only file system") >= 4, seen
+    assert {f: (common / f).read_bytes() for f in ("config",)} == before
+    assert not (common / "commondir").exists() and not (common / "hooks" / "post-checkout").exists()
+    assert all((d / "HEAD").read_text() != "x\n" for d in (common / "worktrees").iterdir())
+    b_tree = next(p.parent for p in (tmp_path / "ws" / "sessions").rglob("mine.txt"))
+    assert (b_tree / ".git").read_text().startswith(f"gitdir: {common / 'worktrees'}")
+    listed = await _web_summary(app, TOKEN_B)  # uibus reads B's workspace: git still sees it whole
+    assert "files_changed: 2" in listed and "commits: 2" in listed, listed  # mine.txt and more.txt, committed
+
+
+async def _web_summary(app: App, token: str) -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        listed = await sessions_pb2_grpc.SessionServiceStub(ch).ListSessions(
+            sessions_pb2.ListSessionsRequest(), metadata=(("authorization", f"Bearer {token}"),))
+    return str(listed)

@@ -270,7 +270,8 @@ def bwrap_argv(launch: Launch, common_dir: str | None = None) -> list[str]:
     if launch.cwd:
         bind("--bind", launch.cwd)
         if common_dir and not _under(common_dir, launch.cwd):
-            bind("--bind", common_dir)
+            bind("--ro-bind", common_dir)
+            args.extend(_git_writable(launch.cwd, common_dir))
     for path in box.hide:  # uibus's own files, wherever a bind above would show them
         if not os.path.lexists(path) or not any(_under(path, b) for b in bound):
             continue
@@ -281,6 +282,38 @@ def bwrap_argv(launch: Launch, common_dir: str | None = None) -> list[str]:
     if launch.cwd:
         args.extend(["--chdir", launch.cwd])
     return [*args, "--", *launch.argv]
+
+
+def _git_writable(cwd: str, common: str) -> list[str]:
+    """bwrap arguments making writable, in a git worktree's repository shown read-only, what
+    committing needs: objects, refs, logs and the worktree's own admin folder (HEAD, index) —
+    but not its pointers (`commondir`, `gitdir`), nor this worktree's `.git` link, nor the
+    repository's config, hooks, info or the other worktrees. Why: uibus itself runs git in the
+    worktree and the repository (summary, diff, `git add` in a private index, `worktree add`); an
+    agent that could plant a `core.fsmonitor`, a filter, a hook, a `commondir` or a `gitdir:` to a
+    repository of its own would run code as uibus, outside its sandbox."""
+    out: list[str] = []
+    for name in ("objects", "refs", "logs"):
+        path = os.path.join(common, name)
+        if name == "logs":
+            os.makedirs(path, exist_ok=True)  # git makes it at a first reflog: not in a read-only root
+        if os.path.isdir(path):
+            out.extend(["--bind", path, path])
+    link = os.path.join(cwd, ".git")
+    try:
+        with open(link, encoding="utf-8") as f:
+            own = f.read(4096).strip().removeprefix("gitdir:").strip()
+    except OSError:
+        own = ""
+    if own and _under(os.path.realpath(own), os.path.realpath(os.path.join(common, "worktrees"))) \
+            and os.path.isdir(own):
+        out.extend(["--bind", own, own])
+        for name in ("commondir", "gitdir", "config.worktree"):
+            path = os.path.join(own, name)
+            if os.path.lexists(path):
+                out.extend(["--ro-bind", path, path])
+    out.extend(["--ro-bind", link, link])
+    return out
 
 
 def installation_of(program: str, path: str) -> list[str]:
