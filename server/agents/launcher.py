@@ -13,8 +13,9 @@ lists in `inherit_env`, then the agent's own `env` — and uibus's settings (`UI
 TLS paths, the OTLP exporter's headers) can be neither inherited nor listed.
 
 The sandbox (`bwrap_argv`): the system (/usr, /etc, …) and the agent's own installation read-only,
-its working directory read-write (and, for a git worktree, the repository's common .git directory,
-which git needs to commit), its tenant's home read-write at HOME with the operator's configuration
+its working directory read-write (and, for a git worktree, of the repository's common .git directory
+only what committing writes: objects, refs, logs, its own admin folder — see `_git_writable`),
+its tenant's home read-write at HOME with the operator's configuration
 files read-only inside it, its tenant's own /tmp (in that home; a fresh one without a home), a new
 PID namespace with its own /proc, and nothing of uibus's: every path uibus names as its own
 (state directory, store, tokens file, TLS files, agents file) is masked wherever it would
