@@ -656,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--forwarded" in args:  # a turn carried to the agent's owner replica against a local one
         from bench import agent_forwarding
         return agent_forwarding.main(args)
+    if "--isolation" in args:  # what the sandbox adds to start and turn, the disk a worktree costs (issue 42)
+        from bench import isolation
+        return isolation.main(args)
     p = argparse.ArgumentParser(prog="python -m bench.agents", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short everything: a smoke run (< 1 minute)")
     p.add_argument("--duration", type=float, help="seconds per measured window (default 8)")
@@ -671,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     p.add_argument("--forwarded", action="store_true", help="instead: a hosted agent's turn forwarded to its "
                    "owner replica against a local one (bench/agent_forwarding.py)")
+    p.add_argument("--isolation", action="store_true", help="instead: what sandbox = true adds to an agent's "
+                   "start and turn, and the disk a worktree costs (bench/isolation.py)")
     ns = p.parse_args(argv)
     s = Settings.quick() if ns.quick else Settings()
     if ns.duration:

@@ -112,14 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write every figure to PATH")
     a = p.parse_args(argv)
     res = asyncio.run(run(max(1, min(a.n, 50)), max(0, min(a.turns, 20))))
-    print(line("spawn", res["spawn"][False], res["spawn"][True]))
-    print(line("start", *res["start"]))
-    if res["turn"][0]:
-        print(line("turn", *res["turn"]))
+    print(report(res))
     if a.json:
-        Path(a.json).write_text(json.dumps({k: (v if isinstance(v, tuple) else [v[False], v[True]])
-                                            for k, v in res.items()}))
+        Path(a.json).write_text(json.dumps(figures(res)))
     return 0
+
+
+def report(res: dict[str, Any]) -> str:
+    """The figures of `run` as lines (also what `python -m bench.agents --isolation` prints)."""
+    lines = [line("spawn", res["spawn"][False], res["spawn"][True]), line("start", *res["start"])]
+    if res["turn"][0]:
+        lines.append(line("turn", *res["turn"]))
+    return "\n".join(lines)
+
+
+def figures(res: dict[str, Any]) -> dict[str, Any]:
+    """Every figure of `run`, JSON-ready: per step, [plain runs, sandboxed runs] in ms."""
+    return {k: (list(v) if isinstance(v, tuple) else [v[False], v[True]]) for k, v in res.items()}
 
 
 if __name__ == "__main__":

@@ -97,6 +97,17 @@ def table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def measure(source: str, rounds: int, files: int) -> dict[str, Any]:
+    """The figures for a fresh clone of `source` (also what `python -m bench.agents --isolation` reports)."""
+    with tempfile.TemporaryDirectory(prefix="uibus-bench-ws-") as tmp:
+        repo = Path(tmp) / "repo"
+        subprocess.run(["git", "clone", "-q", "--no-hardlinks", source, str(repo)], check=True,
+                       env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        res = asyncio.run(run(repo, max(1, rounds), max(0, files), Path(tmp)))
+        res["repo"] = f"a clone of {source}"
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.workspaces", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--repo", default=str(ROOT), help="the repository cloned for the bench (default: this one)")
@@ -104,12 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--files", type=int, default=20, help="new files of 100 lines written into each (default 20)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="uibus-bench-ws-") as tmp:
-        repo = Path(tmp) / "repo"
-        subprocess.run(["git", "clone", "-q", "--no-hardlinks", args.repo, str(repo)], check=True,
-                       env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-        res = asyncio.run(run(repo, max(1, args.rounds), max(0, args.files), Path(tmp)))
-        res["repo"] = f"a clone of {args.repo}"
+    res = measure(args.repo, args.rounds, args.files)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0
 

@@ -9,10 +9,16 @@ Two sources, usable together:
   file then keeps the tokens in force and logs why).
 
   ```
-  # token                       sessions it may use
-  4f1c0e…a7   team-a-*  shared-demo
-  9b22d1…04   *
+  # token                       (tenant)   sessions it may use
+  4f1c0e…a7   (team-a)  team-a-*  shared-demo
+  77d0a3…5e   (team-a)  team-a-*             # team-a's next token, while the old one is rotated out
+  9b22d1…04             *
   ```
+
+  A word in parentheses names the token's tenant (letters, digits, `.`, `_`, `-`; at most one per
+  line; `operator`, `anonymous` and names starting `t-` are reserved). It is optional: a line
+  without one is as before. Parentheses cannot be in a session pattern, so no file that loaded
+  before means anything else now.
 
 A third kind lives in memory only: tokens *minted* for one hosted agent (`mint`), each allowed
 exactly one session (no pattern: the session's name matched as it is), revoked when that agent
@@ -20,9 +26,17 @@ session closes (`revoke`). They are what an ACP agent is handed for uibus's own 
 never holds a key of uibus's (issue 42); a replica mints for the agents it hosts, which call the
 /mcp of that same replica.
 
-The *tenant* of a session (`tenant`) names whose agents' homes a sandboxed agent gets: the
-tokens-file tokens (not `*` ones) that may use the session, as a digest of their digests — a
-token's only stable name (its line number moves with edits); `operator` when none does.
+Tenants — the one seam for everything keyed by whose it is (a sandboxed agent's home, issue 42;
+per-tenant quotas, issue 43) — are strings fit for a directory name and a metrics label:
+
+* `Grant.tenant`, whose a *caller* is: the token's `(name)` when its line gives one; else
+  `t-<20 hex>`, a digest of the token (its line number moves with edits, the token does not);
+  `operator` for the `--auth-token`; for a minted token, the tenant of the session it was minted
+  for (an agent's calls are its session's tenant's).
+* `Tokens.tenant(session)`, whose a *session* is: the tenants of the tokens-file grants, other
+  than all-sessions (`*`) ones, that may use it, sorted and joined by `+` (in practice the one
+  team whose patterns match the name); `operator` when none does, or when no tokens are
+  configured. Unnamed tokens keep the digest they had before names existed (their homes stay).
 
 A presented token is looked up by its SHA-256 digest, so the time a lookup takes says nothing
 about how much of a stored token matched, and no token is ever kept where a log line, `repr` or
@@ -46,6 +60,9 @@ from uibus.errors import ConfigError
 log = logging.getLogger("uibus.auth")
 
 ALL = "*"
+OPERATOR = "operator"  # the tenant of the --auth-token, and of sessions no tenant's token may use
+_TENANT = re.compile(r"\(([A-Za-z0-9][A-Za-z0-9._-]{0,63})\)")
+_RESERVED = re.compile(r"operator|anonymous|t-.*")
 _PATTERN = re.compile(r"[A-Za-z0-9._:@/+=\-*?\[\]!]{1,256}")
 
 
@@ -57,18 +74,20 @@ class Grant:
     patterns: tuple[str, ...]
     _regex: re.Pattern[str] = field(repr=False, compare=False)
     minted: bool = False  # minted for one agent session: exactly its one session, never all
+    tenant: str = OPERATOR  # whose the caller is (module docstring, "Tenants")
+    named: bool = False  # its tenant is the `(name)` its tokens-file line gives
 
     @classmethod
-    def exactly(cls, name: str, session: str) -> Grant:
+    def exactly(cls, name: str, session: str, tenant: str = OPERATOR) -> Grant:
         """Exactly `session` (its name is no pattern here: `*` in it matches only `*`)."""
-        return cls(name, (session,), re.compile(re.escape(session)), minted=True)
+        return cls(name, (session,), re.compile(re.escape(session)), minted=True, tenant=tenant)
 
     @classmethod
-    def of(cls, name: str, patterns: Iterable[str]) -> Grant:
+    def of(cls, name: str, patterns: Iterable[str], tenant: str = OPERATOR, *, named: bool = False) -> Grant:
         pats = tuple(patterns)
         # One compiled alternation: a call pays one regex match, however many patterns a token has.
         regex = re.compile("|".join(f"(?:{translate(p)})" for p in pats)) if pats else re.compile(r"(?!)")
-        return cls(name, pats, regex)
+        return cls(name, pats, regex, tenant=tenant, named=named)
 
     @property
     def all_sessions(self) -> bool:
@@ -81,6 +100,11 @@ class Grant:
 
 def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
+
+
+def _unnamed(digests: Iterable[bytes]) -> str:
+    """The tenant of unnamed tokens: a digest of their digests (sorted), as before names existed."""
+    return "t-" + hashlib.sha256(b"".join(sorted(digests))).hexdigest()[:20]
 
 
 def bearer(value: str | bytes | None) -> bytes | None:
@@ -105,6 +129,20 @@ def parse_tokens_file(text: str, source: str) -> dict[bytes, Grant]:
             continue
         token, patterns = words[0], words[1:]
         where = f"{source}: line {number}"
+        names = [w for w in patterns if w.startswith("(")]
+        patterns = [w for w in patterns if not w.startswith("(")]
+        if len(names) > 1:
+            raise ConfigError("--tokens-file", f"{where}: one (tenant) per token, not {' '.join(names)[:80]}")
+        name = ""
+        if names:
+            found = _TENANT.fullmatch(names[0])
+            if found is None:
+                raise ConfigError("--tokens-file", f"{where}: {names[0][:40]!r} is not a tenant name (letters, "
+                                                   "digits . _ -, at most 64, in parentheses)")
+            name = found.group(1)
+            if _RESERVED.fullmatch(name):
+                raise ConfigError("--tokens-file", f"{where}: tenant name {name!r} is reserved (operator, "
+                                                   "anonymous, t-…)")
         if not patterns:
             raise ConfigError("--tokens-file", f"{where}: a token needs at least one session pattern (`*` = all)")
         for pattern in patterns:
@@ -114,7 +152,8 @@ def parse_tokens_file(text: str, source: str) -> dict[bytes, Grant]:
         key = _digest(token.encode())
         if key in grants:
             raise ConfigError("--tokens-file", f"{where}: the same token is already on {grants[key].name}")
-        grants[key] = Grant.of(f"--tokens-file line {number}", patterns)
+        grants[key] = Grant.of(f"--tokens-file line {number}", patterns, name or _unnamed((key,)),
+                               named=bool(name))
     return grants
 
 
@@ -126,7 +165,7 @@ class Tokens:
         self.tokens_file = tokens_file
         self._fixed: dict[bytes, Grant] = {}
         if auth_token:
-            self._fixed[_digest(auth_token.encode())] = Grant.of("--auth-token", [ALL])
+            self._fixed[_digest(auth_token.encode())] = Grant.of("--auth-token", [ALL], OPERATOR)
         self._metrics = _digest(metrics_token.encode()) if metrics_token else None
         self._grants: dict[bytes, Grant] = dict(self._fixed)
         self._minted: dict[bytes, Grant] = {}
@@ -176,7 +215,8 @@ class Tokens:
         """A new token that may use `session` alone, for the agent `agent` hosted in it; valid until
         `revoke`. Only its digest is kept."""
         token = secrets.token_urlsafe(32)
-        self._minted[_digest(token.encode())] = Grant.exactly(f"agent {agent} in session {session}", session)
+        self._minted[_digest(token.encode())] = Grant.exactly(f"agent {agent} in session {session}", session,
+                                                              self.tenant(session))
         return token
 
     def revoke(self, token: str) -> None:
@@ -188,11 +228,15 @@ class Tokens:
         return len(self._minted)
 
     def tenant(self, session: str) -> str:
-        """Whose session `session` is (see the module docstring): a name fit for a directory."""
-        owners = sorted(key for key, grant in self._grants.items() if not grant.all_sessions and grant.allows(session))
-        if not owners:
-            return "operator"
-        return "t-" + hashlib.sha256(b"".join(owners)).hexdigest()[:20]
+        """Whose session `session` is (module docstring, "Tenants"): the names of the tenants whose
+        tokens may use it, sorted, `+`-joined; `operator` when none. Fit for a directory name."""
+        owners = [(key, grant) for key, grant in self._grants.items()
+                  if not grant.all_sessions and grant.allows(session)]
+        names = {grant.tenant for _, grant in owners if grant.named}
+        unnamed = [key for key, grant in owners if not grant.named]
+        if unnamed:  # together, as one digest: what these sessions' homes were named before names
+            names.add(_unnamed(unnamed))
+        return "+".join(sorted(names)) or OPERATOR
 
     def may_read_metrics(self, token: bytes | None) -> bool:
         """/metrics shows every tenant's traffic: the metrics token or an all-sessions token."""

@@ -64,13 +64,16 @@ def leaked(text: str) -> list[str]:
     return [s for s in SECRETS if s in text]
 
 
-def tenancy(tmp_path: Path, config: Config, monkeypatch: pytest.MonkeyPatch) -> tuple[Config, Path, Path]:
-    """uibus as the issue's new user set it up: two tenants, an all-sessions token in its own
-    environment too; the tokens file and the store inside the agents' working directory."""
+def tenancy(tmp_path: Path, config: Config, monkeypatch: pytest.MonkeyPatch,
+            named: bool = False) -> tuple[Config, Path, Path]:
+    """uibus as the issue's new user set it up: two tenants (`named`: their lines name them), an
+    all-sessions token in its own environment too; the tokens file and the store inside the
+    agents' working directory."""
     work = tmp_path / "work"
     (work / ".uibus").mkdir(parents=True, exist_ok=True)
     tokens = work / "tokens.txt"
-    tokens.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-*\n")
+    a, b = ("(team-a) ", "(team-b) ") if named else ("", "")
+    tokens.write_text(f"{TOKEN_A} {a}team-a-*\n{TOKEN_B} {b}team-b-*\n")
     store = work / ".uibus" / "uibus.db"
     monkeypatch.setenv("UIBUS_AUTH_TOKEN", OPERATOR)
     monkeypatch.setenv("UIBUS_REDIS_URL", f"redis://:{OPERATOR}@127.0.0.1:1/0")
@@ -165,7 +168,9 @@ async def test_pi_hunting_for_tokens_finds_none(config: Config, tmp_path: Path, 
                                                 sandbox: bool) -> None:
     cfg, tokens, store = tenancy(tmp_path, config, monkeypatch)
     entry = sandboxed_pi(tmp_path, model) if sandbox else pi_agent(tmp_path, model)
-    hunt = HUNT.format(tokens=tokens, store=store) if sandbox else "env"
+    # without a sandbox, what uibus hands over: the environment and the open files pi (bash's parent)
+    # got (a descriptor uibus leaked would be there: its store is open the whole time)
+    hunt = HUNT.format(tokens=tokens, store=store) if sandbox else "env; ls -l /proc/$PPID/fd/ /proc/self/fd/"
     model.script(Reply(tool=("bash", {"command": hunt})), Reply(text="Nothing found."))
     app = await start_app(replace(cfg, agents=agents_file(tmp_path, [entry])))
     hosted.append(app)
@@ -173,6 +178,8 @@ async def test_pi_hunting_for_tokens_finds_none(config: Config, tmp_path: Path, 
     seen = json.dumps(model.requests[1]["messages"][-1])
     assert "PATH=" in seen and "HOME=" in seen  # the command ran and its output came back
     assert leaked(seen) == [] and "UIBUS_" not in seen and "redis://" not in seen
+    if not sandbox:
+        assert "pipe:" in seen and store.name not in seen and tokens.name not in seen
     if sandbox:
         assert "---files" in seen and "---end" in seen
         procs = [w for w in seen.split("---proc")[1].split("---files")[0].split("\\n") if w.isdigit()]
@@ -257,6 +264,9 @@ async def test_the_offered_mcp_token_reaches_its_own_session_only_and_dies_with_
             assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
         mcp = await _mcp_list_sessions(app, minted, "team-a-1")
         assert "team-a-1" in mcp and "team-a-2" not in mcp and "team-b-1" not in mcp
+        for other in ("team-a-2", "team-b-1"):  # /mcp naming another session: refused at the door
+            assert (await _mcp_initialize(app, minted, other)).status_code == 403
+        await _web_doors_see_one_session(app, minted, "team-a-1", ("team-a-2", "team-b-1"))
 
         # its agent session ends (the session is deleted by its tenant): the token stops working
         await api.DeleteSession(sessions_pb2.DeleteSessionRequest(),
@@ -264,7 +274,46 @@ async def test_the_offered_mcp_token_reaches_its_own_session_only_and_dies_with_
         with pytest.raises(grpc.aio.AioRpcError) as gone:
             await api.ListSessions(sessions_pb2.ListSessionsRequest(), metadata=auth())
         assert gone.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    await _web_doors_see_one_session(app, minted, "", ())  # the HTTP API and gRPC-Web refuse it too
+    assert (await _mcp_initialize(app, minted, "team-a-1")).status_code == 401
     assert app.tokens.minted == 2
+
+
+async def _web_doors_see_one_session(app: App, token: str, own: str, others: tuple[str, ...]) -> None:
+    """The HTTP port's doors with a minted token: the sessions HTTP API and gRPC-Web list `own`
+    alone and refuse `others` (403 / PERMISSION_DENIED); with `own` empty, the token is revoked
+    and both answer 401 / UNAUTHENTICATED."""
+    from tests.webclient import call
+
+    base = f"http://127.0.0.1:{app.http_port}"
+    bearer = {"authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(timeout=10) as http:
+        listed = await http.get(base + "/api/v1/sessions", headers=bearer)
+        web = await call(http, base + "/uibus.v1.SessionService/ListSessions",
+                         sessions_pb2.ListSessionsRequest().SerializeToString(), headers=bearer)
+        if not own:
+            assert listed.status_code == 401, listed.text
+            assert web.status == grpc.StatusCode.UNAUTHENTICATED.value[0], web
+            return
+        assert listed.status_code == 200 and [s["session"] for s in listed.json()["sessions"]] == [own]
+        assert web.status == 0 and [s.session for s in sessions_pb2.SessionList.FromString(
+            web.messages[0]).sessions] == [own]
+        for other in others:
+            headers = {**bearer, "x-uibus-session": other}
+            denied = await http.post(base + "/api/v1/sessions/DeleteSession", headers=headers)
+            assert denied.status_code == 403 and denied.json()["code"] == "PERMISSION_DENIED", denied.text
+            web = await call(http, base + "/uibus.v1.SessionService/DeleteSession",
+                             sessions_pb2.DeleteSessionRequest().SerializeToString(), headers=headers)
+            assert web.status == grpc.StatusCode.PERMISSION_DENIED.value[0], web
+
+
+async def _mcp_initialize(app: App, token: str, session: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return await http.post(f"http://127.0.0.1:{app.http_port}/mcp", json={
+            "jsonrpc": "2.0", "id": 1, "method": "initialize",
+            "params": {"protocolVersion": "2025-06-18", "capabilities": {}}},
+            headers={"authorization": f"Bearer {token}", "x-uibus-session": session,
+                     "content-type": "application/json", "accept": "application/json, text/event-stream"})
 
 
 def require_node() -> str:
@@ -324,7 +373,7 @@ async def test_tenant_b_cannot_read_tenant_a_home_or_uibus_files(config: Config,
 async def test_a_sandboxed_pi_resumes_from_its_tenant_home_after_a_restart(config: Config, tmp_path: Path,
                                                                            model: Model,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg, _, _ = tenancy(tmp_path, config, monkeypatch)
+    cfg, _, _ = tenancy(tmp_path, config, monkeypatch, named=True)
     entry = sandboxed_pi(tmp_path, model)
     entry["options"]["command"] = [a for a in entry["options"]["command"] if a != "--no-session"]
     cfg = replace(cfg, agents=agents_file(tmp_path, [entry]))
@@ -337,6 +386,7 @@ async def test_a_sandboxed_pi_resumes_from_its_tenant_home_after_a_restart(confi
         finally:
             await app.aclose()
     assert "remember the word walnut" in json.dumps(model.requests[1])  # the new process read the old conversation
+    assert tenant == "team-a"  # the tokens file's name for it
     sessions = tmp_path / "ws" / "homes" / tenant / ".pi" / "agent" / "sessions"
     assert any(sessions.rglob("*.jsonl"))  # kept in the tenant's home
     assert not (tmp_path / "pi-home" / ".pi" / "agent" / "sessions").exists()
@@ -465,8 +515,46 @@ def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
     assert tokens.tenant("team-a-1") == a  # a minted token is no tenant
     grant = tokens.grant(minted.encode())
     assert grant is not None and grant.allows("team-a-1") and not grant.allows("team-a-2") and not grant.all_sessions
+    assert grant.tenant == a  # an agent's calls are its session's tenant's (quotas, issue 43)
     tokens.revoke(minted)
     assert tokens.grant(minted.encode()) is None and tokens.minted == 0
+    # callers' tenants: a lone unnamed token's digest is its session's tenant; the operator's is `operator`
+    assert tokens.grant(TOKEN_A.encode()).tenant == a  # type: ignore[union-attr]
+    assert tokens.grant(OPERATOR.encode()).tenant == "operator"  # type: ignore[union-attr]
+
+
+def test_a_tenant_home_is_one_directory_named_after_its_tenant(tmp_path: Path) -> None:
+    from uibus.agents.launcher import Launch, Sandbox
+
+    homes = tmp_path / "homes"
+    box = Sandbox(bwrap="/usr/bin/bwrap", homes_dir=str(homes))
+
+    def home(tenant: str) -> str | None:
+        return Launch(agent="a", session="s", tenant=tenant, argv=("x",), cwd=None, env={"HOME": "/h"},
+                      sandbox=box).tenant_home()
+
+    assert home("team-a") == str(homes / "team-a") and home("") == str(homes / "operator")
+    assert home("team-a+team-b") == str(homes / "team-a+team-b") != home("team-a_team-b")
+    assert [Path(home(t)).parent for t in ("..", ".", "../x", "a/b")] == [homes] * 4  # type: ignore[arg-type]
+
+
+def test_a_token_line_may_name_its_tenant_and_names_win(tmp_path: Path) -> None:
+    from uibus.auth import Tokens
+
+    path = tmp_path / "tokens"
+    path.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-*\n")
+    tokens = Tokens(OPERATOR, str(path))
+    before = tokens.tenant("team-a-1")
+    # the same tokens, now named; team-a's token rotated: old and new one tenant, one home
+    path.write_text(f"{TOKEN_A} (team-a) team-a-*\nnext-{TOKEN_A} team-a-* (team-a)\n{TOKEN_B} team-b-*\n")
+    assert tokens.reload()
+    assert tokens.tenant("team-a-1") == "team-a" != before
+    assert tokens.grant(TOKEN_A.encode()).tenant == tokens.grant(f"next-{TOKEN_A}".encode()).tenant == "team-a"  # type: ignore[union-attr]
+    assert tokens.grant(TOKEN_B.encode()).tenant == tokens.tenant("team-b-1")  # type: ignore[union-attr]
+    assert tokens.tenant("team-b-1").startswith("t-")  # unnamed: the digest it always had
+    assert tokens.grant(tokens.mint("team-a-1", "pi").encode()).tenant == "team-a"  # type: ignore[union-attr]
+    path.write_text(f"{TOKEN_A} (team-a) team-*\n{TOKEN_B} (team-b) team-b-*\n")
+    assert tokens.reload() and tokens.tenant("team-b-1") == "team-a+team-b"  # both may use it
 
 
 async def test_network_false_leaves_only_a_loopback_of_its_own(tmp_path: Path) -> None:
@@ -558,3 +646,35 @@ async def test_sandboxed_agents_in_worktrees_see_their_own_only(config: Config, 
     assert "---end" in seen and "committed-b" in seen, seen
     assert "A-SECRET" not in seen and "# the project" not in seen and leaked(seen) == [] and "No such file" in seen
     assert not (repo / "note.txt").exists() and not (repo / "mine.txt").exists()  # the checkout untouched
+
+    # B plants what would make uibus's own git (its summary, diff, `git add`, `worktree add`) run
+    # code as uibus, outside the sandbox: a config, a hook, a commondir, its worktree's gitdir link,
+    # A's worktree's admin files. Every write is refused; it still commits in its own worktree.
+    common = repo / ".git"
+    plant = ("c=$(git rev-parse --git-common-dir); git config core.fsmonitor 'touch /tmp/pwned'; "
+             "echo '[core] fsmonitor = touch /tmp/pwned' >> $c/config; mkdir -p $c/hooks; "
+             "echo 'touch /tmp/pwned' > $c/hooks/post-checkout; echo /tmp > $c/commondir; "
+             "echo 'gitdir: /tmp' > .git; o=$(git rev-parse --absolute-git-dir); "
+             "for d in $c/worktrees/*; do [ \"$d\" = \"$o\" ] || echo x > $d/HEAD; done; "
+             "echo B2 > more.txt && git add more.txt && git commit -qm 'by B again' && echo committed-again; "
+             "echo ---end")
+    before = {f: (common / f).read_bytes() for f in ("config",)}
+    model.script(Reply(tool=("bash", {"command": plant})), Reply(text="Planted."))
+    assert await pi_turn(app, "team-b-1", TOKEN_B, "plant") == "Planted."
+    seen = json.dumps(model.requests[5]["messages"][-1])
+    assert "---end" in seen and "committed-again" in seen, seen
+    assert seen.count("Read-only file system") >= 4, seen
+    assert {f: (common / f).read_bytes() for f in ("config",)} == before
+    assert not (common / "commondir").exists() and not (common / "hooks" / "post-checkout").exists()
+    assert all((d / "HEAD").read_text() != "x\n" for d in (common / "worktrees").iterdir())
+    b_tree = next(p.parent for p in (tmp_path / "ws" / "sessions").rglob("mine.txt"))
+    assert (b_tree / ".git").read_text().startswith(f"gitdir: {common / 'worktrees'}")
+    listed = await _web_summary(app, TOKEN_B)  # uibus reads B's workspace: git still sees it whole
+    assert "files_changed: 2" in listed and "commits: 2" in listed, listed  # mine.txt and more.txt, committed
+
+
+async def _web_summary(app: App, token: str) -> str:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        listed = await sessions_pb2_grpc.SessionServiceStub(ch).ListSessions(
+            sessions_pb2.ListSessionsRequest(), metadata=(("authorization", f"Bearer {token}"),))
+    return str(listed)

@@ -124,6 +124,11 @@ def test_tokens_file_errors_name_the_line(tmp_path: Path) -> None:
         "lonely-token\n": "line 1: a token needs at least one session pattern",
         "# c\n\ntok team-a-*\ntok team-b-*\n": "line 4: the same token is already on --tokens-file line 3",
         "tok team a\ntok2 bad\"pattern\n": "line 2: 'bad\"pattern' is not a session pattern",
+        "tok (a) (b) team-*\n": "line 1: one (tenant) per token",
+        "tok (a b) team-*\n": "line 1: '(a' is not a tenant name",
+        "tok (operator) team-*\n": "line 1: tenant name 'operator' is reserved",
+        "tok (t-x) team-*\n": "line 1: tenant name 't-x' is reserved",
+        "tok (team-a)\n": "line 1: a token needs at least one session pattern",
     }
     for text, message in cases.items():
         with pytest.raises(ConfigError) as err:

@@ -13,8 +13,9 @@ lists in `inherit_env`, then the agent's own `env` — and uibus's settings (`UI
 TLS paths, the OTLP exporter's headers) can be neither inherited nor listed.
 
 The sandbox (`bwrap_argv`): the system (/usr, /etc, …) and the agent's own installation read-only,
-its working directory read-write (and, for a git worktree, the repository's common .git directory,
-which git needs to commit), its tenant's home read-write at HOME with the operator's configuration
+its working directory read-write (and, for a git worktree, of the repository's common .git directory
+only what committing writes: objects, refs, logs, its own admin folder — see `_git_writable`),
+its tenant's home read-write at HOME with the operator's configuration
 files read-only inside it, its tenant's own /tmp (in that home; a fresh one without a home), a new
 PID namespace with its own /proc, and nothing of uibus's: every path uibus names as its own
 (state directory, store, tokens file, TLS files, agents file) is masked wherever it would
@@ -134,7 +135,11 @@ def _private_dirs(*paths: str) -> None:
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:80] or "_"
+    """A tenant's name as one directory name: `+` kept (sessions two named tenants share, `a+b`,
+    must not meet a tenant named `a_b`), anything else outside A-Z a-z 0-9 . _ - made `_`, and
+    never `.` or `..`."""
+    safe = re.sub(r"[^A-Za-z0-9._+-]", "_", name)[:160]
+    return "_" if safe in ("", ".", "..") else safe
 
 
 class Launcher(abc.ABC):
@@ -266,7 +271,8 @@ def bwrap_argv(launch: Launch, common_dir: str | None = None) -> list[str]:
     if launch.cwd:
         bind("--bind", launch.cwd)
         if common_dir and not _under(common_dir, launch.cwd):
-            bind("--bind", common_dir)
+            bind("--ro-bind", common_dir)
+            args.extend(_git_writable(launch.cwd, common_dir))
     for path in box.hide:  # uibus's own files, wherever a bind above would show them
         if not os.path.lexists(path) or not any(_under(path, b) for b in bound):
             continue
@@ -277,6 +283,38 @@ def bwrap_argv(launch: Launch, common_dir: str | None = None) -> list[str]:
     if launch.cwd:
         args.extend(["--chdir", launch.cwd])
     return [*args, "--", *launch.argv]
+
+
+def _git_writable(cwd: str, common: str) -> list[str]:
+    """bwrap arguments making writable, in a git worktree's repository shown read-only, what
+    committing needs: objects, refs, logs and the worktree's own admin folder (HEAD, index) —
+    but not its pointers (`commondir`, `gitdir`), nor this worktree's `.git` link, nor the
+    repository's config, hooks, info or the other worktrees. Why: uibus itself runs git in the
+    worktree and the repository (summary, diff, `git add` in a private index, `worktree add`); an
+    agent that could plant a `core.fsmonitor`, a filter, a hook, a `commondir` or a `gitdir:` to a
+    repository of its own would run code as uibus, outside its sandbox."""
+    out: list[str] = []
+    for name in ("objects", "refs", "logs"):
+        path = os.path.join(common, name)
+        if name == "logs":
+            os.makedirs(path, exist_ok=True)  # git makes it at a first reflog: not in a read-only root
+        if os.path.isdir(path):
+            out.extend(["--bind", path, path])
+    link = os.path.join(cwd, ".git")
+    try:
+        with open(link, encoding="utf-8") as f:
+            own = f.read(4096).strip().removeprefix("gitdir:").strip()
+    except OSError:
+        own = ""
+    if own and _under(os.path.realpath(own), os.path.realpath(os.path.join(common, "worktrees"))) \
+            and os.path.isdir(own):
+        out.extend(["--bind", own, own])
+        for name in ("commondir", "gitdir", "config.worktree"):
+            path = os.path.join(own, name)
+            if os.path.lexists(path):
+                out.extend(["--ro-bind", path, path])
+    out.extend(["--ro-bind", link, link])
+    return out
 
 
 def installation_of(program: str, path: str) -> list[str]:

@@ -125,14 +125,26 @@ class Removed:
     kept_branches: tuple[str, ...]  # branches with commits beyond their base: kept, and said
 
 
+# What uibus's own git commands get of its environment: enough to find git and its user's config.
+_GIT_ENV = ("PATH", "HOME", "USER", "LANG", "TMPDIR", "XDG_CONFIG_HOME", "GIT_EXEC_PATH", "GIT_CONFIG_GLOBAL",
+            "GIT_CONFIG_NOSYSTEM", "GIT_CONFIG_SYSTEM")
+
+
 async def git(*args: str, cwd: str, env: dict[str, str] | None = None, limit: int = 16 * 1024 * 1024,
               check: bool = True) -> tuple[int, bytes, bool]:
     """Runs `git args` in `cwd` (no shell; never a pager, a prompt or an editor); returns (exit code,
-    stdout cut at `limit` bytes, whether it was cut). Bounded by GIT_TIMEOUT_S; a cancel kills it."""
-    full = {**os.environ, **(env or {}), "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "GIT_EDITOR": "true",
-            "LC_ALL": "C"}
+    stdout cut at `limit` bytes, whether it was cut). Bounded by GIT_TIMEOUT_S; a cancel kills it.
+
+    A worktree is an agent's: what git would run on uibus's behalf there (an fsmonitor, a hook) is
+    switched off, and git gets an allow-list of uibus's environment, never its tokens — so a
+    repository configuration an agent managed to plant runs nothing with uibus's keys (the sandbox
+    also shows the repository's config, hooks and the worktree's `.git` link read-only)."""
+    full = {k: v for k, v in os.environ.items() if k in _GIT_ENV}
+    full.update({**(env or {}), "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "GIT_EDITOR": "true",
+                 "LC_ALL": "C"})
     proc = await asyncio.create_subprocess_exec(
-        "git", "-c", "core.quotepath=off", "-c", "color.ui=never", *args, cwd=cwd, env=full,
+        "git", "-c", "core.quotepath=off", "-c", "color.ui=never", "-c", "core.fsmonitor=false",
+        "-c", "core.hooksPath=/dev/null", *args, cwd=cwd, env=full,
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     cut = False
     try:
