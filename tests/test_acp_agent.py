@@ -357,7 +357,8 @@ async def test_a_permission_answered_by_a_click_on_the_page(acp_app: App, browse
 
 
 def test_the_example_acp_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/acp-agents.toml as the README gives it, claude-code-acp found on PATH (as after `npm i -g`)."""
+    """examples/acp-agents.toml as docs/hosting/acp-agents.md gives it, claude-code-acp found on PATH
+    (as after `npm i -g`)."""
     from uibus.agents.config import load_agents
 
     require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")

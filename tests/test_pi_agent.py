@@ -539,7 +539,7 @@ async def test_a_pi_dialog_answered_by_a_click_on_the_page(config: Config, model
 @pytest.mark.node  # pi, on PATH from tests/pi: a command not found fails the start
 async def test_the_example_config_loads_and_its_echo_agent_asks_at_a_ui(config: Config,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/pi-agent.toml as the README gives it (pi found on PATH, as after `npm i -g`), and its
+    """examples/pi-agent.toml as docs/hosting/pi.md gives it (pi found on PATH, as after `npm i -g`), and its
     minimal RPC agent (examples/rpc_echo_agent.py) driven through uibus."""
     from uibus.agents.config import load_agents
 
