@@ -306,7 +306,7 @@ async def test_claude_code_asks_the_user_through_uibus_mcp(claude: tuple[App, Sc
 
 
 async def test_a_permission_answered_from_ext_ui_stdio(acp_app: App) -> None:
-    """The seed's stdio UI shows the agent's permission request as a select of its option names; the
+    """The stdio UI (`uibus ext-ui-stdio`) shows the agent's permission request as a select of its option names; the
     name typed back is the optionId the agent gets."""
     before = acp_app.bus.count(kinds.EXTENSION_UI, "stdio")
     bridge = await asyncio.create_subprocess_exec(

@@ -132,6 +132,10 @@ def test_no_reference_outside_the_repository() -> None:
     (SPEC.md) is not part of the repository, so a reader could not follow `SPEC.md §n`."""
     hits = [where for where, line in _code_lines() if re.search(r"\bSPEC(\.md|\s*§)", line)]
     assert not hits, f"references to SPEC.md, which is not in the repository: {hits}"
+    # The spec's "seeds" (shared/seeds/: the protocols it started from) are not here either: name the
+    # upstream source (pi's RPC docs, Cline's ui.proto) instead.
+    seeds = [where for where, line in _code_lines() if re.search(r"\bseeds/|\bthe seed\b|\bseed's\b", line)]
+    assert not seeds, f"references to the spec's seeds, which are not in the repository: {seeds}"
 
 
 def test_no_reference_to_a_readme_section_that_moved() -> None:

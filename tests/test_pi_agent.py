@@ -209,7 +209,7 @@ async def test_a_tool_call_gated_by_the_extension_is_answered_at_a_ui(pi_app: Ap
 
 
 async def test_pi_dialogs_answered_from_ext_ui_stdio(pi_app: App) -> None:
-    """The seed's own stdio UI: pi's request comes out as the seed's JSON line (uibus's id), the
+    """pi's own stdio UI protocol: pi's request comes out as its JSON line (uibus's id), the
     answer typed there goes back to pi with pi's id."""
     before = pi_app.bus.count(kinds.EXTENSION_UI, "stdio")
     bridge = await asyncio.create_subprocess_exec(
