@@ -136,6 +136,9 @@ def test_no_reference_outside_the_repository() -> None:
     # upstream source (pi's RPC docs, Cline's ui.proto) instead.
     seeds = [where for where, line in _code_lines() if re.search(r"\bseeds/|\bthe seed\b|\bseed's\b", line)]
     assert not seeds, f"references to the spec's seeds, which are not in the repository: {seeds}"
+    # Nor is the issue tracker: "(issue 42)" tells a reader of the code nothing; the docs page does.
+    issues = [where for where, line in _code_lines() if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
+    assert not issues, f"references to tracker issues (name the docs page or say it): {issues}"
 
 
 def test_no_reference_to_a_readme_section_that_moved() -> None:
