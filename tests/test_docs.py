@@ -62,6 +62,15 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "reference" / "metrics" / "index.html").is_file()
     # The diagram is kept as text: one Mermaid block on the architecture page, rendered as such.
     assert '<pre class="mermaid">' in (tmp_path / "site" / "architecture" / "index.html").read_text()
+    # Python-Markdown, unlike GitHub, needs a blank line before a list and 4 spaces for a list item's
+    # later blocks; without them a list is swallowed into the paragraph above it with no warning.
+    swallowed = []
+    for page in sorted((tmp_path / "site").rglob("index.html")):
+        body = re.sub(r"<pre.*?</pre>", "", page.read_text(), flags=re.DOTALL)
+        swallowed += [f"{page.parent.relative_to(tmp_path / 'site')}: {para[:80]!r}"
+                      for para in re.findall(r"<p>(.*?)</p>", body, flags=re.DOTALL)
+                      if re.search(r"\n\s*(?:[*-]|\d+\.) ", para)]
+    assert not swallowed, f"list items rendered as paragraph text (a blank line or an indent missing): {swallowed}"
 
 
 def _nav_pages(nav: list) -> list[str]:  # type: ignore[type-arg]
