@@ -11,7 +11,6 @@ ARG BASE=python:3.11.17-slim-bookworm
 ARG VERSION=0.1.0
 
 FROM ${BASE} AS build
-ARG VERSION
 WORKDIR /src
 # Every dependency at requirements.lock's exact version, as wheels, in a layer of its own (a code
 # change does not download them again). Only this stage reaches the network: a proxy's CA bundle,
@@ -26,20 +25,25 @@ COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY protos protos
 COPY server server
 COPY clients clients
+# Declared here, not at the top of the stage: a RUN after an ARG misses the cache when its value
+# changes, and every commit is a new version; the dependency wheels above stay cached.
+ARG VERSION
 RUN --mount=type=secret,id=ca,required=false \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     SETUPTOOLS_SCM_PRETEND_VERSION_FOR_UIBUS="${VERSION}" pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
-ARG VERSION
-LABEL org.opencontainers.image.title="uibus" \
-      org.opencontainers.image.version="${VERSION}" \
-      org.opencontainers.image.licenses="Apache-2.0"
 RUN useradd --system --uid 10001 --user-group --home-dir /var/lib/uibus --create-home uibus
 # From the build stage's wheels only (--no-index): the exact versions CI tested with, no network,
 # no CA; `pip check` fails the build if the lock no longer satisfies uibus.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index /wheels/*.whl && pip check
+# After the installs, for the same reason as in the build stage (tests/test_container.py checks the
+# label against `uibus --version` in the image and its uibus_build_info).
+ARG VERSION
+LABEL org.opencontainers.image.title="uibus" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0"
 USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.

@@ -13,7 +13,7 @@ sessions and agent processes:
 
 The figure is uibus CPU per AI piece received, both replicas' processes counted (not the agents',
 not Redis's, which is printed apart), and the ratio forwarded / local per pair and its median
-(issue 35's target: ≤ 1.3×).
+(the target: ≤ 1.3×).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Replicas on one Redis: what an event costs the deployment as replicas are added (issue 27).
+"""Replicas on one Redis: what an event costs the deployment as replicas are added (docs/scaling.md).
 
 With one bus channel per deployment every replica receives every envelope, so a replica's cost
 grows with the number of replicas N even when its own sessions' traffic does not. Sharded channels

@@ -1,5 +1,5 @@
 """python -m bench.sandbox: what `sandbox = true` (bubblewrap) adds to a hosted agent's start and
-to its turns (issue 42; target: at most 100 ms more to start, turns unchanged within noise).
+to its turns (docs/hosting/isolation.md; target: at most 100 ms more to start, turns unchanged within noise).
 
 Three figures, each plain against sandboxed, medians of --n runs (interleaved, so drift in the
 machine's load hits both alike):

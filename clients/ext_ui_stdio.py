@@ -1,10 +1,11 @@
 """`uibus ext-ui-stdio`: an RPC-mode extension-UI client on stdin/stdout, bridged to uibus.
 
-Connects to the server as a UI of one session (ExtensionUiService.Subscribe) and speaks the
-seed's JSON-lines framing, so a UI written for the RPC mode works unchanged:
+Connects to the server as a UI of one session (ExtensionUiService.Subscribe) and speaks pi's RPC
+extension-UI protocol (JSON lines; the "Extension UI Protocol" of `docs/rpc.md` in pi's npm package
+`@mariozechner/pi-coding-agent`), so a UI written for the RPC mode works unchanged:
 
 * every request becomes one `{"type":"extension_ui_request","id":…,"method":…}` line on stdout,
-  with the seed's field names, and optional fields left out when unset (`statusText` absent
+  with pi's field names, and optional fields left out when unset (`statusText` absent
   clears a status, `timeout` only when the dialog has one);
 * every `{"type":"extension_ui_response","id":…,"value"|"confirmed"|"cancelled":…}` line on
   stdin becomes a Respond call.
@@ -14,7 +15,7 @@ U+2029 inside a JSON string never end a line; on output they are written escaped
 that do treat them as line breaks are safe too. A line that cannot be used gets an
 `{"type":"extension_ui_error",…}` line back and the bridge carries on. `--close-events` also
 writes `{"type":"extension_ui_closed","id":…,"reason":…}` when a dialog is answered elsewhere,
-times out or is cancelled by the agent (not part of the seed, hence off by default).
+times out or is cancelled by the agent (not part of pi's protocol, hence off by default).
 
 Exit: 0 when stdin ends (the UI went away), 1 when the server ends the stream.
 """
@@ -45,7 +46,7 @@ _REASONS = {pb.DIALOG_OUTCOME_ANSWERED: "answered", pb.DIALOG_OUTCOME_CANCELLED:
 
 
 def request_json(req: pb.ExtensionUiRequest) -> dict[str, Any] | None:
-    """The seed's `extension_ui_request` object for `req` (None for a method it does not know)."""
+    """pi's `extension_ui_request` object for `req` (None for a method it does not know)."""
     method = req.WhichOneof("method")
     out: dict[str, Any] = {"type": "extension_ui_request", "id": req.id}
     if method == "select":
@@ -262,6 +263,6 @@ def add_command(sub: argparse._SubParsersAction,  # type: ignore[type-arg]
     p = sub.add_parser("ext-ui-stdio", help="be an extension UI on stdin/stdout (the RPC mode's JSON lines)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--close-events", action="store_true",
-                   help='also write {"type":"extension_ui_closed","id","reason"} lines (not in the seed)')
+                   help='also write {"type":"extension_ui_closed","id","reason"} lines (not in pi\'s protocol)')
     client_options(p)
     p.set_defaults(func=_run)

@@ -23,7 +23,7 @@ Two sources, usable together:
 A third kind lives in memory only: tokens *minted* for one hosted agent (`mint`), each allowed
 exactly one session (no pattern: the session's name matched as it is), revoked when that agent
 session closes (`revoke`). They are what an ACP agent is handed for uibus's own /mcp, so an agent
-never holds a key of uibus's (issue 42); a replica mints for the agents it hosts, which call the
+never holds a key of uibus's (docs/hosting/isolation.md); a replica mints for the agents it hosts, which call the
 /mcp of that same replica.
 
 Tenants — the one seam for everything keyed by whose it is (a sandboxed agent's home, issue 42;

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +48,25 @@ STANDINS = {  # image -> (Dockerfile under tests/docker, the rootfs image it sta
     "uibus-standin/redis": ("redis.Dockerfile", "uibus-standin/trixie"),
     "uibus-standin/nginx": ("nginx.Dockerfile", "uibus-standin/trixie"),
 }
-IMAGE = "uibus:0.1.0"
+# The tag compose's file names too; another name only to build a second checkout's image on the same
+# engine without replacing the one a running suite uses (the compose test still needs this one).
+IMAGE = os.environ.get("UIBUS_TEST_IMAGE") or "uibus:0.1.0"
+
+
+def package_version() -> str | None:
+    """What setuptools-scm makes of this checkout, i.e. the version pip builds it as: the image is built
+    with it as its VERSION argument, so its label, `uibus --version` in it and its uibus_build_info
+    say what the checkout is (the build context has no .git to derive it from). None while no
+    interpreter here has setuptools-scm (`--prepare` runs beside the venv's install): the image then
+    gets the Dockerfile's default, and the tests' build redoes only the layers that use it."""
+    for python in (REPO / ".venv" / "bin" / "python", Path(sys.executable)):
+        if not python.exists():
+            continue
+        done = subprocess.run([str(python), "-m", "setuptools_scm", "--root", str(REPO)], capture_output=True,
+                              text=True, timeout=60, cwd=REPO)
+        if done.returncode == 0 and done.stdout.strip():
+            return done.stdout.strip().splitlines()[-1]
+    return None
 
 
 class Docker:
@@ -57,6 +76,7 @@ class Docker:
         self.cli = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else (shutil.which("docker") or "docker")
         self.env = {**os.environ, "DOCKER_BUILDKIT": "1"}
         self._daemon: subprocess.Popen[bytes] | None = None
+        self.built_version: str | None = None  # the VERSION `build_uibus` gave the image (None: the default)
 
     def run(self, *args: str, timeout: float = 120, check: bool = True,
             **kw: object) -> subprocess.CompletedProcess[str]:
@@ -133,11 +153,14 @@ class Docker:
                      str(REPO / "tests" / "docker" / dockerfile), str(REPO / "tests" / "docker"), timeout=600)
 
     def build_uibus(self) -> None:
-        """The project's image from its Dockerfile, on the stand-in base; the machine's CA bundle
-        (if any) as the build secret pip uses in the build stage."""
+        """The project's image from its Dockerfile, on the stand-in base, as this checkout's version; the
+        machine's CA bundle (if any) as the build secret pip uses in the build stage."""
         secret = ["--secret", f"id=ca,src={CA_BUNDLE}"] if CA_BUNDLE.exists() else []
-        self.run("build", "-q", *secret, "--build-arg", "BASE=uibus-standin/python:3.11", "-t", IMAGE, str(REPO),
-                 timeout=900)
+        version = package_version()
+        args = ["--build-arg", f"VERSION={version}"] if version else []
+        self.run("build", "-q", *secret, "--build-arg", "BASE=uibus-standin/python:3.11", *args, "-t", IMAGE,
+                 str(REPO), timeout=900)
+        self.built_version = version
 
 
 def _need(ok: bool, what: str) -> None:
@@ -161,6 +184,12 @@ def prepare() -> None:
         if docker._daemon is not None:
             STARTED.write_text(f"{docker._daemon.pid}\n")
     docker.standins()
+    # The image is built as this checkout's version, which setuptools-scm in the venv says: `.ci/setup`
+    # installs it beside this run, so wait for it (bounded; set-up ends this process if it fails)
+    # rather than build with the default and have the tests build the image's last layers again.
+    deadline = time.monotonic() + 600
+    while package_version() is None and time.monotonic() < deadline:
+        time.sleep(5)
     docker.build_uibus()
 
 

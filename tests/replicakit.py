@@ -1,6 +1,6 @@
 """Replicas and workers hosting agents on one real redis-server, for the tests of agent ownership
-(issue 35) and of steering across replicas (issue 37): one kit, so both start, count and tear down
-replicas the same way and assert the same things when they close."""
+(docs/hosting/durable.md) and of steering across replicas (docs/protocols/sessions.md): one kit, so
+both start, count and tear down replicas the same way and assert the same things when they close."""
 
 from __future__ import annotations
 

@@ -306,7 +306,7 @@ async def test_claude_code_asks_the_user_through_uibus_mcp(claude: tuple[App, Sc
 
 
 async def test_a_permission_answered_from_ext_ui_stdio(acp_app: App) -> None:
-    """The seed's stdio UI shows the agent's permission request as a select of its option names; the
+    """The stdio UI (`uibus ext-ui-stdio`) shows the agent's permission request as a select of its option names; the
     name typed back is the optionId the agent gets."""
     before = acp_app.bus.count(kinds.EXTENSION_UI, "stdio")
     bridge = await asyncio.create_subprocess_exec(
@@ -357,7 +357,8 @@ async def test_a_permission_answered_by_a_click_on_the_page(acp_app: App, browse
 
 
 def test_the_example_acp_config_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/acp-agents.toml as the README gives it, claude-code-acp found on PATH (as after `npm i -g`)."""
+    """examples/acp-agents.toml as docs/hosting/acp-agents.md gives it, claude-code-acp found on PATH
+    (as after `npm i -g`)."""
     from uibus.agents.config import load_agents
 
     require("Claude Code's ACP adapter (npm ci --prefix tests/acp)", CLAUDE_ACP.exists(), "node")

@@ -1,4 +1,4 @@
-"""Agents in rooms of their own (issue 42): no keys of uibus's, the bubblewrap sandbox, homes per
+"""Agents in rooms of their own (docs/hosting/isolation.md): no keys of uibus's, the bubblewrap sandbox, homes per
 tenant, the /mcp token minted per agent session.
 
 Real parts throughout: the real pi and the real claude-code-acp, each driven by a scripted model

@@ -1,4 +1,4 @@
-"""One live hosted agent per (session, agent) across replicas and workers (issue 35, part A).
+"""One live hosted agent per (session, agent) across replicas and workers (docs/hosting/durable.md).
 
 Two replicas (and `--workers 2`) on one real redis-server host the real agents (the ACP fixture,
 pi 0.73 and claude-code-acp 0.16 on the scripted model servers). Turns of one session land on both;

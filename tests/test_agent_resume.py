@@ -1,4 +1,4 @@
-"""Conversations that outlive their process and their host (issue 35, part B).
+"""Conversations that outlive their process and their host (docs/hosting/durable.md).
 
 uibus keeps each hosted agent's conversation handle in the session store (ACP: sessionId and cwd,
 pi: its sessionFile); a new process of the same (session, agent) — after an idle close, after

@@ -1,5 +1,5 @@
 """Sharded bus channels: a replica hears only the shards its subscribers are in, so its bus work
-is what its own subscribers need however many replicas there are (issue 27). Real uibus apps on
+is what its own subscribers need however many replicas there are (docs/scaling.md). Real uibus apps on
 one real redis-server, real gRPC streams; the counts are read from each replica's /metrics."""
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect as ws_connect
 
 from tests.conftest import REPO, free_port, next_message, require_binary, run_reporter
@@ -67,7 +68,7 @@ async def _serving(target: str, timeout: float = 60) -> None:
             await asyncio.sleep(0.2)
 
 
-# What an operator sets (README): the image binds every interface, so it serves only with a token.
+# What an operator sets (docs/deployment.md): the image binds every interface, so it serves only with a token.
 TOKEN = "container-test-" + secrets.token_hex(8)
 BEARER = {"authorization": f"Bearer {TOKEN}"}
 
@@ -102,6 +103,18 @@ async def test_image_runs_read_only_as_non_root_and_stops_cleanly(docker: Docker
         await _serving(target)
         async with httpx.AsyncClient(timeout=10) as http:
             assert (await http.get(f"http://127.0.0.1:{http_port}/readyz")).text == "ok\n"
+            metrics = (await http.get(f"http://127.0.0.1:{http_port}/metrics", headers=BEARER)).text
+        # One version three ways: the OCI label, `uibus --version` in the image and uibus_build_info of
+        # the running container; and it is this checkout's (the fixture built it with the version
+        # setuptools-scm derives here, as pip would: not the Dockerfile's default).
+        label = docker.run("image", "inspect", "--format",
+                           '{{index .Config.Labels "org.opencontainers.image.version"}}', IMAGE).stdout.strip()
+        said = docker.run("exec", name, "uibus", "--version").stdout.strip()
+        (info,) = [f for f in text_string_to_metric_families(metrics) if f.name == "uibus_build_info"]
+        assert docker.built_version is not None, "setuptools-scm gave no version for the checkout"
+        assert label == docker.built_version and said == f"uibus {label}", (label, said, docker.built_version)
+        assert [(s.labels, s.value) for s in info.samples] == [({"version": label}, 1)], info.samples
+        report(f"image {IMAGE}: label, `uibus --version` and uibus_build_info all say {label}")
         await _round_trip(target, target, "c1", "through the image")
         deadline = time.monotonic() + 30
         while docker.run("inspect", "--format", "{{.State.Health.Status}}", name).stdout.strip() != "healthy":

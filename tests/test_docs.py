@@ -62,6 +62,15 @@ def test_docs_site_builds_strict(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "reference" / "metrics" / "index.html").is_file()
     # The diagram is kept as text: one Mermaid block on the architecture page, rendered as such.
     assert '<pre class="mermaid">' in (tmp_path / "site" / "architecture" / "index.html").read_text()
+    # Python-Markdown, unlike GitHub, needs a blank line before a list and 4 spaces for a list item's
+    # later blocks; without them a list is swallowed into the paragraph above it with no warning.
+    swallowed = []
+    for page in sorted((tmp_path / "site").rglob("index.html")):
+        body = re.sub(r"<pre.*?</pre>", "", page.read_text(), flags=re.DOTALL)
+        swallowed += [f"{page.parent.relative_to(tmp_path / 'site')}: {para[:80]!r}"
+                      for para in re.findall(r"<p>(.*?)</p>", body, flags=re.DOTALL)
+                      if re.search(r"\n\s*(?:[*-]|\d+\.) ", para)]
+    assert not swallowed, f"list items rendered as paragraph text (a blank line or an indent missing): {swallowed}"
 
 
 def _nav_pages(nav: list) -> list[str]:  # type: ignore[type-arg]
@@ -111,10 +120,54 @@ def test_the_two_commands_exist() -> None:
     assert "bash .ci/test" in (DOCS / "getting-started.md").read_text()
 
 
+CODE_ROOTS = ("server", "clients", "bench", "tests")  # docstrings and comments that must stay followable
+
+
+def _code_lines() -> list[tuple[str, str]]:
+    """(path:line, text) of every Python line in the code roots, but generated code, npm trees and
+    this file (whose checks name what they look for)."""
+    out = []
+    for root in CODE_ROOTS:
+        for p in sorted((REPO / root).rglob("*.py")):
+            rel = p.relative_to(REPO)
+            if "pb" in rel.parts or "node_modules" in rel.parts or rel == Path("tests/test_docs.py"):
+                continue
+            out += [(f"{rel}:{n}", line) for n, line in enumerate(p.read_text().splitlines(), 1)]
+    return out
+
+
 def test_no_reference_outside_the_repository() -> None:
     """Docstrings and comments in the code say what they mean or link a docs page: the product spec
     (SPEC.md) is not part of the repository, so a reader could not follow `SPEC.md §n`."""
-    hits = [f"{p.relative_to(REPO)}:{n}" for root in ("server", "clients")
-            for p in (REPO / root).rglob("*.py") if "pb" not in p.relative_to(REPO).parts
-            for n, line in enumerate(p.read_text().splitlines(), 1) if "SPEC.md" in line]
+    hits = [where for where, line in _code_lines() if re.search(r"\bSPEC(\.md|\s*§)", line)]
     assert not hits, f"references to SPEC.md, which is not in the repository: {hits}"
+    # The spec's "seeds" (shared/seeds/: the protocols it started from) are not here either: name the
+    # upstream source (pi's RPC docs, Cline's ui.proto) instead.
+    seeds = [where for where, line in _code_lines() if re.search(r"\bseeds/|\bthe seed\b|\bseed's\b", line)]
+    assert not seeds, f"references to the spec's seeds, which are not in the repository: {seeds}"
+    # Nor is the issue tracker: "(issue 42)" tells a reader of the code nothing; the docs page does.
+    issues = [where for where, line in _code_lines() if re.search(r"\bissues? #?\d+", line, re.IGNORECASE)]
+    assert not issues, f"references to tracker issues (name the docs page or say it): {issues}"
+
+
+def test_no_reference_to_a_readme_section_that_moved() -> None:
+    """The README's long sections moved to docs/ (the README is now a front door), so code citing
+    "README, Security model" or "as the README gives it" sends a reader nowhere: it names the docs
+    page. A path to another README (bench/README.md) must exist, and a section quoted after a
+    Markdown file (bench/README.md "Hosted agents") must be one of its headings."""
+    bare, missing, sections = [], [], []
+    for where, line in _code_lines():
+        if re.search(r"(?<![\w/.\"'])README(?!\.md\b)(?!\w)", line) \
+                or re.search(r"(?<![\w/\"'])README\.md[,:]?\s*[\"§(]", line):
+            bare.append(where)
+        for path in re.findall(r"\b([\w.-]+(?:/[\w.-]+)*/README(?:\.md)?)\b", line):
+            if not ((REPO / path).is_file() or (REPO / f"{path}.md").is_file()):
+                missing.append(f"{where}: {path}")
+        for path, title in re.findall(r"\b([\w./-]+\.md),? \"([^\"]+)\"", line):
+            headings = re.findall(r"^#+ (.+)$", (REPO / path).read_text(), re.MULTILINE) \
+                if (REPO / path).is_file() else []
+            if not any(h.startswith(title) for h in headings):
+                sections.append(f"{where}: {path} \"{title}\"")
+    assert not bare, f"references to the README's sections, which moved to docs/ (name the page): {bare}"
+    assert not missing, f"paths to READMEs that do not exist: {missing}"
+    assert not sections, f"sections that are not headings of the file named: {sections}"

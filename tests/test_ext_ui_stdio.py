@@ -1,4 +1,4 @@
-"""`uibus ext-ui-stdio` as a subprocess: the seed's JSON lines, both ways, over a real server."""
+"""`uibus ext-ui-stdio` as a subprocess: pi's RPC extension-UI JSON lines, both ways, over a real server."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from uibus import kinds
 from uibus.app import App
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
-# The nine request examples of shared/seeds/extension-ui-rpc-protocol.md, verbatim.
+# The nine request examples of pi's RPC docs ("Extension UI Protocol" in `docs/rpc.md` of the npm package
+# @mariozechner/pi-coding-agent, tests/pi/node_modules/…), verbatim.
 SEED_REQUESTS: list[dict[str, Any]] = [
     {"type": "extension_ui_request", "id": "uuid-1", "method": "select", "title": "Allow dangerous command?",
      "options": ["Allow", "Block"], "timeout": 10000},
@@ -121,7 +122,7 @@ async def test_seed_examples_round_trip(app, connect, bridge):
         assert line["id"] and line["id"] not in ids
         ids.append(line["id"])
         assert {**line, "id": expected["id"]} == expected
-        assert list(line) == list(expected)  # same field order as the seed, too
+        assert list(line) == list(expected)  # same field order as pi's, too
 
     for form, dialog_id in zip(SEED_RESPONSES, ids, strict=False):
         await b.send((form % dialog_id).encode() + b"\n")

@@ -20,7 +20,7 @@ picks another seed (default: fixed, so a CI run is reproducible; a finding print
 UIBUS_FUZZ_DEBUG=1 tallies the refusals by their messages, to see where the generators' cases end
 up; UIBUS_FUZZ_COLLECT=1 records every finding and goes on (no shrinking), then lists them: a
 survey of what a change broke. Each surface also runs the issue's findings first, as explicit
-examples, so a regression of any of them is caught whatever the seed.
+examples, so a regression of any of them is caught whatever the random seed.
 """
 
 from __future__ import annotations

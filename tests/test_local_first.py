@@ -1,4 +1,4 @@
-"""Local-first safety: a default uibus is reachable by its own user only (README, Security model).
+"""Local-first safety: a default uibus is reachable by its own user only (docs/security.md).
 
 * `uibus serve` with no flags listens on loopback only; a non-loopback bind serves only with tokens
   or `--trust-network` (the refusals themselves are cases of tests/test_startup_errors.py).
@@ -497,7 +497,7 @@ async def test_callers_that_name_no_session_never_inherit_a_conversation(web: Ap
 
 
 async def test_an_unnamed_caller_still_shows_on_the_default_sessions_ui(web: App) -> None:
-    """What unnamed callers still share (README): the `default` session's UI feed."""
+    """What unnamed callers still share (docs/security.md): the `default` session's UI feed."""
     from uibus.clients.connection import Connection
 
     async with Connection(f"127.0.0.1:{web.port}", session="default") as conn:

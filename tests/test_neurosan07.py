@@ -48,7 +48,7 @@ async def test_the_real_neuro_san_07_mcp_and_http_clients_work_against_uibus(spa
         assert [m["text"] for m in messages][0::2] == ["my name is Ada", "what is my name?"]
     assert "This is the start of our conversation." in seen["async"][-1]["response"]["text"]
     assert [a["agent_name"] for a in seen["list"]["agents"]] == ["hello_world"]
-    # Clients that name no uibus session never see each other's conversation (README, Security model).
+    # Clients that name no uibus session never see each other's conversation (docs/security.md).
     for way in ("http", "mcp"):
         first, second = (turn[-1]["response"] for turn in seen[f"unnamed_{way}"])
         assert "This is the start of our conversation." in first["text"], way

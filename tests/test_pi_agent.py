@@ -209,7 +209,7 @@ async def test_a_tool_call_gated_by_the_extension_is_answered_at_a_ui(pi_app: Ap
 
 
 async def test_pi_dialogs_answered_from_ext_ui_stdio(pi_app: App) -> None:
-    """The seed's own stdio UI: pi's request comes out as the seed's JSON line (uibus's id), the
+    """pi's own stdio UI protocol: pi's request comes out as its JSON line (uibus's id), the
     answer typed there goes back to pi with pi's id."""
     before = pi_app.bus.count(kinds.EXTENSION_UI, "stdio")
     bridge = await asyncio.create_subprocess_exec(
@@ -539,7 +539,7 @@ async def test_a_pi_dialog_answered_by_a_click_on_the_page(config: Config, model
 @pytest.mark.node  # pi, on PATH from tests/pi: a command not found fails the start
 async def test_the_example_config_loads_and_its_echo_agent_asks_at_a_ui(config: Config,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """examples/pi-agent.toml as the README gives it (pi found on PATH, as after `npm i -g`), and its
+    """examples/pi-agent.toml as docs/hosting/pi.md gives it (pi found on PATH, as after `npm i -g`), and its
     minimal RPC agent (examples/rpc_echo_agent.py) driven through uibus."""
     from uibus.agents.config import load_agents
 

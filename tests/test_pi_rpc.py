@@ -4,7 +4,7 @@ test of the protocol itself, against the pinned package (tests/pi/package-lock.j
 
 It pins what the agent backend has to bridge: framing (one JSON object per `\\n`-terminated line),
 an extension command sent as a `prompt` runs with no model or credentials, every dialog and
-fire-and-forget method comes out with the seed's fields, a dialog blocks until the
+fire-and-forget method comes out with pi's documented fields, a dialog blocks until the
 `extension_ui_response` with its id, `cancelled` and the agent-side `timeout` resolve it, a value
 carrying U+2028 arrives intact, and the prompt's `response` comes when the command has finished.
 """

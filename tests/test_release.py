@@ -93,3 +93,24 @@ def test_changelog_follows_keep_a_changelog() -> None:
     assert releases[0] == "Unreleased" and FALLBACK in releases, releases
     sections = set(re.findall(r"^### (\w+)", text, re.MULTILINE))
     assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
+
+
+def test_the_upgrade_test_runs_against_the_last_tagged_release() -> None:
+    """tests/test_rolling_upgrade.py pins the previous release by commit (a clone without tags still
+    has it); once a newer release is tagged, that pin must move to it, or the upgrade test would keep
+    checking an upgrade nobody makes. The last release tag before HEAD (HEAD's own tag is the release
+    being made) must be the pinned commit. A clone without release tags has nothing to compare."""
+    from tests.test_rolling_upgrade import PREVIOUS
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    last = git("describe", "--tags", "--abbrev=0", "--match", "v[0-9]*", "HEAD^")
+    if last.returncode != 0:  # no release tag in this clone's history (CI's clone may carry none)
+        assert git("cat-file", "-e", f"{PREVIOUS}^{{commit}}").returncode == 0, PREVIOUS
+        return
+    tag = last.stdout.strip()
+    tagged = git("rev-parse", f"{tag}^{{commit}}").stdout.strip()
+    pinned = git("rev-parse", f"{PREVIOUS}^{{commit}}").stdout.strip()
+    assert tagged == pinned, f"the last release is {tag} ({tagged[:7]}); move PREVIOUS in tests/test_rolling_upgrade.py"
+    assert f"## [{tag.removeprefix('v')}]" in (REPO / "CHANGELOG.md").read_text(), tag

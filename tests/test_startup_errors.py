@@ -90,7 +90,7 @@ CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
      "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'x' is not a number"),
     ("env-keepalive-nan", [], {"UIBUS_KEEPALIVE_SECONDS": "nan"}, 2,
      "uibus serve: UIBUS_KEEPALIVE_SECONDS: 'nan' is not a finite number"),
-    # A bind other machines can reach never serves without tokens by accident (README, Security model).
+    # A bind other machines can reach never serves without tokens by accident (docs/security.md).
     ("every-interface-without-token", ["--host", "0.0.0.0"], {}, 2,
      "uibus serve: --host: 0.0.0.0 is not a loopback address and neither --auth-token nor --tokens-file is set, "
      "so anyone who can reach this machine could drive every API: set a token, or add --trust-network if every "

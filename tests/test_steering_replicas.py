@@ -1,4 +1,4 @@
-"""Steering a hosted agent across replicas (issues 35 and 37 meet): three replicas on one real
+"""Steering a hosted agent across replicas (agent ownership meets steering): three replicas on one real
 redis-server, the ACP fixture agent hosted by one of them (its lease owner, A). A turn sent to B runs
 at A; a StopTurn sent to C reaches A over the bus: B's caller gets CANCELLED with the "stopped from
 a UI" message and the agent gets `session/cancel`. SetMode, SetModel and NewConversation sent to C

@@ -309,8 +309,8 @@ async def test_page_theme_kind_switches_the_palette(web: App, web_connect: Calla
 
 
 async def test_page_as_tab_gets_tab_typed_clicks(web: App, browser: Any) -> None:
-    """`?provider=TAB`: the README's `uibus publish button history TAB` reaches the page (and a
-    SIDEBAR-typed click does not)."""
+    """`?provider=TAB`: docs/getting-started.md's `uibus publish button history TAB` reaches the page
+    (and a SIDEBAR-typed click does not)."""
     import asyncio
     import sys
 

@@ -1,5 +1,6 @@
-"""A workspace per conversation (issue 42, item 1): agents with option `workspace = "worktree"` work
-each in its own `git worktree` of the repository at their `cwd`, on a branch of their session.
+"""A workspace per conversation (docs/hosting/isolation.md, Workspaces): agents with option
+`workspace = "worktree"` work each in its own `git worktree` of the repository at their `cwd`, on a
+branch of their session.
 
 Real parts throughout: real `git` repositories made in tmp dirs, the real pi 0.73 in RPC mode whose
 scripted model (tests/pikit.py) asks it to write and read files with its own tools, real uibus apps

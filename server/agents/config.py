@@ -82,7 +82,7 @@ class AgentTable:
         await self.aclose()
 
 
-# ==== Workspaces (issue 42, item 1): a git worktree per conversation ====
+# ==== Workspaces (docs/hosting/isolation.md): a git worktree per conversation ====
 # Top level of the agents file: `workspaces_dir` (an absolute path; default <state dir>/workspaces,
 # the state dir being the default store's folder; `--workspaces-dir` / UIBUS_WORKSPACES_DIR win over
 # it). Per stdio agent (rpc, acp):
@@ -120,7 +120,7 @@ def workspace_repo(spec: AgentSpec, cwd: str | None) -> str | None:
 # ==== end of the workspaces block ====
 
 
-# ==== Isolation of hosted agents (issue 42): what they inherit, the sandbox, tenants' homes ====
+# ==== Isolation of hosted agents (docs/hosting/isolation.md): what they inherit, the sandbox, tenants' homes ====
 # Tenants' homes live in `<workspaces_dir>/homes/` (the workspaces block's `workspaces_dir`, as
 # `--workspaces-dir` or the agents file set it; conversations' worktrees are in its `sessions/`).
 # Per stdio agent (rpc, acp):

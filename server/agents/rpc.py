@@ -1,6 +1,6 @@
 """`backend = "rpc"`: a coding agent that speaks pi's RPC mode (`pi --mode rpc`), hosted per session.
 
-The protocol (the extension-UI seed and the package's `docs/rpc.md`) is JSON lines over the agent's
+The protocol (`docs/rpc.md` in pi's npm package `@mariozechner/pi-coding-agent`) is JSON lines over the agent's
 stdio: commands in (`prompt`, `abort`, `get_state`, `extension_ui_response`), responses (`type:
 "response"`, with the command's `id`) and events out (`agent_start` … `agent_end`, `message_update`
 deltas, `tool_execution_*`, `extension_ui_request`). Records are split on `\\n` only: U+2028 and
@@ -271,7 +271,7 @@ class RpcSession(PiSteering, StdioSession):
         """Whether `/line` names an extension command (which pi runs before it answers the prompt,
         so the turn ends at the response), not a prompt template or a skill (a model run, ending at
         agent_end). Asked of the agent each time (`get_commands`: extensions may add commands); an
-        agent that cannot say is taken at its word that `/name` is a command, as the seed shows."""
+        agent that cannot say is taken at its word that `/name` is a command, as pi's RPC docs show."""
         name = line.split(None, 1)[0] if line.strip() else ""
         try:
             async with asyncio.timeout(self.options.start_timeout):
