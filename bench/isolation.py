@@ -1,11 +1,11 @@
-"""python -m bench.agents --isolation: what issue 42's isolation costs a hosted agent, in one run —
+"""python -m bench.agents --isolation: what agents' isolation (docs/hosting/isolation.md) costs a hosted agent, in one run —
 what `sandbox = true` adds to an agent's start and to a turn (bench.sandbox: bubblewrap around the
 real pi on a scripted model, plain against sandboxed) and the disk and time a workspace per
 conversation costs (bench.workspaces: a git worktree of a fresh clone of this repository).
 
 It only runs the two benches' own measurements and prints them together (each also runs alone:
 `python -m bench.sandbox`, `python -m bench.workspaces`), so the figures mean exactly what those
-modules' docstrings say. Targets (issue 42): at most 100 ms more to start, turns unchanged within
+modules' docstrings say. Targets: at most 100 ms more to start, turns unchanged within
 noise.
 """
 

@@ -26,8 +26,8 @@ session closes (`revoke`). They are what an ACP agent is handed for uibus's own 
 never holds a key of uibus's (docs/hosting/isolation.md); a replica mints for the agents it hosts, which call the
 /mcp of that same replica.
 
-Tenants — the one seam for everything keyed by whose it is (a sandboxed agent's home, issue 42;
-per-tenant quotas, issue 43) — are strings fit for a directory name and a metrics label:
+Tenants — the one seam for everything keyed by whose it is (a sandboxed agent's home, docs/hosting/isolation.md;
+per-tenant quotas, docs/security/quotas.md) — are strings fit for a directory name and a metrics label:
 
 * `Grant.tenant`, whose a *caller* is: the token's `(name)` when its line gives one; else
   `t-<20 hex>`, a digest of the token (its line number moves with edits, the token does not);

@@ -515,7 +515,7 @@ def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
     assert tokens.tenant("team-a-1") == a  # a minted token is no tenant
     grant = tokens.grant(minted.encode())
     assert grant is not None and grant.allows("team-a-1") and not grant.allows("team-a-2") and not grant.all_sessions
-    assert grant.tenant == a  # an agent's calls are its session's tenant's (quotas, issue 43)
+    assert grant.tenant == a  # an agent's calls are its session's tenant's (per-tenant quotas)
     tokens.revoke(minted)
     assert tokens.grant(minted.encode()) is None and tokens.minted == 0
     # callers' tenants: a lone unnamed token's digest is its session's tenant; the operator's is `operator`

@@ -1,4 +1,4 @@
-"""Today's Cline webview: the six cline.UiService RPCs upstream added after the seed, driven by
+"""Today's Cline webview: the six cline.UiService RPCs upstream added after the proto revision uibus started from, driven by
 the pinned grpc-js client (tests/grpcjs/today.js) against a real server; the host side goes
 through HostService as a real host does; /metrics and an OTLP receiver show trackIntent counted
 and traced."""
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(90)
 
 
 def test_the_enums_and_fields_upstream_added_are_there() -> None:
-    """Additive: the seed's numbers stay; upstream's new values and ClineMessage's seq/epoch exist."""
+    """Additive: the original revision's numbers stay; upstream's new values and ClineMessage's seq/epoch exist."""
     assert ui_pb2.ClineSay.Value("COMPACTION") == 37 and ui_pb2.ClineSay.Value("INFO") == 26
     assert ui_pb2.ClineSay.Value("TASK_PROGRESS") == 27
     assert ui_pb2.ClineAsk.Value("REPORT_BUG") == 15 and ui_pb2.ClineAsk.Value("SUMMARIZE_TASK") == 16
