@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--forwarded" in args:  # a turn carried to the agent's owner replica against a local one
         from bench import agent_forwarding
         return agent_forwarding.main(args)
-    if "--isolation" in args:  # what the sandbox adds to start and turn, the disk a worktree costs (docs/hosting/isolation.md)
+    if "--isolation" in args:  # what the sandbox adds to start and turn, the disk a worktree costs
         from bench import isolation
         return isolation.main(args)
     p = argparse.ArgumentParser(prog="python -m bench.agents", description=(__doc__ or "").splitlines()[0])

@@ -1,4 +1,4 @@
-"""python -m bench.agents --isolation: what agents' isolation (docs/hosting/isolation.md) costs a hosted agent, in one run —
+"""python -m bench.agents --isolation: what agents' isolation costs a hosted agent, in one run —
 what `sandbox = true` adds to an agent's start and to a turn (bench.sandbox: bubblewrap around the
 real pi on a scripted model, plain against sandboxed) and the disk and time a workspace per
 conversation costs (bench.workspaces: a git worktree of a fresh clone of this repository).
