@@ -1,4 +1,4 @@
-"""Today's Cline webview: the six cline.UiService RPCs upstream added after the proto revision uibus started from, driven by
+"""Today's Cline webview: the six cline.UiService RPCs upstream added later, driven by
 the pinned grpc-js client (tests/grpcjs/today.js) against a real server; the host side goes
 through HostService as a real host does; /metrics and an OTLP receiver show trackIntent counted
 and traced."""

@@ -1,4 +1,4 @@
-"""cline.UiService: the 22 RPCs a Cline webview calls (the 16 of the proto revision uibus started from and six upstream added),
+"""cline.UiService: the 22 RPCs a Cline webview calls (the first 16 and six upstream added later),
 wire-compatible with Cline's proto.
 
 Behaviour follows Cline's controller (Cline's `src/core/controller/ui/`, the
