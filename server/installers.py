@@ -106,7 +106,7 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
 async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/acp` on the HTTP port: uibus as a remote ACP agent for editors (WebSocket), whose calls
     run through the pipeline on the in-process channel."""
-    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens)
+    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens, setup.config.max_message_bytes)
     setup.mount(ACP_PATH, endpoint)
     setup.gauge("uibus_acp_editor_connections", "Editors attached over /acp", endpoint.count)
     try:

@@ -27,6 +27,7 @@ sends a list only when it differs from the last one sent.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -40,9 +41,10 @@ from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.steering import Steering, state_of
-from uibus.errors import NotFound
+from uibus.errors import InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
+from uibus.session import check_session
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
 TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title
@@ -52,7 +54,19 @@ REMOTE_S = 1.0  # other replicas' dialogs and agents of an unchanged session are
 RECENT_S = 60.0  # ... and only for sessions active this recently (or listing some)
 RECENT = 20  # history entries read (newest) to find the agent a session last talked to
 MAX_LISTED = 500  # sessions one listing shows (the most recently active): a UI's list, not an export
+# Every field bounded, whichever door it came in by (issue 43): what CreateSession takes, and what a
+# listing shows of each title (a stored title from before the bound, or an agent's, is cut to it),
+# so MAX_LISTED entries fit any reply (500 x a few KiB, far under --max-message-bytes).
+MAX_TITLE_CHARS = 1024  # a title CreateSession takes
+LISTED_TITLE_CHARS = 256  # a title (the session's, an agent's, a waiting dialog's) as a listing shows it
+MAX_AGENT_CHARS = 128  # an agent name CreateSession takes (the HTTP API's pattern: [A-Za-z0-9_.-]{1,128})
+_AGENT = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
+
+
+def _listed(title: str) -> str:
+    """A title as a listing shows it: at most LISTED_TITLE_CHARS characters."""
+    return title if len(title) <= LISTED_TITLE_CHARS else title[: LISTED_TITLE_CHARS - 1] + "…"
 
 
 def shorten(text: str, limit: int = TITLE_CHARS) -> str:
@@ -173,9 +187,13 @@ class Sessions:
         agents.sort(key=lambda a: a.agent)
         # what was set for the session, else what an agent titled its conversation, else the first message
         title = static.title or next((a.title for a in agents if a.title), "") or static.first
-        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
+        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=_listed(getattr(d.request, d.method).title))
                    for d in self.dialogs.pending.waiting(session)]
         waiting += [d for d in static.remote if all(d.id != w.id for w in waiting)]
+        title = _listed(title)
+        for a in agents:
+            if len(a.title) > LISTED_TITLE_CHARS:
+                a.title = _listed(a.title)
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
@@ -195,6 +213,8 @@ class Sessions:
     async def list(self, visible: Callable[[str], bool], prefix: str = "", *, shared: bool = False) -> pb.SessionList:
         """The sessions `visible` allows (and starting with `prefix`), most recently active first, at
         most MAX_LISTED of them; `shared`: from the snapshot the watches share."""
+        if prefix:
+            check_session(prefix)  # every door (gRPC, HTTP API, MCP's list_sessions) the same bound
         listed = pb.SessionList()
         for session, stamp in await self._stamps(shared):
             if session.startswith(prefix) and visible(session):
@@ -226,7 +246,13 @@ class Sessions:
     # ---- writing ----
 
     async def create(self, session: str, title: str = "", agent: str = "") -> pb.SessionEntry:
-        """Makes `session` exist (a META value), keeping what it had; sets the title / agent given."""
+        """Makes `session` exist (a META value), keeping what it had; sets the title / agent given
+        (bounded: InvalidArgument for a title over MAX_TITLE_CHARS or an agent name that is none)."""
+        if len(title) > MAX_TITLE_CHARS:
+            raise InvalidArgument(f"title is {len(title)} characters long; the limit is {MAX_TITLE_CHARS}")
+        if agent and not _AGENT.fullmatch(agent):
+            raise InvalidArgument(f"agent {agent[:40]!r} is not an agent name: 1 to {MAX_AGENT_CHARS} characters "
+                                  "from A-Z a-z 0-9 _ . -")
         def change(meta: Any | None) -> dict[str, Any]:
             value = dict(meta or {})
             if title:

@@ -7,7 +7,7 @@ Sessions are uibus sessions, named by their ACP `sessionId`: `session/new` makes
 answer), `session/resume` attaches without the replay, `session/close` detaches this editor only.
 A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
 (a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
-them (uibus.editors.rpc).
+them (uibus.jsonrpc, the one JSON-RPC core).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import grpc
 from uibus import version
 from uibus.editors import updates
 from uibus.editors.attached import Attached
-from uibus.editors.rpc import (
+from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
+from uibus.jsonrpc import (
     AUTH_REQUIRED,
     CANCEL_REQUEST,
     INTERNAL_ERROR,
@@ -39,11 +41,8 @@ from uibus.editors.rpc import (
     Outgoing,
     RpcError,
     dump,
-    parse,
-    valid_id,
+    read,
 )
-from uibus.editors.uplink import Uplink
-from uibus.errors import InvalidArgument
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.session import check_session
@@ -193,22 +192,23 @@ class Editor:
     # ---- incoming ----
 
     async def receive(self, data: str | bytes) -> None:
-        """One incoming message. Requests run in tasks of their own; a bad message is answered
-        with its error and changes nothing else."""
+        """One incoming message, through the one JSON-RPC reader (hostile-JSON guard, `jsonrpc`
+        and `id` checked before anything waits on it): a bad message is answered with its error
+        (-32700 / -32600) and changes nothing else."""
         try:
-            message = parse(data)
+            message = read(data)
         except RpcError as exc:
-            await self.send({"jsonrpc": "2.0", "id": None, "error": exc.body()})
+            await self.send(exc.answer())
             return
+        await self.handle(message)
+
+    async def handle(self, message: dict[str, Any]) -> None:
+        """One message `uibus.jsonrpc.read` took. Requests run in tasks of their own."""
         method = message.get("method")
-        if method is None and "id" in message and ("result" in message or "error" in message):
+        if method is None:  # a response to one of ours (read checked it has its id and a result or error)
             self.outgoing.answered(message)
             return
         ident = message.get("id")
-        if not isinstance(method, str) or not valid_id(ident):
-            await self.send({"jsonrpc": "2.0", "id": ident if valid_id(ident) else None, "error": RpcError(
-                INVALID_REQUEST, "a request needs a method name and an id that is a string or number").body()})
-            return
         params = message.get("params", {})
         if "id" not in message:
             self._notification(method, params)

@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 
 from uibus.editors import updates
-from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink, each
+from uibus.jsonrpc import INVALID_REQUEST, RpcError
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2

@@ -36,6 +36,7 @@ import grpc
 from uibus.auth import Tokens, bearer
 from uibus.editors.agent import Editor
 from uibus.editors.uplink import Uplink
+from uibus.jsonrpc import RpcError, read
 from uibus.session import SESSION_KEY
 from uibus.transports.asgi import (
     BodyTooLarge,
@@ -185,9 +186,10 @@ def _route(message: dict[str, Any], session: str) -> tuple[str | None, str]:
 class AcpHttp:
     """The HTTP side of `/acp` (the WebSocket side hands it every plain HTTP request)."""
 
-    def __init__(self, lookup: Lookup, tokens: Tokens) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0) -> None:
         self.lookup = lookup
         self.tokens = tokens
+        self.max_message_bytes = max_message_bytes
         self.open: dict[str, HttpConnection] = {}
 
     def count(self) -> int:
@@ -261,23 +263,16 @@ class AcpHttp:
             return
         except ClientGone:
             return
-        try:
-            message = json.loads(body)
-        except ValueError:
-            await respond(send, 400, "Invalid JSON")
-            return
-        if isinstance(message, list):
-            await respond_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": {
-                "code": -32600, "message": "JSON-RPC batches are not supported"}})
-            return
-        if not isinstance(message, dict):
-            await respond(send, 400, "Invalid JSON-RPC message")
+        try:  # the one JSON-RPC reader: hostile JSON, `jsonrpc` and `id` are refused before anything waits
+            message = read(body)
+        except RpcError as exc:
+            await respond_json(send, 400, exc.answer())
             return
         if message.get("method") == "initialize" and "id" in message:
             if header(scope, CONNECTION):
                 await respond(send, 400, "Initialize not allowed on existing connection")
                 return
-            await self._initialize(scope, send, message, body, agent, prefix)
+            await self._initialize(scope, send, message, agent, prefix)
             return
         conn = await self._connection(scope, send)
         if conn is None:
@@ -291,11 +286,10 @@ class AcpHttp:
                 conn.routes[json.dumps(message["id"])] = None if message["method"] == "session/load" else session
                 if message["method"] == "session/load" and session:
                     conn.loading[json.dumps(message["id"])] = session
-        await conn.editor.receive(body)
+        await conn.editor.handle(message)
         await respond(send, 202, b"")
 
-    async def _initialize(self, scope: Scope, send: Send, message: dict[str, Any], body: bytes, agent: str,
-                          prefix: str) -> None:
+    async def _initialize(self, scope: Scope, send: Send, message: dict[str, Any], agent: str, prefix: str) -> None:
         if message["id"] is None:
             await respond(send, 400, "Initialize request must include an ID")
             return
@@ -303,13 +297,14 @@ class AcpHttp:
             await respond(send, 503, f"{MAX_CONNECTIONS} ACP connections are open: try again later")
             return
         metadata = tuple(metadata_of(scope))
-        channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope))
+        channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope),
+                          self.max_message_bytes)
         conn = HttpConnection(secrets.token_urlsafe(18), header(scope, b"authorization"), Uplink(channel, agent),
                               prefix)
         conn.initial, conn.initial_id = asyncio.get_running_loop().create_future(), json.dumps(message["id"])
         self.open[conn.id] = conn
         try:
-            await conn.editor.receive(body)
+            await conn.editor.handle(message)
             answer = await asyncio.wait_for(conn.initial, INITIALIZE_S)
         except BaseException:
             self.open.pop(conn.id, None)

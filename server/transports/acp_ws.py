@@ -37,11 +37,14 @@ class SocketGone(Exception):
 
 
 class AcpWebSocket:
-    def __init__(self, lookup: Lookup, tokens: Tokens) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0) -> None:
+        """`max_message_bytes`: --max-message-bytes, on every call an editor's messages make (a
+        prompt's images and blobs included), as over gRPC."""
         self.lookup = lookup
         self.tokens = tokens
+        self.max_message_bytes = max_message_bytes
         self.open: set[Editor] = set()
-        self.http = AcpHttp(lookup, tokens)
+        self.http = AcpHttp(lookup, tokens, max_message_bytes)
 
     def count(self) -> int:
         return len(self.open) + self.http.count()
@@ -74,7 +77,8 @@ class AcpWebSocket:
                 raise SocketGone from exc
 
         await send({"type": "websocket.accept"})
-        editor = Editor(Uplink(Channel(self.lookup, metadata, peer_of(scope)), agent), write, prefix=prefix)
+        channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes)
+        editor = Editor(Uplink(channel, agent), write, prefix=prefix)
         self.open.add(editor)
         try:
             while True:
