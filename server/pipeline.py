@@ -51,6 +51,7 @@ from uibus.errors import PermissionDenied, UibusError, Unauthenticated
 from uibus.logs import Throttle
 from uibus.metrics import Metrics
 from uibus.proto_check import json_checker
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import session_from_metadata
 from uibus.telemetry.calls import call_spans
 
@@ -141,11 +142,12 @@ def code_name(context: Any) -> str:
 
 class Pipeline:
     def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None,
-                 headers: Sequence[tuple[str, str]] = ()) -> None:
+                 headers: Sequence[tuple[str, str]] = (), quotas: Quotas | None = None) -> None:
         """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open.
         `headers`: response metadata every call sends once admitted (none: nothing is added, and the
-        calls cost what they did)."""
+        calls cost what they did). `quotas`: the per-tenant quotas every door asks (uibus.quotas)."""
         self.metrics = metrics
+        self.quotas = quotas if quotas is not None else Quotas()
         self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = Throttle()
@@ -175,6 +177,12 @@ class Pipeline:
             raise PermissionDenied("this call covers every session: it needs a token that may use all "
                                    "sessions (`*`)")
         return grant
+
+    def tenant_of(self, metadata: Any) -> str:
+        """The caller's tenant (its token's name), for the quotas; `anonymous` without tokens."""
+        if not self.tokens.enabled:
+            return ANONYMOUS
+        return self.authenticate(metadata).name
 
     def visible_sessions(self, metadata: Any) -> Callable[[str], bool]:
         """Which sessions a call that spans sessions (SessionService/ListSessions) may see: those its
@@ -245,6 +253,8 @@ class Pipeline:
         extra = self.headers
         # Tracing (uibus.telemetry): decided here, once; off, no call pays more than this None.
         spans = call_spans(label)
+        quotas = self.quotas
+        tenant_of = self.tenant_of
 
         async def attach(context: Any) -> None:
             """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
@@ -285,14 +295,18 @@ class Pipeline:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"
-                span = failure = token = ctx = None
+                span = failure = token = ctx = lease = None
                 try:
                     if spans is None:
-                        source = behavior(admit(request, context), context)
+                        admitted = admit(request, context)
+                        lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
+                        source = behavior(admitted, context)
                     else:  # the span is current while the handler makes each message (not between)
                         span, ctx = spans.start(context)
                         token = otel_context.attach(ctx)
-                        source = behavior(admit_traced(request, context, span), context)
+                        admitted = admit_traced(request, context, span)
+                        lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
+                        source = behavior(admitted, context)
                         if not span.is_recording():  # not sampled: no child will be either
                             otel_context.detach(token)
                             token = ctx = None
@@ -322,6 +336,8 @@ class Pipeline:
                         raise
                     await context.abort(status[code], details)
                 finally:
+                    if lease is not None:
+                        lease.release()
                     done(context, code, started)
                     if span is not None:
                         if token is not None:

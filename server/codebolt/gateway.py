@@ -39,6 +39,7 @@ from uibus.codebolt.actions import Reply
 from uibus.codebolt.protocol import Request
 from uibus.domain.core import Core
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from uibus.quotas import ANONYMOUS, Lease, Quotas
 from uibus.session import session_of
 from uibus.tasks import Tasks, cancel_all
 
@@ -84,8 +85,12 @@ class Gateway:
     """
 
     def __init__(self, core: Core, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_waits: int = MAX_WAITS) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_waits: int = MAX_WAITS,
+                 quotas: Quotas | None = None, tenant_of: Callable[[Metadata], str] | None = None) -> None:
+        """`quotas` and `tenant_of`: a tenant's `codebolt_connections` quota (uibus.quotas)."""
         self.core = core
+        self.quotas = quotas if quotas is not None else Quotas()
+        self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
         self.max_message_bytes = max_message_bytes
         self.max_waits = max_waits
         self.connections: set[AgentConnection] = set()
@@ -140,8 +145,14 @@ class Gateway:
                 close: Callable[[], Awaitable[None]]) -> AgentConnection:
         if self.closing:
             raise Unavailable("uibus is shutting down")
-        conn = AgentConnection(self, session, metadata, peer, send, close)
-        conn.follow_user(self.core.history.follow(session, USER_QUEUE))  # refused at the stream cap
+        lease = self.quotas.hold("codebolt_connections", self.tenant_of(metadata))
+        try:
+            conn = AgentConnection(self, session, metadata, peer, send, close)
+            conn.follow_user(self.core.history.follow(session, USER_QUEUE))  # refused at the stream cap
+        except BaseException:
+            lease.release()
+            raise
+        conn.lease = lease
         self.connections.add(conn)
         return conn
 
@@ -193,6 +204,7 @@ class AgentConnection:
         self.answered: deque[int] = deque(maxlen=USER_QUEUE)  # ts of user messages a wait took
         self._pusher: asyncio.Task[None] | None = None
         self.closed = False
+        self.lease: Lease | None = None  # the tenant's codebolt_connections, given back at close
 
     def follow_user(self, sub: Subscription) -> None:
         self._pusher = asyncio.ensure_future(self._push_user_messages(sub))  # stopped by `close`
@@ -321,6 +333,8 @@ class AgentConnection:
             await self.waits.aclose()  # none is left; no new one may start
         finally:  # counted until its waits are really gone, so stats never under-report
             self.gateway.connections.discard(self)
+            if self.lease is not None:
+                self.lease.release()
 
     async def shutdown(self) -> None:
         """Lets the waits answer (the bus and the dialogs are closed by now), then closes."""

@@ -41,7 +41,7 @@ from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
-from uibus.errors import Cancelled, Unavailable
+from uibus.errors import Cancelled, ResourceExhausted, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -155,6 +155,7 @@ class AgentSessions:
         self.closed_idle = 0
         self.closed_evicted = 0
         self.closed_dead = 0
+        self.closed_reclaimed = 0  # idle agent sessions closed to make room for a turn (max_processes)
         # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
         self.on_change: Callable[[], None] = _nothing
         # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
@@ -359,6 +360,31 @@ class AgentSessions:
             raise
         return agent
 
+    async def _open_reclaiming(self, session: str, backend: SessionBackend) -> AgentSession:
+        """`_open`; when the agent is at its max_processes, its least recently used idle agent
+        session is closed first and the open tried once more. An idle process is nobody's to keep:
+        without this, one tenant's finished turns held every process of an agent for idle_seconds
+        and refused every other tenant's first turn (issue 43)."""
+        try:
+            return await self._open(session, backend)
+        except ResourceExhausted:
+            if not await self._reclaim(backend.spec.name):
+                raise
+        return await self._open(session, backend)
+
+    async def _reclaim(self, name: str) -> bool:
+        """Closes the least recently used idle agent session of agent `name`; False when none is idle."""
+        idle = [(entry.idle_since, key) for key, entry in self._live.items()
+                if key[1] == name and not entry.users and entry.task is None]
+        if not idle:
+            return False
+        key = min(idle)[1]
+        entry = self._live.pop(key)
+        self.closed_reclaimed += 1
+        await self._close(key, entry.agent, "closed (the least recently used idle one) to make room under "
+                                            "max_processes")
+        return True
+
     @asynccontextmanager
     async def use(self, session: str, name: str, backend: SessionBackend, *,
                   keep: bool = True) -> AsyncIterator[AgentSession]:
@@ -386,7 +412,7 @@ class AgentSessions:
                 async with opening:  # two first turns at once start one agent
                     entry = self._live.get(key)
                     if entry is None:
-                        agent = await self._open(session, backend)
+                        agent = await self._open_reclaiming(session, backend)
                         try:  # the marker first: a sweep must never find a live agent without one
                             await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                         except BaseException:
@@ -405,7 +431,7 @@ class AgentSessions:
                     self.closed_dead += 1
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
-                    entry.agent = await self._open(session, backend)
+                    entry.agent = await self._open_reclaiming(session, backend)
                 task = asyncio.current_task()
                 entry.task = task
                 self.on_change()

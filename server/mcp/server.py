@@ -47,6 +47,7 @@ from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.proto_check import enum_spellings
 from uibus.proto_schema import standalone
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import names_session, session_of
 
 _MAXIMAL = agent_pb2.MAXIMAL
@@ -181,6 +182,9 @@ class McpServer:
         self.inflight: dict[tuple[str, Any], asyncio.Task[Any]] = {}
         # Which sessions a call may list (the pipeline's visible_sessions; the app sets it): list_sessions.
         self.visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True
+        # The quotas every door asks (the app sets them): ask_user holds the tenant's `dialogs`.
+        self.quotas = Quotas()
+        self.tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ---- what the transport asks -----------------------------------------------------------
@@ -259,7 +263,7 @@ class McpServer:
                 raise InvalidParams(f"{name} cannot call itself: its own turn holds its agent session, so the call "
                                     "would wait for itself")
             if name in USER_TOOLS:
-                run = self._user_tool(name, session, args)
+                run = self._user_tool(name, session, args, self.tenant_of(context.invocation_metadata()))
             elif name in SESSION_TOOLS:
                 run = self._session_tool(name, session, args, context)
             else:
@@ -367,7 +371,7 @@ class McpServer:
             structured["sly_data"] = json_format.MessageToDict(final.sly_data)
         yield Reply(protocol.text_result(text, structured or None))
 
-    async def _user_tool(self, tool: str, session: str, args: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _user_tool(self, tool: str, session: str, args: dict[str, Any], tenant: str) -> AsyncIterator[Any]:
         _only(args, tool)
         dialogs = self.core.dialogs
         if tool == "notify_user":
@@ -388,8 +392,9 @@ class McpServer:
             yield Reply(_fired(fired, session, "status"))
             return
         dialog = _dialog(args)
-        yield LIVE  # admitted and valid: the wait for the person begins
-        result = await dialogs.ask(session, dialog)
+        with self.quotas.hold("dialogs", tenant):
+            yield LIVE  # admitted and valid: the wait for the person begins
+            result = await dialogs.ask(session, dialog)
         yield Reply(_answer(dialog, result))
 
 

@@ -36,7 +36,8 @@ import grpc
 from uibus.auth import Tokens, bearer
 from uibus.editors.agent import Editor
 from uibus.editors.uplink import Uplink
-from uibus.jsonrpc import RpcError, read
+from uibus.jsonrpc import QUOTA_EXCEEDED, RpcError, read
+from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
 from uibus.session import SESSION_KEY
 from uibus.transports.asgi import (
     BodyTooLarge,
@@ -101,8 +102,9 @@ class Outbox:
 class HttpConnection:
     """One editor's ACP connection over HTTP: its `Editor` and its streams."""
 
-    def __init__(self, ident: str, authorization: str, uplink: Uplink, prefix: str) -> None:
+    def __init__(self, ident: str, authorization: str, uplink: Uplink, prefix: str, lease: Lease | None = None) -> None:
         self.id = ident
+        self.lease = lease  # the tenant's acp_connections quota, given back at close
         self.authorization = authorization
         self.editor = Editor(uplink, self.write, prefix=prefix)
         self.outbox = Outbox()  # the connection's stream
@@ -164,6 +166,8 @@ class HttpConnection:
         await asyncio.sleep(LOAD_SETTLE_S)
 
     async def aclose(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
         self.outbox.close()
         for stream in self.sessions.values():
             stream.close()
@@ -186,10 +190,12 @@ def _route(message: dict[str, Any], session: str) -> tuple[str | None, str]:
 class AcpHttp:
     """The HTTP side of `/acp` (the WebSocket side hands it every plain HTTP request)."""
 
-    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0,
+                 quotas: Quotas | None = None) -> None:
         self.lookup = lookup
         self.tokens = tokens
         self.max_message_bytes = max_message_bytes
+        self.quotas = quotas if quotas is not None else Quotas()
         self.open: dict[str, HttpConnection] = {}
 
     def count(self) -> int:
@@ -293,14 +299,22 @@ class AcpHttp:
         if message["id"] is None:
             await respond(send, 400, "Initialize request must include an ID")
             return
+        grant = self.tokens.grant(bearer(header(scope, b"authorization")))
+        try:  # the tenant's own share first: one tenant never fills the door for the others
+            lease = self.quotas.hold("acp_connections", grant.name if grant is not None else ANONYMOUS)
+        except QuotaExceeded as exc:
+            await respond_json(send, 429, {"jsonrpc": "2.0", "id": message["id"], "error": {
+                "code": QUOTA_EXCEEDED, "message": str(exc), "data": {"quota": exc.quota}}})
+            return
         if len(self.open) >= MAX_CONNECTIONS:
+            lease.release()
             await respond(send, 503, f"{MAX_CONNECTIONS} ACP connections are open: try again later")
             return
         metadata = tuple(metadata_of(scope))
         channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope),
                           self.max_message_bytes)
         conn = HttpConnection(secrets.token_urlsafe(18), header(scope, b"authorization"), Uplink(channel, agent),
-                              prefix)
+                              prefix, lease)
         conn.initial, conn.initial_id = asyncio.get_running_loop().create_future(), json.dumps(message["id"])
         self.open[conn.id] = conn
         try:

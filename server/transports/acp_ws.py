@@ -23,6 +23,7 @@ from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
 from uibus.json_input import dump_json
+from uibus.quotas import ANONYMOUS, QuotaExceeded, Quotas
 from uibus.session import SESSION_KEY
 from uibus.transports.acp_http import AcpHttp
 from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse
@@ -37,14 +38,17 @@ class SocketGone(Exception):
 
 
 class AcpWebSocket:
-    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0,
+                 quotas: Quotas | None = None) -> None:
         """`max_message_bytes`: --max-message-bytes, on every call an editor's messages make (a
-        prompt's images and blobs included), as over gRPC."""
+        prompt's images and blobs included), as over gRPC. `quotas`: a tenant's `acp_connections`
+        counts its WebSockets and HTTP connections together."""
         self.lookup = lookup
         self.tokens = tokens
         self.max_message_bytes = max_message_bytes
+        self.quotas = quotas if quotas is not None else Quotas()
         self.open: set[Editor] = set()
-        self.http = AcpHttp(lookup, tokens, max_message_bytes)
+        self.http = AcpHttp(lookup, tokens, max_message_bytes, self.quotas)
 
     def count(self) -> int:
         return len(self.open) + self.http.count()
@@ -63,11 +67,22 @@ class AcpWebSocket:
         if scope["type"] != "websocket":  # ACP's Streamable HTTP (the SDK's createHttpStream)
             await self.http(scope, receive, send, agent=agent, prefix=prefix)
             return
-        if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
+        grant = self.tokens.grant(bearer(header(scope, b"authorization")))
+        if self.tokens.enabled and grant is None:
             await refuse(scope, send, 401, dump_json(error_body(
                 grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
                 "application/json")
             return
+        try:
+            lease = self.quotas.hold("acp_connections", grant.name if grant is not None else ANONYMOUS)
+        except QuotaExceeded as exc:
+            await refuse(scope, send, 429, dump_json(error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))),
+                         "application/json")
+            return
+        with lease:
+            await self._serve(scope, receive, send, agent, prefix)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, agent: str, prefix: str) -> None:
         metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own
 
         async def write(text: str) -> None:
