@@ -44,6 +44,7 @@ CODES = {"parse error": PARSE_ERROR, "invalid request": INVALID_REQUEST, "method
          "quota exceeded": QUOTA_EXCEEDED, "request cancelled": REQUEST_CANCELLED}
 CANCEL_REQUEST = "$/cancel_request"
 MAX_OUTSTANDING = 256  # our requests to one peer awaiting an answer at once
+MAX_ID_CHARS = 1024  # a string id (a UUID is 36): a peer's id is kept until its answer, so it is bounded
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -84,11 +85,13 @@ def check(value: Any, *, null_id: bool = True) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise RpcError(INVALID_REQUEST, f"a JSON-RPC message is a JSON object, not {type(value).__name__}")
     ident = value.get("id")
-    sound = ident if "id" in value and valid_id(ident, null_id) else None
+    sound = ident if "id" in value and valid_id(ident, null_id) and len(str(ident)) <= MAX_ID_CHARS else None
     if value.get("jsonrpc") != "2.0":
         raise RpcError(INVALID_REQUEST, 'a JSON-RPC message needs "jsonrpc": "2.0"', ident=sound)
     if "id" in value and not valid_id(ident, null_id):
         raise RpcError(INVALID_REQUEST, '"id" must be a string or an integer' + (" (or null)" if null_id else ""))
+    if isinstance(ident, str) and len(ident) > MAX_ID_CHARS:
+        raise RpcError(INVALID_REQUEST, f'"id" is {len(ident)} characters long; the limit is {MAX_ID_CHARS}')
     method = value.get("method")
     if method is None:
         if "id" in value and ("result" in value or "error" in value):

@@ -49,10 +49,10 @@ QUOTAS: dict[str, Quota] = {q.name: q for q in (
     Quota("acp_connections", "--quota-acp-connections", 32, "ACP connections (/acp WebSocket and HTTP) open"),
     Quota("codebolt_connections", "--quota-codebolt-connections", 64, "CodeBolt agent connections open"),
     Quota("streams", "--quota-streams", 4096, "gRPC server streams open (UI feeds, dialogs, chats)"),
-    Quota("watches", "--quota-watches", 64, "WatchSessions streams open"),
+    Quota("watches", "--quota-watches", 256, "WatchSessions streams open"),
     Quota("sessions_per_minute", "--quota-sessions-per-minute", 120, "sessions created (CreateSession, "
           "session/new) per minute", rate=True),
-    Quota("dialogs", "--quota-dialogs", 256, "dialogs open (waiting for an answer)"),
+    Quota("dialogs", "--quota-dialogs", 4096, "dialogs open (waiting for an answer)"),
 )}
 
 

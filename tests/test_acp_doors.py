@@ -101,3 +101,115 @@ async def test_uibus_acp_stdio_answers_a_hostile_line_and_goes_on(app: App) -> N
         code = await asyncio.wait_for(proc.wait(), 10)
     stderr = (await proc.stderr.read()).decode()
     assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_acp_http_output_nobody_reads_is_bounded_in_bytes_and_the_client_told(app: App) -> None:
+    """Issue 43: 100 prompts of 900 KB with no reader grew RSS 147 -> 221 MB (the bound was 4,096
+    messages, each up to 16 MiB). Now the events waiting for a reader are bounded in bytes per
+    connection (MAX_BUFFERED_BYTES, 8 MiB): past it the connection is cut, and its next request
+    hears why (410), instead of anything growing or a response vanishing."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as http:
+        opened = await http.post("/acp", json=INIT)
+        conn = {"Acp-Connection-Id": opened.headers["acp-connection-id"]}
+        new = {"jsonrpc": "2.0", "id": 2, "method": "session/new", "params": {"cwd": "/tmp", "mcpServers": []}}
+        async with http.stream("GET", "/acp", headers={**conn, "Accept": "text/event-stream"}) as events:
+            assert (await http.post("/acp", json=new, headers=conn)).status_code == 202
+            lines = events.aiter_lines()
+            while not (line := await asyncio.wait_for(anext(lines), 10)).startswith("data: "):
+                assert line.startswith("id: ") or not line, line  # every event has its id
+            session = json.loads(line.removeprefix("data: "))["result"]["sessionId"]
+        before = rss_mb()
+        text = "x" * 900_000
+        statuses = []
+        for i in range(100):  # the hello_world agent repeats each prompt: ~900 KB per turn, never read
+            prompt = {"jsonrpc": "2.0", "id": 10 + i, "method": "session/prompt",
+                      "params": {"sessionId": session, "prompt": [{"type": "text", "text": text}]}}
+            r = await http.post("/acp", json=prompt, headers={**conn, "Acp-Session-Id": session})
+            statuses.append(r.status_code)
+            if r.status_code == 410:
+                assert "stopped reading" in r.text and "bound of 8388608" in r.text, r.text
+                break
+            await asyncio.sleep(0.05)
+        grown = rss_mb() - before
+        print(f"\nRSS growth under the unread-output flood: {grown:.1f} MB after {len(statuses)} prompts")
+        assert statuses[-1] == 410, statuses
+        assert grown < 60, grown
+        assert (await http.post("/acp", json=INIT)).status_code == 200  # the door goes on
+
+
+async def test_acp_http_routes_of_bad_requests_leave_nothing_behind(app: App) -> None:
+    """Issue 43: 100 POSTs with 1 MB ids answered with id null left their routes (RSS 202 -> 311 MB).
+    Now a message is checked before it is routed (an overlong id is -32600 at once), and ids are keys
+    of their own, not re-serialized text."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as http:
+        opened = await http.post("/acp", json=INIT)
+        conn = {"Acp-Connection-Id": opened.headers["acp-connection-id"]}
+        before = rss_mb()
+        for i in range(100):
+            bad = {"jsonrpc": "1.0", "id": f"{i}" + "i" * 1_000_000, "method": "session/list", "params": {}}
+            r = await http.post("/acp", json=bad, headers=conn)
+            assert r.status_code == 400 and r.json()["error"]["code"] == -32600
+        grown = rss_mb() - before
+        print(f"\nRSS growth after 100 POSTs with 1 MB ids: {grown:.1f} MB")
+        assert grown < 30, grown
+
+
+async def _answers(ws: Any, ids: set[int], timeout: float = 10) -> dict[int, dict[str, Any]]:
+    found: dict[int, dict[str, Any]] = {}
+    async with asyncio.timeout(timeout):
+        while not ids <= set(found):
+            message = json.loads(await ws.recv())
+            if message.get("id") in ids and "method" not in message:
+                found[message["id"]] = message
+    return found
+
+
+async def test_load_and_resume_of_one_session_at_once_always_answer_and_leak_nothing(app: App) -> None:
+    """Issue 43: session/load and session/resume of one session sent together over /acp: the load
+    never answered (48 of 60 tries) and 12 subscriptions per try stayed open for good. 60 tries: both
+    answer every time, and once the sockets close the subscriptions are back to their baseline."""
+    url = f"ws://127.0.0.1:{app.http_port}/acp"
+    async with connect(url, max_size=None) as ws:
+        await ws.send(json.dumps(INIT))
+        await _answers(ws, {1})
+        await ws.send(json.dumps({"jsonrpc": "2.0", "id": 2, "method": "session/new",
+                                  "params": {"cwd": "/tmp", "mcpServers": []}}))
+        session = (await _answers(ws, {2}))[2]["result"]["sessionId"]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}") as http:
+            listed = [s["session"] for s in (await http.get("/api/v1/sessions")).json()["sessions"]]
+            assert session in listed  # session/new's session is listed at once, before any turn
+        await ws.send(json.dumps({"jsonrpc": "2.0", "id": 3, "method": "session/prompt", "params": {
+            "sessionId": session, "prompt": [{"type": "text", "text": "remember me"}]}}))
+        assert (await _answers(ws, {3}, 30))[3]["result"]["stopReason"] == "end_turn"
+    baseline = (await scrape_by_name(app))["uibus_subscriptions_total_open"]
+    params = {"sessionId": session, "cwd": "/tmp", "mcpServers": []}
+    outcomes: dict[str, int] = {}
+    for _ in range(60):
+        async with connect(url, max_size=None) as ws:
+            await ws.send(json.dumps(INIT))
+            await _answers(ws, {1})
+            await ws.send(json.dumps({"jsonrpc": "2.0", "id": 10, "method": "session/load", "params": params}))
+            await ws.send(json.dumps({"jsonrpc": "2.0", "id": 11, "method": "session/resume", "params": params}))
+            answers = await _answers(ws, {10, 11})  # both answer: no hang
+            for ident, answer in answers.items():
+                key = f"{ident}:{'ok' if 'result' in answer else answer['error']['code']}"
+                outcomes[key] = outcomes.get(key, 0) + 1
+            assert "result" in answers[11], answers[11]  # the later one holds the session
+    print(f"\nload/resume outcomes over 60 tries: {outcomes}")
+    await wait_for_subscriptions(app, baseline)
+
+
+async def wait_for_subscriptions(app: App, baseline: float) -> None:
+    for _ in range(100):
+        now = (await scrape_by_name(app))["uibus_subscriptions_total_open"]
+        if now == baseline:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"subscriptions {now}, baseline {baseline}")

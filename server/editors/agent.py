@@ -64,6 +64,7 @@ _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode
                  grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
 
 Write = Callable[[str], Awaitable[None]]
+WriteMessage = Callable[[dict[str, Any], str], Awaitable[None]]
 
 
 def _media(block: dict[str, Any], data: Any, mime: Any, what: str) -> tuple[str, bytes]:
@@ -152,12 +153,16 @@ def _cwd(params: dict[str, Any]) -> None:
 class Editor:
     """One editor connection; `aclose` detaches every session it holds."""
 
-    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX,
+                 write_message: WriteMessage | None = None) -> None:
         """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
-        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match."""
+        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match.
+        `write_message`, instead of `write`: given the message with its text, for a way out that
+        routes by the message (ACP over HTTP) without parsing its own output again."""
         self.uplink = uplink
         self.prefix = prefix
         self._write = write
+        self._write_message = write_message
         self._lock = asyncio.Lock()  # one message at a time on the wire
         self.outgoing = Outgoing(self.send)
         self.tasks = Tasks("acp editor")
@@ -174,7 +179,10 @@ class Editor:
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
-            await self._write(dump(message))
+            if self._write_message is not None:
+                await self._write_message(message, dump(message))
+            else:
+                await self._write(dump(message))
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
         await self.send({"jsonrpc": "2.0", "method": method, "params": params})
@@ -296,8 +304,12 @@ class Editor:
         return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
 
     async def _attach(self, name: str, *, replay: bool) -> Attached:
-        if name in self.sessions:
-            await self.sessions.pop(name).detach()
+        """A fresh attachment of `name`, replacing the one this connection held. Each attachment is
+        owned by its own object, not by the name: a load and a resume of one session at once each
+        detach only what they replaced and remove only themselves (a failed one never takes the
+        other's attachment out of `sessions`, where `aclose` would no longer find it)."""
+        while (old := self.sessions.pop(name, None)) is not None:  # another may slip in while we detach
+            await old.detach()
         if len(self.sessions) >= MAX_SESSIONS:
             raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
         attached = Attached(name, self.uplink, self.notify, self._ask, self.outgoing.cancel,
@@ -306,14 +318,20 @@ class Editor:
         try:
             await attached.attach(replay=replay)
         except BaseException:
-            self.sessions.pop(name, None)
+            self._forget(attached)
             await attached.detach()
             raise
         return attached
 
+    def _forget(self, attached: Attached) -> None:
+        """Removes `attached` from `sessions` if it is still the one held under its name."""
+        if self.sessions.get(attached.name) is attached:
+            del self.sessions[attached.name]
+
     async def new(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
         name = f"{self.prefix}{secrets.token_hex(8)}"
+        await self.uplink.create(name)  # listed at once (session/list, every UI's ListSessions)
         await self._attach(name, replay=False)
         return {"sessionId": name}
 
@@ -322,7 +340,7 @@ class Editor:
         name = _session_id(params)
         attached = await self._attach(name, replay=True)
         if not attached.replayed:
-            self.sessions.pop(name, None)
+            self._forget(attached)
             await attached.detach()
             raise RpcError(RESOURCE_NOT_FOUND, f"session {name} has no conversation to load "
                                                "(session/new starts one, session/resume attaches to any)")
