@@ -70,6 +70,13 @@ PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
 
 
+def _authorization(metadata: Any) -> Any:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return None
+
+
 def _every_session(session: str) -> bool:
     return True
 
@@ -148,10 +155,26 @@ class Pipeline:
         calls cost what they did). `quotas`: the per-tenant quotas every door asks (uibus.quotas)."""
         self.metrics = metrics
         self.quotas = quotas if quotas is not None else Quotas()
+        # Streams open with a token (grpc.aio's and the HTTP transports' call tasks), so a reload
+        # that revokes the token ends them UNAUTHENTICATED (`revoke`); in-process calls are their
+        # caller's (/acp closes its own connections).
+        self._streams: dict[asyncio.Task[Any], Any] = {}
+        self._revoked: set[asyncio.Task[Any]] = set()
         self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = Throttle()
         self._failed_log = Throttle()
+        self.tokens.on_reload.append(self.revoke)
+
+    def revoke(self) -> int:
+        """Ends every open stream whose token the reload removed (UNAUTHENTICATED); how many."""
+        n = 0
+        for task, authorization in list(self._streams.items()):
+            if task not in self._revoked and not task.done() and self.tokens.revoked(authorization):
+                self._revoked.add(task)
+                task.cancel("its token was revoked")
+                n += 1
+        return n
 
     # ---- the policies -------------------------------------------------------------------------
 
@@ -255,6 +278,8 @@ class Pipeline:
         spans = call_spans(label)
         quotas = self.quotas
         tenant_of = self.tenant_of
+        open_streams = self._streams
+        revoked = self._revoked
 
         async def attach(context: Any) -> None:
             """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
@@ -295,8 +320,12 @@ class Pipeline:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"
-                span = failure = token = ctx = lease = None
+                span = failure = token = ctx = lease = task = None
                 try:
+                    if needs_auth and (not isinstance(context, CallContext) or context.transport != "inprocess"):
+                        task = asyncio.current_task()
+                        if task is not None:
+                            open_streams[task] = _authorization(context.invocation_metadata())
                     if spans is None:
                         admitted = admit(request, context)
                         lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
@@ -331,11 +360,20 @@ class Pipeline:
                     code = code_name(context)
                 except BaseException as exc:
                     failure = exc
-                    code, details = classify(label, exc, context)
-                    if details is None:
-                        raise
+                    if task is not None and task in revoked and isinstance(exc, asyncio.CancelledError):
+                        revoked.discard(task)
+                        if task.cancelling() == 1:  # cancelled for the revocation only: answered so
+                            task.uncancel()
+                        code, details = "UNAUTHENTICATED", "this stream's token was revoked (--tokens-file reloaded)"
+                    else:
+                        code, details = classify(label, exc, context)
+                        if details is None:
+                            raise
                     await context.abort(status[code], details)
                 finally:
+                    if task is not None:
+                        open_streams.pop(task, None)
+                        revoked.discard(task)
                     if lease is not None:
                         lease.release()
                     done(context, code, started)

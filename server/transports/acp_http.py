@@ -39,6 +39,7 @@ from uibus.editors.uplink import Uplink
 from uibus.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
 from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
 from uibus.session import SESSION_KEY
+from uibus.tasks import Tasks
 from uibus.transports import sse
 from uibus.transports.asgi import (
     BodyTooLarge,
@@ -192,11 +193,22 @@ class AcpHttp:
         self.quotas = quotas if quotas is not None else Quotas()
         self.open: dict[str, HttpConnection] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # cut connections: why
+        self._closing = Tasks("acp revoked connections")
 
     def count(self) -> int:
         return len(self.open)
 
+    def revoke(self) -> None:
+        """Ends the connections whose token a reload removed: their event streams end at once, the
+        connection (its Editor, its sessions' feeds) closes, and its next request is 401."""
+        for ident, conn in list(self.open.items()):
+            if self.tokens.revoked(conn.authorization):
+                conn._cut()
+                del self.open[ident]
+                self._closing.spawn(conn.aclose(), name="acp revoked connection")
+
     async def aclose(self) -> None:
+        await self._closing.aclose(patience=5.0)
         errors = []
         for ident in list(self.open):
             try:

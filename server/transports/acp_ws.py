@@ -14,6 +14,9 @@ chooses the agent a prompt runs (default: the server's default agent), `?prefix=
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
 from urllib.parse import parse_qs
 
 import grpc
@@ -31,6 +34,7 @@ from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.transports.inprocess import Channel
 
 PATH = "/acp"
+REVOKED = 4401  # the close code of a socket whose token a reload revoked (4000-4999: the application's)
 
 
 class SocketGone(Exception):
@@ -48,7 +52,18 @@ class AcpWebSocket:
         self.max_message_bytes = max_message_bytes
         self.quotas = quotas if quotas is not None else Quotas()
         self.open: set[Editor] = set()
+        self._sockets: dict[asyncio.Task[Any], str] = {}  # each socket's task -> its Authorization
+        self._revoked: set[asyncio.Task[Any]] = set()
         self.http = AcpHttp(lookup, tokens, max_message_bytes, self.quotas)
+        tokens.on_reload.append(self.revoke)
+
+    def revoke(self) -> None:
+        """Ends the sockets (and HTTP connections) whose token a reload removed: closed 4401."""
+        for task, authorization in list(self._sockets.items()):
+            if task not in self._revoked and self.tokens.revoked(authorization):
+                self._revoked.add(task)
+                task.cancel("its token was revoked")
+        self.http.revoke()
 
     def count(self) -> int:
         return len(self.open) + self.http.count()
@@ -79,8 +94,23 @@ class AcpWebSocket:
             await refuse(scope, send, 429, dump_json(error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))),
                          "application/json")
             return
-        with lease:
-            await self._serve(scope, receive, send, agent, prefix)
+        task = asyncio.current_task()
+        assert task is not None
+        self._sockets[task] = header(scope, b"authorization")
+        try:
+            with lease:
+                await self._serve(scope, receive, send, agent, prefix)
+        except asyncio.CancelledError:
+            if task not in self._revoked:
+                raise
+            if task.cancelling() == 1:
+                task.uncancel()
+            with contextlib.suppress(Exception):  # the socket may be gone already
+                await send({"type": "websocket.close", "code": REVOKED, "reason": "UNAUTHENTICATED: the token was "
+                                                                                 "revoked"})
+        finally:
+            self._sockets.pop(task, None)
+            self._revoked.discard(task)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, agent: str, prefix: str) -> None:
         metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own

@@ -1,0 +1,77 @@
+"""Final means final (issue 43, Build item 5): a token removed from --tokens-file and reloaded (SIGHUP)
+ends that token's open streams within seconds, UNAUTHENTICATED, on every kind of door: a native gRPC
+stream (WatchSessions), the HTTP API's watch, an /acp WebSocket and an /acp HTTP connection's event
+stream. Another tenant's streams go on. Real server, real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from tests.conftest import start_app
+from uibus.config import Config
+from uibus.pb.uibus.v1 import sessions_pb2 as pb
+from uibus.pb.uibus.v1 import sessions_pb2_grpc
+from uibus.transports.acp_ws import REVOKED
+
+pytestmark = pytest.mark.timeout(60)
+INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
+
+
+async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Config, tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("a-token team-a-*\nb-token team-b-*\n")
+    app = await start_app(replace(web_config, tokens_file=str(path)))
+    a, b = {"authorization": "Bearer a-token"}, {"authorization": "Bearer b-token"}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch, \
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as http, \
+                connect(f"ws://127.0.0.1:{app.http_port}/acp", additional_headers=a) as ws:
+            api = sessions_pb2_grpc.SessionServiceStub(ch)
+            grpc_watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=tuple(a.items()))
+            b_watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=tuple(b.items()))
+            await asyncio.wait_for(grpc_watch.read(), 10)
+            await asyncio.wait_for(b_watch.read(), 10)
+            await ws.send(json.dumps(INIT))
+            assert "protocolVersion" in await asyncio.wait_for(ws.recv(), 10)
+            opened = await http.post("/acp", json=INIT, headers=a)
+            conn = {**a, "Acp-Connection-Id": opened.headers["acp-connection-id"]}
+            async with http.stream("GET", "/api/v1/sessions/watch", headers=a) as api_watch, \
+                    http.stream("GET", "/acp", headers={**conn, "Accept": "text/event-stream"}) as acp_events:
+                api_lines = api_watch.aiter_lines()
+                await asyncio.wait_for(anext(api_lines), 10)  # the first listing
+                assert acp_events.status_code == 200
+
+                path.write_text("b-token team-b-*\n")  # a-token removed
+                started = asyncio.get_running_loop().time()
+                assert app.reload_tokens()
+
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await asyncio.wait_for(grpc_watch.read(), 5)
+                assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "revoked" in (ended.value.details() or "")
+                rest = [line async for line in api_lines]  # the HTTP API's watch ends, saying why
+                assert any("UNAUTHENTICATED" in line for line in rest), rest
+                with pytest.raises(ConnectionClosed) as closed:
+                    await asyncio.wait_for(ws.recv(), 5)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == REVOKED
+                assert [line async for line in acp_events.aiter_lines() if line.startswith("data:")] == []
+                took = asyncio.get_running_loop().time() - started
+                assert took < 5, took
+            assert (await http.post("/acp", json=INIT, headers=a)).status_code == 401  # new ones refused too
+            # B's stream goes on
+            await api.CreateSession(pb.CreateSessionRequest(), metadata=(*b.items(), ("x-uibus-session", "team-b-1")))
+            listed = await asyncio.wait_for(b_watch.read(), 10)
+            assert [s.session for s in listed.sessions] == ["team-b-1"]
+            b_watch.cancel()
+    finally:
+        await app.aclose(grace=0.5)
