@@ -5,13 +5,17 @@ never fails because of one big title. Real server, real gRPC, the MCP SDK's clie
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import httpx
 import pytest
 from mcp.shared.exceptions import MCPError
 
+from tests.pikit import turn_of
 from tests.test_mcp import mcp_client
 from uibus.app import App
+from uibus.clients.connection import Connection
 from uibus.domain.sessions import LISTED_TITLE_CHARS, MAX_TITLE_CHARS
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
@@ -64,3 +68,18 @@ async def test_mcp_list_sessions_checks_its_prefix_as_every_other_door(web: App)
                 await client.call_tool("list_sessions", {"prefix": prefix})
         result = await client.call_tool("list_sessions", {"prefix": "acp-"})
         assert not result.is_error
+
+
+async def test_delete_session_right_after_a_turn_is_final(web: App) -> None:
+    """Issue 43: DeleteSession right after a turn: the session was listed again within 1 s with its
+    recent messages back (the write-behind buffer outlived the delete). Now it is dropped first."""
+    for i in range(5):
+        session = f"gone-{i}"
+        async with Connection(f"127.0.0.1:{web.port}", session=session) as conn:
+            assert (await turn_of(conn, "hello_world", "x" * 2000))[-1].response.text
+            api = sessions_pb2_grpc.SessionServiceStub(conn.channel)
+            await api.DeleteSession(pb.DeleteSessionRequest(), metadata=named(session))
+        await asyncio.sleep(1.0)  # longer than the write-behind interval (0.25 s)
+        listed = await web.core.sessions.list(lambda _s: True)
+        assert session not in [s.session for s in listed.sessions], i
+        assert await web.core.feed.recent.read(session) == {}, i

@@ -45,7 +45,7 @@ class Core:
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
-        listing = Sessions(store, dialogs, sessions, history)
+        listing = Sessions(store, dialogs, sessions, history, recent=feed.recent)
         sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
         dialogs.pending.on_change = listing.poke  # shows in every watch at once
         chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,

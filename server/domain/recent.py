@@ -86,6 +86,7 @@ class RecentMessages:
         self._writing: dict[str, dict[int, ui_pb2.ClineMessage]] = {}  # the batch whose write is in flight
         self._cooling: dict[str, asyncio.TimerHandle] = {}  # written less than write_s ago: the next write
         self._tasks = Tasks("uibus-recent")  # the writes in flight, one per session at most
+        self._inflight: dict[str, asyncio.Task[None]] = {}  # each session's write in flight
 
     def note(self, session: str, message: ui_pb2.ClineMessage) -> None:
         """Records `message` as its ts's latest state and makes sure it gets written. The message is
@@ -112,7 +113,7 @@ class RecentMessages:
             self.write_failures += 1
             return
         self._writing[session] = batch
-        self._tasks.spawn(self._write(session, batch), name="uibus-recent-write")
+        self._inflight[session] = self._tasks.spawn(self._write(session, batch), name="uibus-recent-write")
 
     async def _write(self, session: str, batch: dict[int, ui_pb2.ClineMessage]) -> None:
         try:
@@ -130,7 +131,21 @@ class RecentMessages:
             log.error("recent messages not stored", exc_info=exc, extra={"fields": {"session": session}})
         finally:
             self._writing.pop(session, None)
+            self._inflight.pop(session, None)
         self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
+
+    async def forget(self, session: str) -> None:
+        """Drops what is noted of `session` and not yet written, after its write in flight (if any)
+        has landed: the session is being deleted, and a write behind the delete would bring its
+        messages back (DeleteSession must be final)."""
+        self._pending.pop(session, None)
+        while (writing := self._inflight.get(session)) is not None:
+            await asyncio.wait((writing,))  # not cancelled: a store write is atomic, let it land first
+            self._pending.pop(session, None)
+        timer = self._cooling.pop(session, None)
+        if timer is not None:
+            timer.cancel()
+        self._pending.pop(session, None)
 
     def _merge(self, current: Any, add: dict[str, str], remove: dict[str, str] | None = None) -> dict[str, str]:
         """The stored value with `add` merged in and `remove`'s keys taken out, within the bounds,

@@ -40,6 +40,7 @@ from uibus.domain.agent_state_sharing import AgentStateSharing
 from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
+from uibus.domain.recent import RecentMessages
 from uibus.domain.steering import Steering, state_of
 from uibus.errors import InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -92,8 +93,10 @@ class Sessions:
     """The sessions API over the store, the chat history, the dialogs and the hosted agents."""
 
     def __init__(self, store: Any, dialogs: Dialogs, agents: AgentSessions, history: ChatHistory,
-                 *, watch_s: float = WATCH_S) -> None:
+                 *, watch_s: float = WATCH_S, recent: RecentMessages | None = None) -> None:
+        """`recent`: the feed's write-behind recent messages, dropped first when a session is deleted."""
         self.store = store
+        self.recent = recent
         self.dialogs = dialogs
         self.agents = agents
         self.history = history
@@ -271,6 +274,11 @@ class Sessions:
         closed = await self.agents.close_session(session)
         for dialog in self.dialogs.pending.waiting(session):
             self.dialogs.pending.close(dialog, ext_pb.DIALOG_OUTCOME_CANCELLED)
+        # What would bring it back after the drop goes first: the feed's write-behind messages
+        # (written a moment later, they listed the session again with its messages) and the caches.
+        if self.recent is not None:
+            await self.recent.forget(session)
+        self._static.pop(session, None)
         existed = await self.store.drop_session(session)
         self._static.pop(session, None)
         self.poke()
