@@ -184,6 +184,9 @@ class Config:
         "help": "PEM CA bundle: clients must present a certificate it signed (mTLS) on both ports"})
     http_header_timeout_seconds: float = field(default=5.0, metadata={
         "help": "an HTTP request's headers must arrive within this (from connect, or from its first byte)"})
+    http_body_timeout_seconds: float = field(default=30.0, metadata={
+        "help": "a request body must arrive whole within this of its request (a body sent a byte at a time "
+                "holds a connection: 408 past it)"})
     http_idle_seconds: float = field(default=15.0, metadata={
         "help": "an idle keep-alive HTTP connection is closed after this"})
     http_max_connections: int = field(default=4096, metadata={
@@ -247,7 +250,8 @@ class Config:
             check(getattr(self, f"quota_{name}") >= 0, f"quota_{name}", "must be 0 (off) or more")
         for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
-        for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_idle_seconds",
+        for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_body_timeout_seconds",
+                     "http_idle_seconds",
                      "ws_ping_timeout_seconds", "agent_lease_seconds"):
             check(getattr(self, name) > 0, name, "must be more than 0")
         for cert, key in (("tls_cert", "tls_key"), ("http_tls_cert", "http_tls_key")):

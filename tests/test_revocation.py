@@ -7,6 +7,7 @@ stream. Another tenant's streams go on. Real server, real sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -73,5 +74,41 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
             listed = await asyncio.wait_for(b_watch.read(), 10)
             assert [s.session for s in listed.sessions] == ["team-b-1"]
             b_watch.cancel()
+    finally:
+        await app.aclose(grace=0.5)
+
+
+@pytest.mark.parametrize("path", ["/acp", "/api/v1/sessions/CreateSession"])
+async def test_a_body_sent_a_byte_a_second_is_timed_out(web_config: Config, path: str) -> None:
+    """Issue 43: a request body sent at 1 byte/s to /acp or the sessions API was never timed out (a
+    slowloris path: --http-max-connections is global). Now --http-body-timeout-seconds bounds it."""
+    app = await start_app(replace(web_config, http_body_timeout_seconds=1.0))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", app.http_port)
+        body = b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1}}'
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode())
+        await writer.drain()
+        started = asyncio.get_running_loop().time()
+
+        async def trickle() -> None:
+            for byte in body:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.2)
+
+        sending = asyncio.ensure_future(trickle())
+        try:
+            status = await asyncio.wait_for(reader.readline(), 10)
+        finally:
+            sending.cancel()
+            with contextlib.suppress(BaseException):
+                await sending
+        took = asyncio.get_running_loop().time() - started
+        assert status.startswith(b"HTTP/1.1 408"), status
+        assert 0.9 < took < 3, took
+        writer.close()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}") as http:  # the port goes on
+            assert (await http.get("/api/v1/sessions")).status_code == 200
     finally:
         await app.aclose(grace=0.5)
