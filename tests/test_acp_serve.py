@@ -667,6 +667,7 @@ async def test_acp_over_http_refuses_what_the_transport_does_not_allow(config: C
             assert again.status_code == 409  # one reader per stream
             assert (await http.post("/acp", json=new, headers=conn)).status_code == 202
             lines = events.aiter_lines()
+            assert await asyncio.wait_for(anext(lines), 10) == "id: 1"  # each event has its id (resumption)
             line = await asyncio.wait_for(anext(lines), 10)
             assert json.loads(line.removeprefix("data: "))["result"]["sessionId"].startswith("acp-")
         assert app.bus.count(kinds.PARTIAL_MESSAGE) == 1  # the session stays attached while its connection lives
