@@ -203,6 +203,48 @@ class Pending:
         self._waiting.clear()
 
 
+class Running:
+    """The peer's requests being answered now, one task each, by key (the request's id, with what
+    scopes it: MCP's session): the one map a peer's cancel finds them in (ACP's `$/cancel_request`,
+    MCP's `notifications/cancelled`). A cancelled request's task learns it was the peer's cancel
+    (`withdrawn`) and answers accordingly (ACP: -32800; MCP: nothing)."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[Hashable, asyncio.Task[Any]] = {}
+        self._withdrawn: set[Hashable] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def items(self) -> list[tuple[Hashable, asyncio.Task[Any]]]:
+        return list(self._tasks.items())
+
+    def add(self, key: Hashable, task: asyncio.Task[Any]) -> bool:
+        """Registers `task` as answering `key`; False (not registered) when another task has it."""
+        if key in self._tasks:
+            return False
+        self._tasks[key] = task
+        return True
+
+    def discard(self, key: Hashable, task: asyncio.Task[Any] | None) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
+            self._withdrawn.discard(key)
+
+    def cancel(self, key: Any) -> bool:
+        """The peer withdraws request `key`: its task is cancelled; False when none runs."""
+        task = self._tasks.get(key) if isinstance(key, Hashable) else None
+        if task is None or task.done():
+            return False
+        self._withdrawn.add(key)
+        task.cancel()
+        return True
+
+    def withdrawn(self, key: Hashable) -> bool:
+        """Whether the task of `key` was cancelled by the peer's cancel (not by its connection closing)."""
+        return key in self._withdrawn
+
+
 class Outgoing:
     """Our requests to a peer over a connection uibus answers on (ACP's editor: session/request_permission,
     elicitation/create), their answers, and `cancel`, which withdraws one with `$/cancel_request`."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -40,8 +39,10 @@ from uibus.jsonrpc import (
     RESOURCE_NOT_FOUND,
     Outgoing,
     RpcError,
+    Running,
     dump,
     read,
+    valid_id,
 )
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
@@ -115,6 +116,11 @@ def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_dat
     return "".join(parts), attached
 
 
+def _key(ident: Any) -> tuple[str, Any]:
+    """A request id as a key: 1 and "1" are different ids."""
+    return (type(ident).__name__, ident)
+
+
 def check_prefix(prefix: str) -> str:
     """A session-name prefix `session/new` can use (InvalidArgument, saying why, if not)."""
     try:
@@ -170,8 +176,7 @@ class Editor:
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
         self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
         self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
-        self._running: dict[str, asyncio.Task[None]] = {}  # request id (as JSON) -> the task answering it
-        self._withdrawn: set[str] = set()  # ids the editor cancelled ($/cancel_request)
+        self._running = Running()  # the editor's requests being answered, by id ($/cancel_request finds them)
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
@@ -225,8 +230,8 @@ class Editor:
                 INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
             ).body()})
         else:
-            key = json.dumps(ident)
-            self._running[key] = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            task = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            self._running.add(_key(ident), task)
 
     def _notification(self, method: str, params: Any) -> None:
         if not isinstance(params, dict):
@@ -236,27 +241,24 @@ class Editor:
             if attached is not None:
                 attached.cancel()
         elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
-            key = json.dumps(params.get("requestId"))
-            task = self._running.get(key)
-            if task is not None and not task.done():
-                self._withdrawn.add(key)
-                task.cancel()
+            requested = params.get("requestId")
+            if valid_id(requested):
+                self._running.cancel(_key(requested))
 
     async def _request(self, ident: Any, method: str, params: Any) -> None:
-        key = json.dumps(ident)
+        key = _key(ident)
+        task = asyncio.current_task()
         try:
             await self._answer(ident, method, params)
         except asyncio.CancelledError:
-            if key not in self._withdrawn:
+            if not self._running.withdrawn(key):
                 raise
-            task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
             await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
                 REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
         finally:
-            self._running.pop(key, None)
-            self._withdrawn.discard(key)
+            self._running.discard(key, task)
 
     async def _answer(self, ident: Any, method: str, params: Any) -> None:
         try:
