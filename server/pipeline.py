@@ -33,6 +33,7 @@ layer costs an extra hop per message, which is most of what a delivery costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -68,6 +69,10 @@ PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 
 # What a method's token must allow (see `access_of`).
 OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
+
+
+REVOKE_RETRY_S = 0.05  # a revoked stream whose cancel was lost is cancelled again this often ...
+REVOKE_RETRIES = 100  # ... this many times at most (5 s)
 
 
 def _authorization(metadata: Any) -> Any:
@@ -159,7 +164,7 @@ class Pipeline:
         # that revokes the token ends them UNAUTHENTICATED (`revoke`); in-process calls are their
         # caller's (/acp closes its own connections).
         self._streams: dict[asyncio.Task[Any], Any] = {}
-        self._revoked: set[asyncio.Task[Any]] = set()
+        self._revoked: dict[asyncio.Task[Any], int] = {}  # revoked streams' tasks -> the cancels sent them
         self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = Throttle()
@@ -171,10 +176,24 @@ class Pipeline:
         n = 0
         for task, authorization in list(self._streams.items()):
             if task not in self._revoked and not task.done() and self.tokens.revoked(authorization):
-                self._revoked.add(task)
+                self._revoked[task] = 1
                 task.cancel("its token was revoked")
                 n += 1
+        if n:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing runs that could lose the cancel
+                asyncio.get_running_loop().call_later(REVOKE_RETRY_S, self._press, REVOKE_RETRIES)
         return n
+
+    def _press(self, tries: int) -> None:
+        """Cancels again the revoked streams whose cancel was lost (Python 3.11's asyncio.wait_for
+        drops a cancel that lands as its inner wait completes, gh-86296: a watch woken by the very
+        change the revocation made), until each has ended."""
+        left = [task for task in self._revoked if not task.done()]
+        for task in left:
+            self._revoked[task] += 1
+            task.cancel("its token was revoked")
+        if left and tries > 1:
+            asyncio.get_running_loop().call_later(REVOKE_RETRY_S, self._press, tries - 1)
 
     # ---- the policies -------------------------------------------------------------------------
 
@@ -361,9 +380,10 @@ class Pipeline:
                 except BaseException as exc:
                     failure = exc
                     if task is not None and task in revoked and isinstance(exc, asyncio.CancelledError):
-                        revoked.discard(task)
-                        if task.cancelling() == 1:  # cancelled for the revocation only: answered so
-                            task.uncancel()
+                        for _ in range(min(revoked.pop(task), task.cancelling())):
+                            task.uncancel()  # the revocation's cancels, answered as such
+                        if task.cancelling():  # cancelled for another reason too: that one goes on
+                            raise
                         code, details = "UNAUTHENTICATED", "this stream's token was revoked (--tokens-file reloaded)"
                     else:
                         code, details = classify(label, exc, context)
@@ -373,7 +393,7 @@ class Pipeline:
                 finally:
                     if task is not None:
                         open_streams.pop(task, None)
-                        revoked.discard(task)
+                        revoked.pop(task, None)
                     if lease is not None:
                         lease.release()
                     done(context, code, started)

@@ -1,7 +1,7 @@
 """Final means final (issue 43, Build item 5): a token removed from --tokens-file and reloaded (SIGHUP)
 ends that token's open streams within seconds, UNAUTHENTICATED, on every kind of door: a native gRPC
-stream (WatchSessions), the HTTP API's watch, an /acp WebSocket and an /acp HTTP connection's event
-stream. Another tenant's streams go on. Real server, real sockets.
+stream (WatchSessions), the HTTP API's watch, an MCP call's event stream, an /acp WebSocket and an
+/acp HTTP connection's event stream. Another tenant's streams go on. Real server, real sockets.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.conftest import start_app
+from tests.conftest import start_app, wait_for
 from uibus.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
@@ -52,6 +52,14 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
                 await asyncio.wait_for(anext(api_lines), 10)  # the first listing
                 assert acp_events.status_code == 200
 
+                ask = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+                       "params": {"name": "ask_user", "arguments": {"title": "still there?"}}}
+                mcp_call = http.stream("POST", "/mcp", json=ask, headers={
+                    **a, "x-uibus-session": "team-a-1", "accept": "application/json, text/event-stream"})
+                mcp = await mcp_call.__aenter__()
+                await wait_for(lambda: app.core.dialogs.count() == 1, 10, what="MCP's ask_user waiting")
+                assert mcp.headers["content-type"].startswith("text/event-stream")
+
                 path.write_text("b-token team-b-*\n")  # a-token removed
                 started = asyncio.get_running_loop().time()
                 assert app.reload_tokens()
@@ -66,6 +74,9 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
                     await asyncio.wait_for(ws.recv(), 5)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == REVOKED
                 assert [line async for line in acp_events.aiter_lines() if line.startswith("data:")] == []
+                mcp_events = [json.loads(line[6:]) async for line in mcp.aiter_lines() if line.startswith("data: ")]
+                await mcp_call.__aexit__(None, None, None)
+                assert mcp_events[-1]["error"]["data"]["status"] == "UNAUTHENTICATED", mcp_events
                 took = asyncio.get_running_loop().time() - started
                 assert took < 5, took
             assert (await http.post("/acp", json=INIT, headers=a)).status_code == 401  # new ones refused too
