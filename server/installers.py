@@ -79,6 +79,8 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
     gateway = Gateway(setup.core, setup.pipeline.wrap, quotas=setup.pipeline.quotas,
                       tenant_of=setup.pipeline.tenant_of)
     setup.serve(codebolt.add_to(setup.registry, gateway))
+    tokens = setup.pipeline.tokens
+    tokens.on_reload.append(lambda: gateway.revoke(tokens.revoked))  # a revoked token's sockets close
     endpoint = AgentToApp(gateway)
     setup.mount(PATH, endpoint)
     setup.mount(CODEBOLTJS_PATH, endpoint)

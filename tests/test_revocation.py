@@ -1,7 +1,7 @@
 """Final means final (issue 43, Build item 5): a token removed from --tokens-file and reloaded (SIGHUP)
 ends that token's open streams within seconds, UNAUTHENTICATED, on every kind of door: a native gRPC
-stream (WatchSessions), the HTTP API's watch, an MCP call's event stream, an /acp WebSocket and an
-/acp HTTP connection's event stream. Another tenant's streams go on. Real server, real sockets.
+stream (WatchSessions), the HTTP API's watch, an MCP call's event stream, a CodeBolt agent's WebSocket,
+an /acp WebSocket and an /acp HTTP connection's event stream. Another tenant's streams go on. Real server, real sockets.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import start_app, wait_for
+from uibus.codebolt.gateway import REVOKED as CODEBOLT_REVOKED
 from uibus.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
@@ -36,7 +37,9 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch, \
                 httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as http, \
-                connect(f"ws://127.0.0.1:{app.http_port}/acp", additional_headers=a) as ws:
+                connect(f"ws://127.0.0.1:{app.http_port}/acp", additional_headers=a) as ws, \
+                connect(f"ws://127.0.0.1:{app.http_port}/agent-to-app?session=team-a-1",
+                        additional_headers=a) as codebolt:
             api = sessions_pb2_grpc.SessionServiceStub(ch)
             grpc_watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=tuple(a.items()))
             b_watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=tuple(b.items()))
@@ -73,6 +76,9 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
                 with pytest.raises(ConnectionClosed) as closed:
                     await asyncio.wait_for(ws.recv(), 5)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == REVOKED
+                with pytest.raises(ConnectionClosed) as closed:  # the CodeBolt agent's socket too
+                    await asyncio.wait_for(codebolt.recv(), 5)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == CODEBOLT_REVOKED
                 assert [line async for line in acp_events.aiter_lines() if line.startswith("data:")] == []
                 mcp_events = [json.loads(line[6:]) async for line in mcp.aiter_lines() if line.startswith("data: ")]
                 await mcp_call.__aexit__(None, None, None)

@@ -43,6 +43,10 @@ from uibus.quotas import ANONYMOUS, Lease, Quotas
 from uibus.session import session_of
 from uibus.tasks import Tasks, cancel_all
 
+# Closes the agent's socket: with a WebSocket close code and reason (default: going away, shutdown).
+Close = Callable[..., Awaitable[None]]
+REVOKED = 4401  # the close code of a socket whose token a reload revoked
+
 log = logging.getLogger("uibus.codebolt")
 
 MAX_MESSAGE_BYTES = 1024 * 1024
@@ -66,7 +70,7 @@ class Upgrade:
     """The request of CONNECT: how to talk to the socket being opened."""
 
     send: Send
-    close: Callable[[], Awaitable[None]]
+    close: Close
 
 
 @dataclass(slots=True)
@@ -133,7 +137,7 @@ class Gateway:
                 out[method_of(f"{family}.{name}")] = grpc.unary_unary_rpc_method_handler(action(f"{family}.{name}"))
         return out
 
-    async def open(self, metadata: Metadata, peer: str, send: Send, close: Callable[[], Awaitable[None]]
+    async def open(self, metadata: Metadata, peer: str, send: Send, close: Close
                    ) -> tuple[AgentConnection | None, grpc.StatusCode, str]:
         """Opens a connection through the pipeline (auth, session, shutdown); on refusal, why."""
         ctx = CallContext(metadata, peer, "websocket")
@@ -142,7 +146,7 @@ class Gateway:
         return conn, code, details
 
     def connect(self, session: str, metadata: Metadata, peer: str, send: Send,
-                close: Callable[[], Awaitable[None]]) -> AgentConnection:
+                close: Close) -> AgentConnection:
         if self.closing:
             raise Unavailable("uibus is shutting down")
         lease = self.quotas.hold("codebolt_connections", self.tenant_of(metadata))
@@ -155,6 +159,14 @@ class Gateway:
         conn.lease = lease
         self.connections.add(conn)
         return conn
+
+    def revoke(self, revoked: Callable[[Any], bool]) -> None:
+        """Closes the connections whose token a reload revoked (`revoked(authorization)`): code
+        4401, UNAUTHENTICATED; their waits end as at any close."""
+        for conn in list(self.connections):
+            authorization = next((v for k, v in conn.metadata if k == "authorization"), None)
+            if not conn.closed and revoked(authorization) and not self._closers.closed:
+                self._closers.spawn(conn.revoked(), name="uibus-codebolt-revoked")
 
     def pending(self, session: str | None = None) -> int:
         return sum(len(c.waits) for c in self.connections if session is None or c.session == session)
@@ -191,7 +203,7 @@ class Gateway:
 
 class AgentConnection:
     def __init__(self, gateway: Gateway, session: str, metadata: Metadata, peer: str, send: Send,
-                 close: Callable[[], Awaitable[None]]) -> None:
+                 close: Close) -> None:
         self.gateway = gateway
         self.session = session
         self.metadata = metadata
@@ -335,6 +347,11 @@ class AgentConnection:
             self.gateway.connections.discard(self)
             if self.lease is not None:
                 self.lease.release()
+
+    async def revoked(self) -> None:
+        """Its token was revoked: the socket is closed (4401); the transport's loop then closes it."""
+        with contextlib.suppress(Exception):
+            await self._close_socket(REVOKED, "UNAUTHENTICATED: the token was revoked")
 
     async def shutdown(self) -> None:
         """Lets the waits answer (the bus and the dialogs are closed by now), then closes."""
