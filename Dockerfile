@@ -4,8 +4,14 @@
 # The base is pinned to a patch release so a rebuild gets the same Python; move it on purpose, for
 # both stages at once, e.g. `docker build --build-arg BASE=python:3.11.17-slim-bookworm@sha256:<digest> .`.
 ARG BASE=python:3.11.17-slim-bookworm
+# The release this image is (`docker build --build-arg VERSION=$(.venv/bin/uibus --version | cut -d' ' -f2)`):
+# the build context has no .git, so setuptools-scm is told it, and the package, `uibus --version`,
+# uibus_build_info and the OCI label below all say the same. The default is pyproject.toml's
+# fallback_version (tests/test_deploy.py keeps them equal).
+ARG VERSION=0.1.0
 
 FROM ${BASE} AS build
+ARG VERSION
 WORKDIR /src
 # Every dependency at requirements.lock's exact version, as wheels, in a layer of its own (a code
 # change does not download them again). Only this stage reaches the network: a proxy's CA bundle,
@@ -22,11 +28,10 @@ COPY server server
 COPY clients clients
 RUN --mount=type=secret,id=ca,required=false \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
-    pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+    SETUPTOOLS_SCM_PRETEND_VERSION_FOR_UIBUS="${VERSION}" pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM ${BASE}
-# The package version (pyproject.toml); tests/test_deploy.py keeps this default in step with it.
-ARG VERSION=0.1.0
+ARG VERSION
 LABEL org.opencontainers.image.title="uibus" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.licenses="Apache-2.0"
@@ -38,7 +43,7 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.
-# So uibus serves only with a token (it exits 2 without one, README "Security model"):
+# So uibus serves only with a token (it exits 2 without one, docs/security.md):
 #   docker run -e UIBUS_AUTH_TOKEN=$(openssl rand -hex 32) -p 26040:26040 -p 8080:8080 uibus:0.1.0
 ENV UIBUS_HOST=0.0.0.0 \
     UIBUS_PORT=26040 \

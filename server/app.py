@@ -273,7 +273,8 @@ class App:
             res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
         bus = await res.enter("bus", make_bus(cfg))
-        agents = await res.enter("agents", load_agents(cfg.agents))
+        agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths(),
+                                                       workspaces_dir=cfg.workspaces_dir))
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
@@ -340,6 +341,8 @@ class App:
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
         metrics.registry.register(quotas)  # uibus_quota_refused_total / uibus_quota_in_use, by tenant
+        # Hosted agents' /mcp tokens are minted here for each (never --auth-token); tenants named here.
+        core.agent_sessions.tokens = tokens
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -381,7 +384,6 @@ class App:
                 host = f"[{host}]" if ":" in host else host
                 scheme = "https" if cfg.tls_cert else "http"
                 core.agent_sessions.mcp_url = f"{scheme}://{host}:{self.http_port}{MCP_PATH}"
-                core.agent_sessions.mcp_token = cfg.auth_token
         serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)

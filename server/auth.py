@@ -14,6 +14,16 @@ Two sources, usable together:
   9b22d1…04   *
   ```
 
+A third kind lives in memory only: tokens *minted* for one hosted agent (`mint`), each allowed
+exactly one session (no pattern: the session's name matched as it is), revoked when that agent
+session closes (`revoke`). They are what an ACP agent is handed for uibus's own /mcp, so an agent
+never holds a key of uibus's (issue 42); a replica mints for the agents it hosts, which call the
+/mcp of that same replica.
+
+The *tenant* of a session (`tenant`) names whose agents' homes a sandboxed agent gets: the
+tokens-file tokens (not `*` ones) that may use the session, as a digest of their digests — a
+token's only stable name (its line number moves with edits); `operator` when none does.
+
 A presented token is looked up by its SHA-256 digest, so the time a lookup takes says nothing
 about how much of a stored token matched, and no token is ever kept where a log line, `repr` or
 `--help` could print it: a grant is named by where it came from ("--tokens-file line 3").
@@ -25,6 +35,7 @@ import hashlib
 import hmac
 import logging
 import re
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import translate
@@ -45,6 +56,12 @@ class Grant:
     name: str  # where the token came from, for logs (never the token)
     patterns: tuple[str, ...]
     _regex: re.Pattern[str] = field(repr=False, compare=False)
+    minted: bool = False  # minted for one agent session: exactly its one session, never all
+
+    @classmethod
+    def exactly(cls, name: str, session: str) -> Grant:
+        """Exactly `session` (its name is no pattern here: `*` in it matches only `*`)."""
+        return cls(name, (session,), re.compile(re.escape(session)), minted=True)
 
     @classmethod
     def of(cls, name: str, patterns: Iterable[str]) -> Grant:
@@ -56,7 +73,7 @@ class Grant:
     @property
     def all_sessions(self) -> bool:
         """May use every session: the operator's token, allowed process-wide calls and /metrics."""
-        return ALL in self.patterns
+        return not self.minted and ALL in self.patterns
 
     def allows(self, session: str) -> bool:
         return self.all_sessions or self._regex.fullmatch(session) is not None
@@ -115,6 +132,7 @@ class Tokens:
         # Told after every reload that took effect: what holds a stream or connection open ends
         # those whose token is no longer one of ours (`revoked`), within the reload.
         self.on_reload: list[Callable[[], None]] = []
+        self._minted: dict[bytes, Grant] = {}
         if tokens_file:
             self._grants = {**self._read(), **self._fixed}
 
@@ -162,7 +180,32 @@ class Tokens:
         """The grant of a presented token, None when it is not one of ours."""
         if token is None:
             return None
-        return self._grants.get(_digest(token))
+        digest = _digest(token)
+        return self._grants.get(digest) or self._minted.get(digest)
+
+    # ---- tokens minted for hosted agents ----
+
+    def mint(self, session: str, agent: str) -> str:
+        """A new token that may use `session` alone, for the agent `agent` hosted in it; valid until
+        `revoke`. Only its digest is kept."""
+        token = secrets.token_urlsafe(32)
+        self._minted[_digest(token.encode())] = Grant.exactly(f"agent {agent} in session {session}", session)
+        return token
+
+    def revoke(self, token: str) -> None:
+        self._minted.pop(_digest(token.encode()), None)
+
+    @property
+    def minted(self) -> int:
+        """Minted tokens valid now (tests: they go with their agent sessions)."""
+        return len(self._minted)
+
+    def tenant(self, session: str) -> str:
+        """Whose session `session` is (see the module docstring): a name fit for a directory."""
+        owners = sorted(key for key, grant in self._grants.items() if not grant.all_sessions and grant.allows(session))
+        if not owners:
+            return "operator"
+        return "t-" + hashlib.sha256(b"".join(owners)).hexdigest()[:20]
 
     def may_read_metrics(self, token: bytes | None) -> bool:
         """/metrics shows every tenant's traffic: the metrics token or an all-sessions token."""

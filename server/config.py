@@ -1,6 +1,6 @@
 """Configuration: one frozen dataclass, filled from CLI flags over `UIBUS_*` env vars over defaults.
 
-Everything the service reads at start-up is here so that `uibus serve --help` and the README table
+Everything the service reads at start-up is here so that `uibus serve --help` and docs/configuration.md's table
 stay the single list of knobs, and tests can build a config without touching the environment.
 """
 
@@ -209,6 +209,9 @@ class Config:
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
         "help": "a WebSocket whose ping is not answered within this is closed"})
     agents: str = field(default="", metadata={"help": "agents config file (.json or .toml); empty = built-in"})
+    workspaces_dir: str = field(default="", metadata={
+        "help": "where hosted agents with workspace = \"worktree\" get their git worktrees (a shared volume "
+                "across replicas); empty: the agents file's workspaces_dir, else <state dir>/workspaces"})
     agent_lease_seconds: float = field(default=10.0, metadata={
         "help": "with --redis-url: a hosted agent's owner lease expires this long after its replica stops "
                 "renewing it; then another replica takes the agent over"})
@@ -248,6 +251,8 @@ class Config:
         check(self.mailboxes_bytes >= self.mailbox_bytes, "mailboxes_bytes", "must be at least --mailbox-bytes")
         for name in QUOTAS:
             check(getattr(self, f"quota_{name}") >= 0, f"quota_{name}", "must be 0 (off) or more")
+        check(not self.workspaces_dir or Path(self.workspaces_dir).expanduser().is_absolute(), "workspaces_dir",
+              "must be an absolute path (every replica must name the same directory)")
         for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
         for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_body_timeout_seconds",
@@ -273,7 +278,7 @@ class Config:
         check(1 <= self.workers <= 64, "workers", "must be within 1..64")
         check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",
               "more than 1 needs --redis-url (the workers share sessions and events through Redis)")
-        # A bind other machines can reach must not serve without tokens by accident (README, Security model).
+        # A bind other machines can reach must not serve without tokens by accident (docs/security.md).
         check(self.trust_network or bool(self.auth_token or self.tokens_file) or is_loopback(self.host), "host",
               f"{self.host or '(every interface)'} is not a loopback address and neither --auth-token nor "
               "--tokens-file is set, so anyone who can reach this machine could drive every API: set a token, "
@@ -283,6 +288,15 @@ class Config:
         check(self.loop in LOOPS, "loop", f"{self.loop[:20]!r} is not one of {', '.join(LOOPS)}")
         if problems:
             raise InvalidConfig(*problems[0], problems[1:])
+
+    def own_paths(self) -> tuple[str, ...]:
+        """uibus's own files, which no sandboxed agent may see (uibus.agents.launcher masks them):
+        the store (and its SQLite side files), the tokens file, every TLS file."""
+        paths = [self.tokens_file, self.tls_cert, self.tls_key, self.http_tls_cert, self.http_tls_key,
+                 self.tls_client_ca]
+        if self.store and self.store != ":memory:" and not self.redis_url:
+            paths += [self.store, self.store + "-wal", self.store + "-shm", self.store + "-journal"]
+        return tuple(p for p in paths if p)
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:

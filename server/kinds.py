@@ -31,6 +31,11 @@ class Kind:
     # Replicas announce their subscriber counts of this kind, so a publisher on any replica knows
     # whether anyone listens anywhere (openUrl must say "no host" rather than lose the URL).
     presence: bool = False
+    # The wire protocol version (uibus.redis.codec.PROTOCOL) that first carried this kind between
+    # replicas. A replica sends it only while every live replica speaks that version or a later one,
+    # and otherwise delivers it locally only (counted in uibus_replication_kept_local_total): a peer
+    # never receives a kind it does not know. Every kind of uibus 0.1.0 is 1.
+    since: int = 1
 
 
 _EMPTY = common_pb2.Empty

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from uibus import version
 from uibus.bus import Bus
 from uibus.store import Store
 
@@ -32,6 +33,7 @@ class _BusCollector(Collector):
                  counters: dict[str, tuple[str, Callable[[], float]]], store: Store | None = None,
                  worker: dict[str, str] | None = None) -> None:
         self.bus = bus
+        self.version = version()  # read once: the installed distribution does not change under a process
         self.worker = worker
         self.store = store
         self.chat_turns = chat_turns
@@ -39,6 +41,12 @@ class _BusCollector(Collector):
         self.counters = counters
 
     def collect(self) -> Iterator[Metric]:
+        # Which release answered: the same string as `uibus --version` and the image's OCI label, so a
+        # rolling upgrade shows as two versions side by side (`count by (version) (uibus_build_info)`).
+        build = GaugeMetricFamily("uibus_build_info", "1, labelled with the uibus version this process runs",
+                                  labels=["version"])
+        build.add_metric([self.version], 1)
+        yield build
         subs = GaugeMetricFamily("uibus_subscriptions", "Live bus subscriptions (open UI streams) per event kind",
                                  labels=["kind"])
         fams = {name: CounterMetricFamily(f"uibus_events_{name}", help_, labels=["kind"]) for name, help_ in (
@@ -93,6 +101,10 @@ class _BusCollector(Collector):
                 yield CounterMetricFamily(f"uibus_replication_{name}", help_, value=value)
             yield GaugeMetricFamily("uibus_replication_connected", "1 while this replica both receives from and "
                                     "writes to Redis, else 0", value=float(bool(getattr(self.bus, "connected", 0))))
+            yield GaugeMetricFamily("uibus_replication_wire_version", "The wire protocol version this replica "
+                                    "writes envelopes in now: the lowest of every live replica's (an older release "
+                                    "beside it keeps it at that release's)",
+                                    value=float(getattr(self.bus, "wire_version", 0)))
             yield GaugeMetricFamily("uibus_replication_shards_subscribed", "Bus shards this replica listens to "
                                     "now (those its subscribers are in; of --bus-shards)",
                                     value=float(getattr(self.bus, "shards_subscribed", 0)))

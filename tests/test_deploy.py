@@ -30,7 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAYS = K8S / "overlays"
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+# The release the image, compose and the k8s base are tagged with by default: pyproject's fallback version
+# (the version is otherwise derived from git tags; tests/test_release.py).
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools_scm"]["fallback_version"]
 IMAGE = f"uibus:{VERSION}"
 
 
@@ -85,12 +87,12 @@ def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch
     cm = _one("ConfigMap", ref["configMapRef"]["name"])
     _check_env_names(cm["data"])
     # A pod binds every interface, so it must have a token (uibus refuses to start without one): from
-    # the Secret that the manifest's header (and the README) tell the operator to create.
+    # the Secret that the manifest's header (and the deployment docs) tell the operator to create.
     secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "valueFrom" in e}
     ref_ = secrets["UIBUS_AUTH_TOKEN"]
     assert ref_.get("optional") is not True  # a missing Secret stops the pod, naming it
     create = f'kubectl create secret generic {ref_["name"]} --from-literal={ref_["key"]}="$(openssl rand -hex 32)"'
-    assert create in (BASE / "uibus.yaml").read_text() and create in (REPO / "README.md").read_text()
+    assert create in (BASE / "uibus.yaml").read_text() and create in (REPO / "docs" / "deployment.md").read_text()
     with pytest.raises(ValueError, match="not a loopback address"):
         _config_from_env(cm["data"], monkeypatch)  # the ConfigMap alone: refused, as the pod would be
     cfg = _config_from_env({**cm["data"], "UIBUS_AUTH_TOKEN": "from-the-secret"}, monkeypatch)
@@ -399,7 +401,8 @@ def test_every_overlay_is_tested_and_says_how_to_apply_it() -> None:
 def test_no_doc_needs_the_load_restrictor_flag() -> None:
     """The layout lets kustomize take every overlay as it is; no doc may still tell users to
     switch its file-loading restriction off."""
-    docs = [REPO / "README.md", REPO / "Dockerfile", REPO / "docker-compose.yml", *sorted(REPO.glob("*/README.md")),
+    docs = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "Dockerfile",
+            REPO / "docker-compose.yml", *sorted(REPO.glob("*/README.md")),
             *sorted(p for p in (REPO / "deploy").rglob("*") if p.is_file())]
     said = [str(p.relative_to(REPO)) for p in docs if re.search(r"load.restrictor|LoadRestrictions", p.read_text())]
     assert not said, f"these still mention kustomize's load restrictor: {said}"

@@ -376,11 +376,11 @@ async def test_notifications_cancelled_stops_a_running_call(web: App) -> None:
     assert not (await web.core.history.load_context("mcp-cancel-rpc", "hello_world")).chat_histories
 
 
-async def test_the_readme_example_config_connects(config: Config) -> None:
-    """The Cline settings the README shows (examples/mcp/cline_mcp_settings.json), used as they are
+async def test_the_docs_example_config_connects(config: Config) -> None:
+    """The Cline settings the MCP docs page shows (examples/mcp/cline_mcp_settings.json), used as they are
     but for the port: its headers carry the token and the session."""
     example = REPO / "examples" / "mcp" / "cline_mcp_settings.json"
-    assert example.read_text() in (REPO / "README.md").read_text()
+    assert example.read_text() in (REPO / "docs" / "protocols" / "mcp.md").read_text()
     server = json.loads(example.read_text())["mcpServers"]["uibus"]
     assert server["type"] == "streamableHttp"
     token = server["headers"]["Authorization"].removeprefix("Bearer ")

@@ -54,6 +54,7 @@ class AgentSpec:
     sly_data_schema: dict[str, Any] | None = None  # Function.sly_data_schema; backend default if None
     tools: tuple[str, ...] = ()  # Connectivity: what the agent can call
     display_as: str = "llm_agent"
+    workspaces_dir: str = ""  # the agents file's `workspaces_dir` (tenants' homes, workspaces)
 
 
 @dataclass
@@ -103,6 +104,11 @@ class SessionUi(Protocol):
     session's webview streams."""
 
     session: str
+    # Whose session this is (uibus.auth.Tokens.tenant): a sandboxed agent's home is its tenant's.
+    tenant: str
+    # The directory this (session, agent) works in when it has a workspace of its own (option
+    # `workspace = "worktree"`: its git worktree, uibus.agents.workspaces); "" for the configured cwd.
+    workspace: str
     # The conversation handle the last agent process of this (session, agent) reported (an ACP
     # sessionId and cwd, a pi sessionFile), or None: resume it rather than start a new conversation.
     handle: dict[str, Any] | None
@@ -142,7 +148,8 @@ class SessionUi(Protocol):
     def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
         """uibus's own MCP server (URL and the headers that reach this session, naming `agent` as
         the caller), if it serves one: what a hosted agent can be given as an MCP server (ask_user,
-        notify_user, the other agents)."""
+        notify_user, the other agents). Its token, if tokens are in force, is minted for this
+        (session, agent) alone and revoked when the agent session closes; never uibus's own."""
         ...
 
 
@@ -201,6 +208,11 @@ class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, Ses
 class SessionBackend(Backend):
     """A backend whose agents live across turns: the engine answers each turn through the
     `AgentSession` this opens for the turn's uibus session (uibus.domain.agent_sessions)."""
+
+    # With option `workspace = "worktree"`: the configured cwd, of which each (session, agent) gets a
+    # git worktree of its own (uibus.agents.workspaces), made by the engine before `open_session`
+    # and handed over as `SessionUi.workspace`. None: every session works in the configured cwd.
+    workspace_repo: str | None = None
 
     @abc.abstractmethod
     def open_session(self, ui: SessionUi) -> AgentSession:

@@ -168,7 +168,7 @@ class AcpSession(AcpSteering, JsonRpcSession):
             url, headers = mcp
             servers.append({"type": "http", "name": "uibus", "url": url,
                             "headers": [{"name": k, "value": v} for k, v in headers.items()]})
-        cwd = self.options.cwd or os.getcwd()
+        cwd = self.process.cwd or os.getcwd()  # its workspace, else option cwd
         self.cwd, self.mcp_servers = cwd, servers
         if not (self.options.resume and self.ui.handle and await self._resume(self.ui.handle, servers)):
             created = await self.call("session/new", {"cwd": cwd, "mcpServers": servers})
@@ -189,7 +189,7 @@ class AcpSession(AcpSteering, JsonRpcSession):
         if not isinstance(sid, str) or not sid or not isinstance(cwd, str):
             await self.ui.started_fresh("its stored conversation handle is not usable")
             return False
-        if cwd != (self.options.cwd or os.getcwd()):  # the agent must work where the config says
+        if cwd != (self.process.cwd or os.getcwd()):  # the agent must work where the config says
             await self.ui.started_fresh(f"its working directory changed from {cwd} (option cwd)")
             return False
         if self.capabilities.get("loadSession") is True:

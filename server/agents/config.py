@@ -20,14 +20,21 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
+import os
 import re
+import shutil
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from uibus.agents import AgentSpec, Backend
+from uibus.agents import AgentSpec, Backend, option
+from uibus.agents.launcher import HOME_FILES, Sandbox, forbidden_name, installation_of, sandbox_problem
+from uibus.agents.workspaces import MODES, WORKTREE, default_workspaces_dir, repository_of
 from uibus.config import InvalidConfig
+
+log = logging.getLogger("uibus.agents")
 
 # backend name -> "module:Class"; imported only when configured.
 BACKENDS = {
@@ -59,6 +66,7 @@ class AgentTable:
     specs: dict[str, AgentSpec]
     backends: dict[str, Backend]
     default: str
+    workspaces_dir: str = ""  # the file's `workspaces_dir` ("": not set there)
 
     def names(self) -> list[str]:
         return list(self.specs)
@@ -72,6 +80,104 @@ class AgentTable:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+# ==== Workspaces (issue 42, item 1): a git worktree per conversation ====
+# Top level of the agents file: `workspaces_dir` (an absolute path; default <state dir>/workspaces,
+# the state dir being the default store's folder; `--workspaces-dir` / UIBUS_WORKSPACES_DIR win over
+# it). Per stdio agent (rpc, acp):
+#   workspace = "shared"     the default: every session's agent works in `cwd` itself (one user's checkout)
+#   workspace = "worktree"   each (session, agent) in its own `git worktree` of the repository at `cwd`
+#                            (uibus.agents.workspaces); `cwd` must then be in a git repository
+WORKSPACE_TOP_LEVEL = frozenset({"workspaces_dir"})
+WORKSPACE_OPTIONS = frozenset({"workspace"})
+
+
+def workspaces_dir_of(where: str, data: dict[str, Any]) -> str:
+    """The file's `workspaces_dir`, checked ("" when not set)."""
+    value = data.get("workspaces_dir", "")
+    if not isinstance(value, str) or (value and not Path(value).expanduser().is_absolute()):
+        raise ValueError(f"{where}: workspaces_dir must be an absolute path (a string), not {value!r}")
+    return str(Path(value).expanduser()) if value else ""
+
+
+def workspace_repo(spec: AgentSpec, cwd: str | None) -> str | None:
+    """The option `workspace` of `spec`, checked: the configured `cwd` when it is "worktree" (then
+    it must be in a git repository), None for "shared". ValueError naming agent and option."""
+    mode = option(spec, "workspace", str, "shared")
+    if mode not in MODES:
+        raise ValueError(f"agent {spec.name!r}: option workspace must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode != WORKTREE:
+        return None
+    if not cwd:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\" needs option cwd (the repository "
+                         "each conversation gets a worktree of)")
+    try:
+        repository_of(cwd)
+    except ValueError as exc:
+        raise ValueError(f"agent {spec.name!r}: option workspace = \"worktree\": {exc}") from exc
+    return cwd
+# ==== end of the workspaces block ====
+
+
+# ==== Isolation of hosted agents (issue 42): what they inherit, the sandbox, tenants' homes ====
+# Tenants' homes live in `<workspaces_dir>/homes/` (the workspaces block's `workspaces_dir`, as
+# `--workspaces-dir` or the agents file set it; conversations' worktrees are in its `sessions/`).
+# Per stdio agent (rpc, acp):
+#   inherit_env = ["NAME", …]   more of uibus's environment to hand on (never UIBUS_*, Redis, TLS, OTLP)
+#   sandbox     = false         true: run under bubblewrap (docs/hosting/isolation.md)
+#   bwrap       = "bwrap"       the bubblewrap program (on PATH, or a path)
+#   network     = true          false: no network at all inside the sandbox (--unshare-net)
+#   read_only   = ["/path", …]  more to show read-only inside (the agent's installation is found)
+#   home_files  = [".pi/agent/models.json", …]  what of the operator's HOME is shown read-only
+ISOLATION_OPTIONS = frozenset({"inherit_env", "sandbox", "bwrap", "network", "read_only", "home_files"})
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """An agent's isolation options, checked: what it inherits, and its sandbox (None: none)."""
+
+    inherit_env: tuple[str, ...]
+    sandbox: Sandbox | None
+
+    @classmethod
+    def of(cls, spec: AgentSpec, program: str, path: str) -> Isolation:
+        """ValueError naming agent and option; a sandbox that cannot start here is one (start-up fails)."""
+        name = spec.name
+        inherit = option(spec, "inherit_env", list, [])
+        if not all(isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) for v in inherit):
+            raise ValueError(f"agent {name!r}: option inherit_env must be a list of environment variable names")
+        own = [v for v in inherit if forbidden_name(v)]
+        if own:
+            raise ValueError(f"agent {name!r}: option inherit_env: {', '.join(own)} belong(s) to uibus "
+                             "(its settings, Redis, TLS, OTLP headers) and are never handed to an agent")
+        if not option(spec, "sandbox", bool, False):
+            for key in ("bwrap", "network", "read_only", "home_files"):
+                if key in spec.options:
+                    raise ValueError(f"agent {name!r}: option {key} needs sandbox = true")
+            return cls(tuple(inherit), None)
+        if not option(spec, "cwd", str, ""):
+            raise ValueError(f"agent {name!r}: option sandbox = true needs option cwd (the folder the agent may "
+                             "write; without it, it would be uibus's own working directory)")
+        bwrap = option(spec, "bwrap", str, "bwrap")
+        found = bwrap if os.sep in bwrap else (shutil.which(bwrap) or bwrap)
+        problem = sandbox_problem(found)
+        if problem:
+            raise ValueError(f"agent {name!r}: option sandbox = true cannot start here (option bwrap = "
+                             f"{bwrap!r}): {problem}")
+        extra = [_strings(f"agent {name!r}: option read_only", option(spec, "read_only", list, []))]
+        for path in extra[0]:
+            if not os.path.isabs(path):
+                raise ValueError(f"agent {name!r}: option read_only: {path!r} is not an absolute path")
+        home_files = _strings(f"agent {name!r}: option home_files", option(spec, "home_files", list, list(HOME_FILES)))
+        if any(os.path.isabs(f) or ".." in Path(f).parts for f in home_files):
+            raise ValueError(f"agent {name!r}: option home_files names paths inside HOME (relative, no ..)")
+        workspaces = spec.workspaces_dir or default_workspaces_dir()
+        return cls(tuple(inherit), Sandbox(
+            bwrap=found, network=option(spec, "network", bool, True),
+            read_only=(*installation_of(program, path), *extra[0]), home_files=home_files,
+            homes_dir=str(Path(workspaces) / "homes")))
+# ==== end of the isolation block ====
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -139,28 +245,37 @@ def build_backend(spec: AgentSpec) -> Backend:
     return cls(spec)  # type: ignore[no-any-return]
 
 
-def load_agents(path: str) -> AgentTable:
+def load_agents(path: str, protect: tuple[str, ...] = (), workspaces_dir: str = "") -> AgentTable:
     """Reads and checks the config and builds every backend (which checks its options). A mistake raises
     InvalidConfig naming `--agents`, the file and the place, so `uibus serve` reports it as one line
-    (and callers catching ValueError still do)."""
+    (and callers catching ValueError still do). `protect`: uibus's own paths (store, tokens file,
+    TLS files, …), which no sandboxed agent may see; `workspaces_dir`: --workspaces-dir, over the file's."""
     try:
-        return _load_agents(path)
+        return _load_agents(path, protect, workspaces_dir)
     except ValueError as exc:
         raise InvalidConfig("--agents", str(exc)) from exc
 
 
-def _load_agents(path: str) -> AgentTable:
+def _load_agents(path: str, protect: tuple[str, ...] = (), override: str = "") -> AgentTable:
     data = read_config(path)
     where = path or "(built-in)"
-    unknown = sorted(set(data) - {"agents", "default_agent"})
+    unknown = sorted(set(data) - {"agents", "default_agent"} - WORKSPACE_TOP_LEVEL)
     if unknown:
-        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent")
+        raise ValueError(f"{where}: unknown top-level key(s) {', '.join(unknown)}; known: agents, default_agent, "
+                         f"{', '.join(sorted(WORKSPACE_TOP_LEVEL))}")
+    workspaces_dir = workspaces_dir_of(where, data)
+    # Where tenants' homes go (the workspaces' directory: --workspaces-dir, else the file's, else the
+    # default), and what sandboxes hide: uibus's own files, the agents file, that directory and the
+    # state directory (an agent gets its own home and workspace bound back on top).
+    workspaces = os.path.expanduser(override or workspaces_dir or default_workspaces_dir())
+    hidden = tuple(os.path.abspath(os.path.expanduser(p)) for p in
+                   (*protect, *((path,) if path else ()), workspaces, str(Path(default_workspaces_dir()).parent)) if p)
     entries = data.get("agents")
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"{where}: `agents` must be a non-empty list")
     specs: dict[str, AgentSpec] = {}
     for i, entry in enumerate(entries):
-        spec = parse_spec(f"{where}: agents[{i}]", entry)
+        spec = replace(parse_spec(f"{where}: agents[{i}]", entry), workspaces_dir=workspaces)
         if spec.name in specs:
             raise ValueError(f"{where}: agent {spec.name!r} is configured twice")
         specs[spec.name] = spec
@@ -171,4 +286,8 @@ def _load_agents(path: str) -> AgentTable:
         backends = {name: build_backend(spec) for name, spec in specs.items()}
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from exc
-    return AgentTable(specs=specs, backends=backends, default=default)
+    for backend in backends.values():
+        hide = getattr(backend, "hide", None)
+        if hide is not None:
+            hide(hidden)
+    return AgentTable(specs=specs, backends=backends, default=default, workspaces_dir=workspaces_dir)

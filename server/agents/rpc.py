@@ -133,7 +133,7 @@ class RpcSession(PiSteering, StdioSession):
             return False
         # pi "switches" to a file that is not there as to a new, empty session, and says success:
         # looked at first (the agent runs on this host, with its files), so that is never silent
-        if not await asyncio.to_thread(os.path.isfile, path):
+        if not await asyncio.to_thread(os.path.isfile, self.backend.launch(self.ui, self.process.cwd).host_path(path)):
             await self.ui.started_fresh(f"its session file {path} is gone (is ~/.pi/agent/sessions on a volume "
                                         "every replica mounts?)")
             return False

@@ -5,9 +5,11 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
 
 * `ProcessOptions`: the options of such an agent, checked at start-up — `command` (an argv list,
   from the agents file only, never from a request; the program must exist then), `cwd`, `env`
-  (added to uibus's environment), `idle_seconds`, `max_processes`, the bounds on starting,
-  stopping, a turn and a line, and `resume` (keep the conversation's handle and resume it in the
-  next process: uibus.domain.agent_handles).
+  (added to an allow-list of uibus's environment, uibus.agents.launcher.agent_env),
+  `idle_seconds`, `max_processes`, the bounds on starting, stopping, a turn and a line, `resume`
+  (keep the conversation's handle and resume it in the next process: uibus.domain.agent_handles),
+  and the isolation options (`inherit_env`, `sandbox`…: uibus.agents.config's isolation block).
+  Processes are started only through a launcher (uibus.agents.launcher; the local one).
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
 * `AgentProcess`: one running program in its own process group, owned with `async with`. Its
@@ -18,8 +20,8 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
   cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
   Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
   nothing it started survives it, and the group is killed on every close (a cancelled one too);
-  if uibus itself dies, a watcher in the group (see WATCHED) stops the group, so no agent outlives
-  its uibus, not even one that ignores the end of its input.
+  if uibus itself dies, a watcher in the group (uibus.agents.launcher.WATCHED) stops the group, so
+  no agent outlives its uibus, not even one that ignores the end of its input.
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, SessionUi, check_options, option, seconds
+from uibus.agents.config import ISOLATION_OPTIONS, WORKSPACE_OPTIONS, Isolation, workspace_repo
+from uibus.agents.launcher import LOCAL, Launch, Launcher, agent_env
 from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
 from uibus.tasks import Tasks
@@ -58,24 +63,7 @@ SETTLE_S = 0.5
 LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, with the count skipped
 
 
-# How an agent is started: /bin/sh forks a watcher into the agent's new process group, then execs the
-# agent (same pid, so the agent is uibus's child and its group's leader as before). The watcher blocks
-# reading a pipe whose only write end this uibus process holds: when uibus dies in any way (SIGKILL
-# and the OOM killer included), the kernel closes that end, and the watcher sends SIGTERM to the
-# whole group (the agent and everything it started) after SETTLE_S, then SIGKILL once the agent
-# is gone or stop_timeout_seconds have passed. No
-# preexec_fn (unsafe in a threaded process), no PR_SET_PDEATHSIG (it fires on the death of the
-# forking *thread*, and reaches only one process, not its children), no polling; it costs one small
-# shell process per agent (~1 MiB), which ignores the SIGTERM of a normal stop and dies with the
-# group's SIGKILL. Needed because some agents ignore the end of their input (codex-acp;
-# claude-code-acp 0.16.2 ran on 10 s after its uibus was SIGKILLed).
-# (The pipe is named /dev/fd/N: a POSIX shell's redirections take one-digit descriptors only. The
-# agent inherits the read end too, which is harmless: only the write end's closing matters.)
-# After the SIGTERM it looks every 0.1 s whether the agent ($$: the shell that became it) is gone,
-# for at most the stop timeout ($2, in tenths), and then kills what is left of the group, itself too.
-WATCHED = ('fd=$1; steps=$2; shift 2; (trap "" TERM INT HUP; cd /; read _ < "/dev/fd/$fd"; '
-           f'sleep {SETTLE_S:g}; kill -TERM 0; i=0; while [ "$i" -lt "$steps" ] && kill -0 "$$" 2>/dev/null; '
-           'do sleep 0.1; i=$((i+1)); done; kill -KILL 0) </dev/null >/dev/null 2>&1 & exec "$@"')
+# How an agent is started, and how it never outlives its uibus: uibus.agents.launcher (WATCHED).
 
 
 class RateLog:
@@ -113,6 +101,7 @@ class ProcessOptions:
     turn_timeout: float
     max_line: int
     resume: bool = True  # keep the conversation's handle and resume it in the next process
+    isolation: Isolation = field(default_factory=lambda: Isolation((), None))  # what it inherits; its sandbox
 
     @classmethod
     def of(cls, spec: AgentSpec) -> ProcessOptions:
@@ -135,12 +124,19 @@ class ProcessOptions:
         if max_line < 1024:
             raise ValueError(f"agent {name!r}: option max_line_bytes must be at least 1024")
         workdir = str(Path(cwd).expanduser()) if cwd else None
-        return cls(command=tuple(command), program=_resolve(name, command[0], workdir, env), cwd=workdir,
+        program = _resolve(name, command[0], workdir, env)
+        isolation = Isolation.of(spec, program, env.get("PATH", os.environ.get("PATH", os.defpath)))
+        return cls(command=tuple(command), program=program, cwd=workdir, isolation=isolation,
                    env=dict(env), idle_seconds=seconds(spec, "idle_seconds", 900), max_processes=max_processes,
                    start_timeout=seconds(spec, "start_timeout_seconds", 30),
                    stop_timeout=seconds(spec, "stop_timeout_seconds", 5),
                    turn_timeout=seconds(spec, "turn_timeout_seconds", 3600), max_line=max_line,
                    resume=option(spec, "resume", bool, True))
+
+
+def workdir(options: ProcessOptions, ui: SessionUi) -> str | None:
+    """Where the agent of `ui`'s session works: its own workspace when it has one, else option cwd."""
+    return getattr(ui, "workspace", "") or options.cwd
 
 
 def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> str:
@@ -162,10 +158,38 @@ class StdioBackend(SessionBackend):
 
     def __init__(self, spec: AgentSpec) -> None:
         super().__init__(spec)
-        check_options(spec, set(OPTIONS | self.extra_options))
+        check_options(spec, set(OPTIONS | ISOLATION_OPTIONS | WORKSPACE_OPTIONS | self.extra_options))
         self.options = ProcessOptions.of(spec)
+        self.workspace_repo = workspace_repo(spec, self.options.cwd)
         self.processes = 0  # agent sessions holding (or starting) a process now
         self.started = 0  # processes started, ever
+        self.launcher: Launcher = LOCAL
+        self.hidden: tuple[str, ...] = ()
+        iso = self.options.isolation
+        env = agent_env(iso.inherit_env, self.options.env)
+        log.info("agent environment", extra={"fields": {
+            "agent": spec.name, "inherits": sorted(set(env) - set(self.options.env)),
+            "sets": sorted(self.options.env), "sandbox": iso.sandbox is not None,
+            **({} if iso.sandbox is None else {"network": iso.sandbox.network, "bwrap": iso.sandbox.bwrap,
+                                               "read_only": list(iso.sandbox.read_only)})}})
+
+    def hide(self, paths: tuple[str, ...]) -> None:
+        """uibus's own paths, masked in this agent's sandbox wherever they would show through."""
+        self.hidden = paths
+
+    def launch(self, ui: SessionUi, cwd: str | None = None) -> Launch:
+        """What to start for `ui.session`, in `cwd` (the caller's: a conversation's workspace; the
+        agents file's `cwd` when None). The environment is the allow-list (never uibus's keys)."""
+        o = self.options
+        box = o.isolation.sandbox
+        if box is not None:
+            box = replace(box, hide=self.hidden)
+        env = agent_env(o.isolation.inherit_env, o.env)
+        if box is not None:
+            env["TMPDIR"] = "/tmp"  # the sandbox's own
+        return Launch(agent=self.spec.name, session=ui.session, tenant=getattr(ui, "tenant", "") or "operator",
+                      argv=(o.program, *o.command[1:]), cwd=cwd or o.cwd, env=env, sandbox=box,
+                      stop_timeout=o.stop_timeout, limit=o.max_line)
 
     def open_session(self, ui: SessionUi) -> AgentSession:
         limit = self.options.max_processes
@@ -198,9 +222,11 @@ class AgentProcess:
         self.on_message = on_message
         self.on_exit = on_exit
         self.log = RateLog(logger, {"agent": backend.spec.name, "session": ui.session})
+        self.cwd = workdir(self.options, ui)  # its workspace (uibus.agents.workspaces), else option cwd
         self.proc: asyncio.subprocess.Process | None = None
         self.gone = ""  # why it is gone; "" while it runs
-        self._lifeline = -1  # the write end of the agent watcher's pipe (see WATCHED), held while it may run
+        self.ui = ui
+        self._launched = AsyncExitStack()  # the launcher's hold on the process (its group, its lifeline)
         self._readers = Tasks(f"agent {backend.spec.name} process")
 
     @property
@@ -219,21 +245,13 @@ class AgentProcess:
         if not os.access(o.program, os.X_OK):  # said here: through the watcher, exec's error is only an exit
             why = os.strerror(errno.EACCES if Path(o.program).exists() else errno.ENOENT)  # noqa: ASYNC240
             raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): {why}")
-        lifeline, self._lifeline = os.pipe()  # both ends non-inheritable: only this agent's watcher gets one
-        tenths = str(max(1, round(o.stop_timeout * 10)))
         async with process_start(self.backend.spec.name, o.program) as span:
             try:
-                self.proc = await asyncio.create_subprocess_exec(
-                    "/bin/sh", "-c", WATCHED, "uibus-agent", str(lifeline), tenths, o.program, *o.command[1:],
-                    cwd=o.cwd, env={**os.environ, **o.env}, stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-                    limit=o.max_line, pass_fds=(lifeline,))
+                self.proc = await self._launched.enter_async_context(
+                    self.backend.launcher.start(self.backend.launch(self.ui, self.cwd)))
             except OSError as exc:
-                self._cut_lifeline()
                 raise AgentError(f"cannot start the agent (option command = {list(o.command)!r}): "
                                  f"{exc.strerror or exc}") from exc
-            finally:
-                os.close(lifeline)
             if span is not None:
                 span.set_attribute("process.pid", self.proc.pid)
         self.backend.started += 1
@@ -375,8 +393,10 @@ class AgentProcess:
                     log.info("agent process stopped", extra={"fields": {**self.log.where, "pid": proc.pid,
                                                                          "code": proc.returncode}})
             finally:
-                self._cut_lifeline()
-                await self._readers.aclose()
+                try:
+                    await self._launched.aclose()
+                finally:
+                    await self._readers.aclose()
 
     async def _reaped(self, proc: asyncio.subprocess.Process) -> None:
         """Waits, bounded by stop_timeout_seconds, for the killed process to be gone, through any
@@ -396,10 +416,3 @@ class AgentProcess:
             waiter.cancel()
         if cancelled:
             raise asyncio.CancelledError
-
-    def _cut_lifeline(self) -> None:
-        """Closed once the group is killed (the watcher is gone with it) or never started."""
-        if self._lifeline >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._lifeline)
-            self._lifeline = -1

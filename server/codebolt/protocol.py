@@ -1,7 +1,7 @@
 """The CodeBolt agent-to-app envelope: parsing every form an agent sends into one `Request`, and
 building the reply that goes back.
 
-Two sources define what arrives on the socket (SPEC.md §7):
+Two sources define what arrives on the socket (docs/protocols/codebolt.md):
 
 * the AsyncAPI document: `{type: "chatEvent", action: "sendMessage", requestId, message: {...}}`,
   answered by `requestId`;

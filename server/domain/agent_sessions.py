@@ -32,16 +32,20 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
+from uibus.agents.workspaces import GitError, Workspaces
+from uibus.auth import Tokens
 from uibus.domain.agent_handles import Handles
+from uibus.domain.agent_room import MakesRoom
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
-from uibus.errors import Cancelled, ResourceExhausted, Unavailable
+from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.store import Store
@@ -61,14 +65,27 @@ class SessionBound:
     """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
 
     def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None, *,
-                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None) -> None:
+                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None,
+                 workspace: str = "") -> None:
         self.session = session
+        self.workspace = workspace
         self._dialogs = dialogs
         self._feed = feed
         self._owner = owner
         self._agent = agent
         self._handles = handles  # None: a one-shot agent, whose conversation is not kept
         self.handle = handle
+        tokens = owner.tokens if owner is not None else None
+        self.tenant = tokens.tenant(session) if tokens is not None else "operator"
+        self._minted: list[str] = []  # the /mcp tokens minted for this agent session, revoked at its close
+
+    def release(self) -> None:
+        """The agent session closed: the tokens minted for it stop working."""
+        tokens = self._owner.tokens if self._owner is not None else None
+        minted, self._minted = self._minted, []
+        if tokens is not None:
+            for token in minted:
+                tokens.revoke(token)
 
     async def keep_handle(self, handle: dict[str, Any]) -> None:
         if self._handles is not None:
@@ -90,8 +107,10 @@ class SessionBound:
         headers = {"x-uibus-session": self.session}
         if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
             headers["x-uibus-agent"] = agent
-        if owner.mcp_token:
-            headers["authorization"] = f"Bearer {owner.mcp_token}"
+        if owner.tokens is not None and owner.tokens.enabled:  # a token for this (session, agent) alone
+            token = owner.tokens.mint(self.session, agent or self._agent)
+            self._minted.append(token)
+            headers["authorization"] = f"Bearer {token}"
         return owner.mcp_url, headers
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
@@ -137,7 +156,7 @@ def cut_by_shutdown(agent: str) -> str:
             "conversation is kept, send the turn again")
 
 
-class AgentSessions:
+class AgentSessions(MakesRoom):
     """Every live agent session of this process, by (uibus session, agent name)."""
 
     def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, *, sweep_s: float = SWEEP_S) -> None:
@@ -155,7 +174,6 @@ class AgentSessions:
         self.closed_idle = 0
         self.closed_evicted = 0
         self.closed_dead = 0
-        self.closed_reclaimed = 0  # idle agent sessions closed to make room for a turn (max_processes)
         # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
         self.on_change: Callable[[], None] = _nothing
         # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
@@ -163,7 +181,11 @@ class AgentSessions:
         self.on_agent: Callable[[str, str], None] = lambda session, name: None
         # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
         self.mcp_url = ""
-        self.mcp_token = ""
+        # The tokens in force (the app's): agents' /mcp tokens are minted there, tenants named by it.
+        self.tokens: Tokens | None = None
+        self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
+        # Where agents with option `workspace = "worktree"` get theirs (set by the core); None: none made
+        self.workspaces: Workspaces | None = None
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -228,6 +250,7 @@ class AgentSessions:
             await agent.aclose()
         finally:
             self._stopping -= 1
+            self._release(agent)
             log.info("agent session closed", extra={"fields": {"session": key[0], "agent": key[1], "why": why}})
             with contextlib.suppress(Exception):  # the store may be down or closing: the sweep redoes it
                 if marker:
@@ -346,44 +369,44 @@ class AgentSessions:
 
     # ---- turns ----
 
-    async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True) -> AgentSession:
+    def _release(self, agent: AgentSession) -> None:
+        bound = self._bound.pop(agent, None)
+        if bound is not None:
+            bound.release()
+
+    async def _workspace(self, session: str, backend: SessionBackend, owner: str = "") -> str:
+        """The directory the agent of (`session`, this backend) works in, made at its first turn and
+        reopened after (uibus.agents.workspaces); "" for the configured cwd. `owner`: whose
+        workspace it is when not the session's own (a one-shot agent's throwaway one)."""
+        repo = backend.workspace_repo
+        if repo is None or self.workspaces is None:
+            return ""
+        try:
+            made = await self.workspaces.open(owner or session, backend.spec.name, repo)
+        except (GitError, OSError) as exc:
+            raise AgentError(f"cannot make the workspace of agent {backend.spec.name!r} (option workspace = "
+                             f"\"worktree\", a git worktree of {repo}): {exc}") from exc
+        return made.cwd_for(repo)
+
+    async def _open(self, session: str, backend: SessionBackend, *, keep: bool = True,
+                    owner: str = "") -> AgentSession:
         name = backend.spec.name
-        ui = SessionBound(session, self.dialogs, self.feed, self, agent=name)
+        workspace = await self._workspace(session, backend, owner)
+        ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, workspace=workspace)
         if keep:  # a conversation that outlives its process: the handle of the last one, if any
             ui = SessionBound(session, self.dialogs, self.feed, self, agent=name, handles=self.handles,
-                              handle=await self.handles.read(session, name))
+                              handle=await self.handles.read(session, name), workspace=workspace)
         agent = backend.open_session(ui)
+        self._bound[agent] = ui
         try:
             await agent.start()
         except BaseException:
-            await agent.aclose()
+            try:
+                await agent.aclose()
+            finally:
+                self._release(agent)
             raise
         return agent
-
-    async def _open_reclaiming(self, session: str, backend: SessionBackend) -> AgentSession:
-        """`_open`; when the agent is at its max_processes, its least recently used idle agent
-        session is closed first and the open tried once more. An idle process is nobody's to keep:
-        without this, one tenant's finished turns held every process of an agent for idle_seconds
-        and refused every other tenant's first turn (issue 43)."""
-        try:
-            return await self._open(session, backend)
-        except ResourceExhausted:
-            if not await self._reclaim(backend.spec.name):
-                raise
-        return await self._open(session, backend)
-
-    async def _reclaim(self, name: str) -> bool:
-        """Closes the least recently used idle agent session of agent `name`; False when none is idle."""
-        idle = [(entry.idle_since, key) for key, entry in self._live.items()
-                if key[1] == name and not entry.users and entry.task is None]
-        if not idle:
-            return False
-        key = min(idle)[1]
-        entry = self._live.pop(key)
-        self.closed_reclaimed += 1
-        await self._close(key, entry.agent, "closed (the least recently used idle one) to make room under "
-                                            "max_processes")
-        return True
 
     @asynccontextmanager
     async def use(self, session: str, name: str, backend: SessionBackend, *,
@@ -395,14 +418,21 @@ class AgentSessions:
             raise AgentError("the server is shutting down")
         if not keep:
             self._one_shot += 1
+            # a one-shot agent's workspace is its own and goes with it (a branch with commits is kept)
+            owner = f"{session}~one-shot-{uuid.uuid4().hex[:12]}" if backend.workspace_repo is not None else ""
             try:
-                agent = await self._open(session, backend, keep=False)
+                agent = await self._open(session, backend, keep=False, owner=owner)
                 try:
                     yield agent
                 finally:
-                    await agent.aclose()
+                    try:
+                        await agent.aclose()
+                    finally:
+                        self._release(agent)
             finally:
                 self._one_shot -= 1
+                if owner and self.workspaces is not None:
+                    await self.workspaces.remove_session(owner)
             return
         key = (session, name)
         entry = self._live.get(key)
@@ -416,7 +446,10 @@ class AgentSessions:
                         try:  # the marker first: a sweep must never find a live agent without one
                             await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                         except BaseException:
-                            await agent.aclose()
+                            try:
+                                await agent.aclose()
+                            finally:
+                                self._release(agent)
                             raise
                         entry = self._live[key] = _Live(agent)
                         self._ensure_sweeper(agent.idle_seconds)

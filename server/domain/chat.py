@@ -1,6 +1,7 @@
 """The one implementation of a neuro-san chat turn, and the directory of agents that answer.
 
-It keeps neuro-san's StreamingChat contract (SPEC.md §2) and adds uibus's session behaviour:
+It keeps neuro-san's StreamingChat contract (protos/neuro_san/api/grpc/agent.proto;
+docs/protocols/neuro-san.md) and adds uibus's session behaviour:
 
 * MINIMAL/UNKNOWN stream only the final AGENT_FRAMEWORK message (answer + chat_context);
   MAXIMAL streams every message with its origin, and each ChatResponse echoes the request.

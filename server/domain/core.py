@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from uibus.agents.config import AgentTable
+from uibus.agents.workspaces import Workspaces, default_workspaces_dir
 from uibus.bus import Bus
 from uibus.config import Config
 from uibus.domain.agent_sessions import AgentSessions
@@ -45,6 +47,12 @@ class Core:
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size)
         sessions = AgentSessions(dialogs, feed, store)
+        # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
+        # agents file's workspaces_dir, else beside the default store
+        root = config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir()
+        sessions.workspaces = Workspaces(str(Path(root).expanduser()),
+                                         enabled=any(getattr(b, "workspace_repo", None) is not None
+                                                     for b in agents.backends.values()))
         listing = Sessions(store, dialogs, sessions, history, recent=feed.recent)
         sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
         dialogs.pending.on_change = listing.poke  # shows in every watch at once

@@ -1,4 +1,5 @@
-"""Extension-UI dialogs: an agent asks, a UI of the session answers (SPEC.md §3).
+"""Extension-UI dialogs: an agent asks, a UI of the session answers (protos/uibus/v1/extension_ui.proto;
+docs/protocols/extension-ui.md).
 
 `Dialogs` is the whole extension-UI behaviour, for every caller (the gRPC service, the CodeBolt
 gateway): asking (select / confirm / input / editor, which wait for an answer), fire-and-forget

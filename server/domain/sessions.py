@@ -27,6 +27,7 @@ sends a list only when it differs from the last one sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections import OrderedDict
@@ -34,6 +35,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from uibus.agents.workspaces import Summary
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.agent_state_sharing import KEY as STATE_KEY
 from uibus.domain.agent_state_sharing import AgentStateSharing
@@ -183,6 +185,34 @@ class Sessions:
                 return shorten(str(entry["text"]))
         return ""
 
+    # ---- workspaces (agents with option workspace = "worktree": uibus.agents.workspaces) ----
+
+    @staticmethod
+    def _workspace_pb(summary: Summary) -> pb.Workspace:
+        w = summary.workspace
+        return pb.Workspace(agent=w.agent, branch=w.branch, base=w.base, files_changed=summary.files_total,
+                            lines_added=summary.added, lines_removed=summary.removed, commits=summary.commits,
+                            error=summary.error)
+
+    async def _workspaces(self, session: str) -> list[pb.Workspace]:
+        """Each agent's workspace in `session` and what changed in it (each summary cached a moment)."""
+        spaces = self.agents.workspaces
+        if spaces is None or not spaces.enabled:
+            return []
+        return [self._workspace_pb(await spaces.summary(w)) for w in await spaces.workspaces(session)]
+
+    async def workspace_diff(self, session: str, agent: str) -> pb.WorkspaceDiff:
+        """The files and unified diff of `agent`'s workspace in `session` against its base (bounded)."""
+        spaces = self.agents.workspaces
+        found = [w for w in (await spaces.workspaces(session) if spaces is not None else []) if w.agent == agent]
+        if spaces is None or not found:
+            raise NotFound(f"agent {agent!r} has no workspace in session {session!r} (only agents with option "
+                           "workspace = \"worktree\" have one, from their first turn on)")
+        summary, text, cut = await spaces.diff(found[0])
+        files = [pb.WorkspaceFile(path=f.path, lines_added=max(f.added, 0), lines_removed=max(f.removed, 0),
+                                  binary=f.added < 0) for f in summary.files]
+        return pb.WorkspaceDiff(workspace=self._workspace_pb(summary), files=files, diff=text, truncated=cut)
+
     async def entry(self, session: str, stamp: float) -> pb.SessionEntry:
         static = await self._static_of(session, stamp)
         agents = [state_of(name, agent, running) for name, agent, running in self.agents.live_agents(session)]
@@ -200,7 +230,7 @@ class Sessions:
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
-                               agent=static.agent, waiting=waiting)
+                               agent=static.agent, waiting=waiting, workspaces=await self._workspaces(session))
 
     async def _stamps(self, shared: bool = False) -> list[tuple[str, float]]:
         """The store's sessions and last activity; `shared` (the watches): read at most once per
@@ -269,8 +299,18 @@ class Sessions:
         self.poke()
         return await self.get(session)
 
-    async def delete(self, session: str) -> int:
-        """Deletes all of `session`: its hosted agents, its waiting dialogs, its stored state."""
+    async def delete(self, session: str) -> pb.DeleteSessionReply:
+        """Deletes all of `session`: its hosted agents, its waiting dialogs, its stored state, then
+        its agents' workspaces (a branch with commits beyond its base is kept, and named).
+
+        Agents go first, so none writes into a workspace being removed: the ones hosted here are
+        closed; a turn another replica's agent runs is stopped there (steering is carried to the
+        owner), and that replica closes the agent at its next sweep, its live marker being gone
+        with the session's state."""
+        for remote in await self._remote_agents(session):
+            if remote.running and self.agents.live_agent(session, remote.agent) is None:
+                with contextlib.suppress(Exception):  # gone meanwhile, or its replica too: nothing runs
+                    await self.steering.stop(session, remote.agent)
         closed = await self.agents.close_session(session)
         for dialog in self.dialogs.pending.waiting(session):
             self.dialogs.pending.close(dialog, ext_pb.DIALOG_OUTCOME_CANCELLED)
@@ -280,8 +320,12 @@ class Sessions:
             await self.recent.forget(session)
         self._static.pop(session, None)
         existed = await self.store.drop_session(session)
+        spaces = self.agents.workspaces
+        removed = await spaces.remove_session(session) if spaces is not None else None
         self._static.pop(session, None)
         self.poke()
-        if not existed and not closed:
+        if not existed and not closed and not (removed and removed.removed):
             raise NotFound(f"no session {session!r}")
-        return closed
+        return pb.DeleteSessionReply(
+            agents_closed=closed, workspaces_removed=[w.agent for w in removed.removed] if removed else [],
+            branches_kept=list(removed.kept_branches) if removed else [])

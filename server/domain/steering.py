@@ -2,7 +2,8 @@
 a new conversation, and read what it offers (modes, models, commands).
 
 A hosted agent session (uibus.agents.AgentSession) offers what its protocol has by implementing
-`Steerable`'s methods (uibus.agents.steer_acp / steer_pi supply them for ACP and pi); what it does
+`Steerable`'s methods (uibus.agents.steer's AcpSteering and PiSteering supply them for ACP and pi,
+as mixins of AcpSession and RpcSession); what it does
 not implement is refused with FAILED_PRECONDITION naming what the agent lacks, so a UI can hide
 the control and a script learns why. Stopping needs nothing of the agent: it cancels the task
 running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP

@@ -1,5 +1,5 @@
 """The topic bus across replicas: every publish is delivered locally at once and also handed to
-Redis pub/sub, and every replica delivers what the others publish (SPEC.md §4).
+Redis pub/sub, and every replica delivers what the others publish (docs/scaling.md, "Several replicas").
 
 This class is the facade: it is a `uibus.bus.Bus` and composes the parts, each a module of its own
 (see `uibus.redis`): the envelope codec, the outbox and its writer, the shards followed, the
@@ -139,6 +139,16 @@ class ReplicatedBus(Bus):
         return self._listening.is_set() and self._writer_up and self._links.up
 
     @property
+    def wire_version(self) -> int:
+        """The wire protocol version this replica writes data envelopes in now (for /metrics)."""
+        return self._presence.wire
+
+    @property
+    def peer_versions(self) -> dict[str, int]:
+        """The wire protocol version of each replica heard from recently."""
+        return {o: self._presence.versions.get(o, codec.LEGACY) for o in self._presence.seen}
+
+    @property
     def shards_subscribed(self) -> int:
         """Shards this replica listens to now (for /metrics)."""
         return self._shards.subscribed
@@ -211,9 +221,13 @@ class ReplicatedBus(Bus):
             if not remote:  # no other replica listens: sending would deliver to nobody, or worse, to
                 return n  # a subscriber that joins later, after the caller was told "nobody is listening"
             n += remote
+        wire = self._presence.wire  # the form every live replica reads (uibus.redis.presence)
+        if kind.since > wire:  # a kind some live replica does not know: this replica's subscribers only
+            self.stats.kept_local += 1
+            return n
         # Traced (uibus.telemetry): one publish span, its traceparent in the envelope.
         trace = None if telemetry.tracer is None else published(session, name)
-        envelope = codec.encode(self.replica_id, session, name, target, key, item, trace)
+        envelope = codec.encode(self.replica_id, session, name, target, key, item, trace, wire)
         if envelope is None:
             self.stats.unreplicable += 1
             return n
@@ -327,6 +341,10 @@ class ReplicatedBus(Bus):
     def on_confirmed(self, channel: str) -> None:
         if channel == self._ctl:
             self._listening.set()
+            # Who is live, and which wire version each speaks: every listening replica answers the
+            # who with a hello carrying its version (uibus.redis.presence, the census).
+            self._spawn(self._redis.execute_command(self._pub_cmd, self._ctl, self._presence.who()))
+            asyncio.get_running_loop().call_later(self._presence.begin_census() + 0.01, self._presence.choose_wire)
         else:
             found = self._shards.by_channel(channel)
             if found is not None and not found[1].confirmed:
@@ -345,6 +363,7 @@ class ReplicatedBus(Bus):
         self._listen_lost = time.monotonic()
         if channel == self._ctl:
             self._listening.clear()
+            self._presence.recount()
             return
         found = self._shards.by_channel(channel)
         if found is not None:

@@ -1,9 +1,22 @@
 """The envelope: what one replica tells the others through Redis pub/sub, and how it is read.
 
-One JSON header line `[origin, session, kind, target, key, type]`, a newline, and the payload.
-With tracing on (uibus.telemetry), an event published inside a traced call has a seventh header
-field, the W3C traceparent of its publish span, so the replica that delivers it continues the
-trace; without tracing the envelope is exactly the six fields.
+One JSON header line `[origin, session, kind, target, key, type, trace, version]`, a newline, and
+the payload. `trace` is the W3C traceparent of the publish span (uibus.telemetry; null when the
+publish was not traced), so the replica that delivers it continues the trace; `version` is the wire
+protocol its sender speaks (`PROTOCOL`).
+
+Versions, and why the header may be shorter (docs/operations.md, "Which versions may run together"):
+
+* 1, uibus 0.1.0 and before: `[origin, session, kind, target, key, type]`, plus the traceparent as
+  a seventh field when traced. Such a replica counts a header of any other length as bad, so a
+  replica that hears a live version-1 peer sends exactly this form (`encode(..., version=1)`),
+  and the version is then implicit.
+* 2: the eighth field. Control envelopes (hello, who, presence) carry the sender's version in their
+  `key` slot, which version 1 sends as null and ignores, so every replica announces its version
+  in a form every other replica reads.
+
+A reader takes what it knows from a longer header and ignores the rest (a newer sender's additions),
+so a newer envelope it can partly read is never dropped.
 Protobuf items travel as their serialized bytes with the message's full name (`type`), resolved
 on the receiving side through the default descriptor pool; JSON-able plain items travel as JSON
 (`type` ""). Control envelopes have a `type` starting with "!": a presence announcement (payload:
@@ -27,6 +40,9 @@ from typing import Any
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError, Message
 
+PROTOCOL = 2  # the wire protocol this code speaks (the module docstring says what each version adds)
+LEGACY = 1  # uibus 0.1.0's: no version field, at most seven header fields
+MAX_FIELDS = 32  # a longer header is not a newer version's, just garbage
 JSON_ITEM = ""  # type of an envelope whose payload is a JSON value, not a protobuf
 PRESENCE = "!presence"  # type of a subscription-count announcement
 HELLO = "!hello"  # type of "this replica is subscribed" (after each (re)subscribe, and each heartbeat)
@@ -48,12 +64,14 @@ class Envelope:
     type: str  # a protobuf message's full name, JSON_ITEM, or a control type ("!…")
     payload: bytes
     trace: str | None = None  # the publisher's W3C traceparent, when it was traced
+    version: int = LEGACY  # the sender's wire protocol (LEGACY when its header did not say)
 
 
 def encode(origin: str, session: str, kind: str, target: str | None, key: Hashable, item: Any,
-           trace: str | None = None) -> bytes | None:
+           trace: str | None = None, version: int = PROTOCOL) -> bytes | None:
     """The envelope of one event, or None when the item or the key has no wire form (neither a
-    protobuf message nor JSON-able; a key JSON cannot carry). `trace`: the publish's traceparent."""
+    protobuf message nor JSON-able; a key JSON cannot carry). `trace`: the publish's traceparent;
+    `version`: the form to write, LEGACY while a live replica reads no other (uibus.redis.presence)."""
     if isinstance(item, Message):
         type_name, payload = item.DESCRIPTOR.full_name, item.SerializeToString()
     else:
@@ -63,7 +81,9 @@ def encode(origin: str, session: str, kind: str, target: str | None, key: Hashab
             return None
     try:
         fields = [origin, session, kind, target, key, type_name]
-        if trace is not None:
+        if version > LEGACY:
+            fields += (trace, version)
+        elif trace is not None:
             fields.append(trace)
         head = json.dumps(fields, separators=_SEP)
     except (TypeError, ValueError):
@@ -72,14 +92,16 @@ def encode(origin: str, session: str, kind: str, target: str | None, key: Hashab
 
 
 def control(origin: str, shards: int, what: str) -> bytes:
-    """A hello or a who, with the sender's shard count in the session field: replicas that
-    disagree on it would each listen where the others do not publish."""
-    return json.dumps([origin, str(shards), "", None, None, what], separators=_SEP).encode() + b"\n"
+    """A hello or a who, with the sender's shard count in the session field (replicas that
+    disagree on it would each listen where the others do not publish) and its protocol version in
+    the key slot (which version 1 ignores)."""
+    return json.dumps([origin, str(shards), "", None, PROTOCOL, what], separators=_SEP).encode() + b"\n"
 
 
 def presence(origin: str, entries: list[tuple[str, str, int]]) -> bytes:
-    """An announcement of this replica's subscriber counts, `(session, kind, count)` each."""
-    head = json.dumps([origin, "", "", None, None, PRESENCE], separators=_SEP).encode()
+    """An announcement of this replica's subscriber counts, `(session, kind, count)` each; the
+    sender's protocol version in the key slot, as in `control`."""
+    head = json.dumps([origin, "", "", None, PROTOCOL, PRESENCE], separators=_SEP).encode()
     return head + b"\n" + json.dumps(entries, separators=_SEP).encode()
 
 
@@ -91,12 +113,15 @@ def decode(data: bytes) -> Envelope:
         fields = json.loads(head)
     except (ValueError, TypeError, RecursionError) as exc:  # RecursionError: nesting built to exhaust the stack
         raise BadEnvelope(f"header is not JSON: {exc}") from exc
-    if type(fields) is not list or not 6 <= len(fields) <= 7:
-        raise BadEnvelope("header is not a list of six (or seven, with a traceparent)")
+    if type(fields) is not list or not 6 <= len(fields) <= MAX_FIELDS:
+        raise BadEnvelope("header is not a list of six fields or more")
     origin, session, kind, target, key, type_name = fields[:6]
-    trace = fields[6] if len(fields) == 7 else None
+    trace = fields[6] if len(fields) > 6 else None
     if not (trace is None or type(trace) is str):
         raise BadEnvelope("the traceparent is not a string")
+    version = fields[7] if len(fields) > 7 else LEGACY
+    if type(version) is not int or version < LEGACY:
+        raise BadEnvelope("the protocol version is not a positive number")
     if not (type(origin) is str and type(session) is str and type(kind) is str and type(type_name) is str
             and (target is None or type(target) is str)):
         raise BadEnvelope("a header field has the wrong type")
@@ -104,7 +129,9 @@ def decode(data: bytes) -> Envelope:
         key = _hashable(key)
     except RecursionError as exc:
         raise BadEnvelope("key nested too deep") from exc
-    return Envelope(origin, session, kind, target, key, type_name, payload, trace)
+    if type_name.startswith("!") and type(key) is int and key > LEGACY:
+        version = key  # a control envelope's version rides in its key slot (see `control`)
+    return Envelope(origin, session, kind, target, key, type_name, payload, trace, version)
 
 
 def _hashable(key: Any) -> Hashable:

@@ -36,6 +36,7 @@ class ReplicationStats:
     unwanted: int = 0  # envelopes received for no subscriber here (other sessions of a shard listened to)
     unreplicable: int = 0  # items delivered locally only (neither protobuf nor JSON-able)
     outages: int = 0  # times the connection to Redis was lost
+    kept_local: int = 0  # events of a kind a live replica's wire protocol does not have: delivered here only
 
     def counters(self) -> dict[str, tuple[int, str]]:
         """Each counter with its help text, for /metrics (`uibus_replication_<name>_total`)."""
@@ -45,7 +46,9 @@ class ReplicationStats:
                 "bad": (self.bad, "Envelopes received that could not be decoded"),
                 "unwanted": (self.unwanted, "Envelopes received from other replicas for no subscriber here"),
                 "unreplicable": (self.unreplicable, "Events delivered on this replica only (no wire form)"),
-                "outages": (self.outages, "Times the connection to Redis was lost")}
+                "outages": (self.outages, "Times the connection to Redis was lost"),
+                "kept_local": (self.kept_local, "Events delivered on this replica only because a live replica's "
+                               "wire protocol version does not have their kind")}
 
 
 class Outbox:

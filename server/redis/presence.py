@@ -14,6 +14,16 @@ Hellos (who listens) go on one control channel every replica hears: a few bytes 
 heartbeat. `seen` is when each other replica was last heard from; the writer waits for the ones it
 knew to say hello again after an outage before it sends what it buffered. A replica that uses
 another shard count is reported once, as an error (`mismatched`).
+
+Versions: every hello, who and presence announcement carries its sender's wire protocol version
+(uibus.redis.codec); a replica of uibus 0.1.0 says none and is taken as version 1. `wire` is the
+version this replica writes data envelopes in: the lowest any replica heard within the last ten
+heartbeats speaks (as long as `seen` remembers it), never above our own. Until the census is
+complete it is version 1, since a 0.1.0 replica may be live and unheard: the census begins when the
+control channel is subscribed, with a who that every listening replica answers with a hello
+(0.1.0's too), and ends CENSUS_S later (at most a heartbeat); losing the control channel begins it
+again. So an old replica never gets a header it counts as bad, and once the last one is gone (ten
+heartbeats of silence) the newer form is written again.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from uibus.redis.outbox import Writes
 from uibus.redis.shards import Shard, Shards
 
 log = logging.getLogger("uibus.redis")
+CENSUS_S = 1.0  # after our who: every listening replica has said hello (a round trip; generous)
 
 
 class Presence:
@@ -52,6 +63,9 @@ class Presence:
         self.remote: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
         self.seen: dict[str, float] = {}  # other replica -> monotonic time it was last heard from
         self.mismatched: set[str] = set()  # replicas heard from with another shard count
+        self.versions: dict[str, int] = {}  # other replica -> the wire protocol it speaks
+        self.wire = codec.LEGACY  # the version data envelopes are written in now (see the module docstring)
+        self._census_ends: float | None = None  # monotonic end of the census of live replicas; None: not begun
 
     def key(self, n: int) -> str:
         """The presence hash of shard `n`."""
@@ -144,11 +158,42 @@ class Presence:
     # -- liveness -------------------------------------------------------------------------------
 
     def heard(self, envelope: codec.Envelope) -> None:
-        """Another replica spoke: noted; a hello or a who with another shard count is reported."""
-        self.seen[envelope.origin] = time.monotonic()
+        """Another replica spoke: noted with its version; a hello or a who with another shard count
+        is reported. A data envelope in the version-1 form says nothing of its sender's version (a
+        newer replica writes it for an old peer's sake), so it sets one only for a replica not yet known."""
+        origin = envelope.origin
+        self.seen[origin] = time.monotonic()
+        known = self.versions.get(origin)
+        if envelope.type[:1] == "!" or envelope.version > codec.LEGACY or known is None:
+            if known != envelope.version:
+                self.versions[origin] = envelope.version
+                self.choose_wire()
         shards = envelope.session
         if envelope.type in (codec.HELLO, codec.WHO) and shards and shards != str(self.shards.count):
             self._disagrees(envelope.origin, envelope.session)
+
+    def begin_census(self) -> float:
+        """The control channel is subscribed and a who is on its way: the census ends in the seconds
+        returned (the caller calls `choose_wire` then); version 1 is written until it does."""
+        wait = min(CENSUS_S, self.heartbeat_s)
+        self._census_ends = time.monotonic() + wait
+        self.wire = codec.LEGACY
+        return wait
+
+    def recount(self) -> None:
+        """The control channel was lost: hellos may be missed, so version 1 is written until a new
+        census (`begin_census`, once it is subscribed again) is complete."""
+        self._census_ends = None
+        self.wire = codec.LEGACY
+
+    def choose_wire(self) -> None:
+        """`wire`: the lowest version of the replicas `seen` remembers, at most ours; version 1 until
+        the census is complete."""
+        if self._census_ends is None or time.monotonic() < self._census_ends:
+            self.wire = codec.LEGACY
+            return
+        lowest = min((self.versions.get(o, codec.LEGACY) for o in self.seen), default=codec.PROTOCOL)
+        self.wire = max(codec.LEGACY, min(codec.PROTOCOL, lowest))
 
     def hello(self) -> bytes:
         return codec.control(self.replica_id, self.shards.count, codec.HELLO)
@@ -183,5 +228,7 @@ class Presence:
             now = time.monotonic()
             for origin in [o for o, t in self.seen.items() if t < now - 10 * self.heartbeat_s]:
                 del self.seen[origin]  # a replica gone for good
+                self.versions.pop(origin, None)
+            self.choose_wire()
             for topic in [t for t, o in self.remote.items() if all(e <= now for _, e in o.values())]:
                 del self.remote[topic]

@@ -1,4 +1,4 @@
-"""The session store on Redis, so several replicas share one state (SPEC.md §4): one server,
+"""The session store on Redis, so several replicas share one state (docs/scaling.md): one server,
 a master set behind sentinels (both: `make_client` hands out a plain client) or a Redis Cluster.
 
 Layout, for a session `s` (percent-quoted so it contains no ':' or braces):

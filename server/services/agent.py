@@ -1,6 +1,7 @@
 """neuro-san over gRPC: `AgentService` per agent and at its canonical path, and `ConciergeService`.
 
-Real neuro-san clients call `/<agent>.AgentService/<Method>` (SPEC.md §2), so the agent service
+Real neuro-san clients call `/<agent>.AgentService/<Method>` (the path
+neuro-san's own clients build; docs/protocols/neuro-san.md), so the agent service
 is routed by one generic handler, like upstream's dynamic router: a dict lookup per call for
 configured agents, UNIMPLEMENTED naming the known agents for any other `<x>.AgentService`. The
 canonical `/dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService/...` path picks the agent

@@ -1,4 +1,5 @@
-"""uibus.v1.ExtensionUiService: the extension-UI sub-protocol of the RPC mode over gRPC (SPEC.md §3).
+"""uibus.v1.ExtensionUiService: the extension-UI sub-protocol of the RPC mode over gRPC
+(protos/uibus/v1/extension_ui.proto; docs/protocols/extension-ui.md).
 
 Each method is one call on the domain's `Dialogs`, which owns the dialogs, their validation and
 "first answer wins"; this module only carries the calling session across.

@@ -1,4 +1,5 @@
-"""uibus.v1.HostService: the sending side of the Cline UI streams (SPEC.md §3).
+"""uibus.v1.HostService: the sending side of the Cline UI streams (protos/uibus/v1/host.proto;
+docs/protocols/cline.md).
 
 An IDE extension or agent host publishes UI events here; webviews receive them through
 cline.UiService. The feed validates before publishing, so a bad event never reaches a webview.

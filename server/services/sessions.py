@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from uibus.domain.sessions import Sessions
+from uibus.errors import InvalidArgument
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 from uibus.quotas import ANONYMOUS, Quotas
@@ -60,7 +61,7 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
 
     async def DeleteSession(self, request: pb.DeleteSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.DeleteSessionReply:
-        return pb.DeleteSessionReply(agents_closed=await self.sessions.delete(session_of(context)))
+        return await self.sessions.delete(session_of(context))
 
     async def StopTurn(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.StopTurnReply:
         stopped = await self.sessions.steering.stop(session_of(context), request.agent)
@@ -76,6 +77,11 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
         state = await self.sessions.steering.set_model(session_of(context), request.agent, request.model_id)
         self.sessions.poke()
         return state
+
+    async def GetWorkspaceDiff(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.WorkspaceDiff:
+        if not request.agent:
+            raise InvalidArgument("agent is required: the agent whose workspace to show")
+        return await self.sessions.workspace_diff(session_of(context), request.agent)
 
     async def NewConversation(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.AgentState:
         state = await self.sessions.steering.new_conversation(session_of(context), request.agent)

@@ -1,6 +1,7 @@
 """cline.UiService: the 16 RPCs a Cline webview calls, wire-compatible with Cline's proto.
 
-Behaviour follows Cline's controller (SPEC.md §1) with the differences uibus needs as a
+Behaviour follows Cline's controller (Cline's `src/core/controller/ui/`, the
+handlers of the `cline/ui.proto` this serves) with the differences uibus needs as a
 multi-client server: state lives per session in the store, events come from the bus, and what
 Cline would do on the host machine (open a URL, scroll) becomes a host request. The eleven
 `subscribeTo*` methods are made from the feed's one table of UI streams.

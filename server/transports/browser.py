@@ -2,7 +2,7 @@
 ASGI middleware in front of every route (gRPC-Web, the neuro-san HTTP API, `/mcp`, the page, the
 CodeBolt WebSocket and every other mount), for HTTP requests and WebSocket upgrades alike.
 
-Why both, and why here rather than in each route (see the README's "Security model"):
+Why both, and why here rather than in each route (see docs/security.md, "Security model"):
 
 * **Host** defeats DNS rebinding. A page on `http://evil.example:8080` whose name the attacker later
   points at 127.0.0.1 is, to the browser, same-origin with itself: its requests carry

@@ -88,7 +88,9 @@ _SESSION_POSTS = {
                       "the title or agent of the request set where given)."),
     "DeleteSession": (sessions_pb2.DeleteSessionRequest, sessions_pb2.DeleteSessionReply,
                       "Deletes the caller's session: its hosted agents are closed, its waiting dialogs end, its "
-                      "stored state goes. 404 (NOT_FOUND) when there is no such session."),
+                      "stored state goes, its agents' workspaces are removed (`workspaces_removed`; a branch with "
+                      "commits beyond its base is kept and named in `branches_kept`). 404 (NOT_FOUND) when there "
+                      "is no such session."),
     "StopTurn": (sessions_pb2.AgentRequest, sessions_pb2.StopTurnReply,
                  "Stops the turn `agent` runs now (pi `abort`, ACP `session/cancel`); `stopped` is false when "
                  "none was running."),
@@ -102,9 +104,13 @@ _SESSION_POSTS = {
     "NewConversation": (sessions_pb2.AgentRequest, sessions_pb2.AgentState,
                         "A new conversation with the agent (pi `new_session`, ACP `session/new`); the old one "
                         "stays listed in `conversations`. 400 (FAILED_PRECONDITION) while a turn runs."),
+    "GetWorkspaceDiff": (sessions_pb2.AgentRequest, sessions_pb2.WorkspaceDiff,
+                         "What the workspace of `agent` (option workspace = \"worktree\": its own git worktree "
+                         "and branch) changed against its base: the files and the unified diff, uncommitted and "
+                         "untracked work included, cut at 256 KiB (`truncated`). 404 when it has none."),
 }
 
-_STEERING = ("StopTurn", "SetMode", "SetModel", "NewConversation")
+_STEERING = ("StopTurn", "SetMode", "SetModel", "NewConversation", "GetWorkspaceDiff")  # name their agent
 
 
 def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,8 @@ export type Control = {
   model: HTMLSelectElement;
   commands: HTMLElement;
   log: (label: string, detail?: string) => void;
+  // Told the open session's entry whenever the list or the session changes (its workspaces: ./workspace.ts).
+  onSession?: (entry: SessionEntry | undefined, session: string) => void;
 };
 
 function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls = "", text = ""): HTMLElementTagNameMap[K] {
@@ -99,6 +101,11 @@ export function startControl(c: Control): { sessionChanged: () => void } {
       li.append(dot, title);
       if (e.waitingDialogs) li.append(el("b", "count", String(e.waitingDialogs)));
       li.append(name);
+      for (const w of e.workspaces) { // each agent's branch and what it changed (agents with their own worktree)
+        const ws = el("small", "s-ws", `⎇ ${w.agent} +${w.linesAdded} −${w.linesRemoved}`);
+        ws.title = `${w.branch}: ${w.filesChanged} file(s) changed`;
+        li.append(ws);
+      }
       li.tabIndex = 0;
       const open = () => { c.drawer.classList.remove("open"); c.switchTo(e.session); };
       li.addEventListener("click", open);
@@ -139,6 +146,7 @@ export function startControl(c: Control): { sessionChanged: () => void } {
     fill(c.mode, a?.modes ?? [], a?.currentMode ?? "");
     fill(c.model, a?.models ?? [], a?.currentModel ?? "");
     completeCommands();
+    c.onSession?.(e, c.current());
   }
 
   function render(): void {

@@ -20,6 +20,7 @@ import { ExtensionUiService } from "./gen/uibus/v1/extension_ui_pb";
 import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
 import { startControl } from "./control";
+import { startWorkspaces } from "./workspace";
 import { followExtensionUi } from "./extui";
 import { renderBody } from "./render";
 import type { Format } from "./render";
@@ -419,8 +420,13 @@ function switchTo(name: string, push = true): void {
 }
 addEventListener("popstate", () => switchTo(new URLSearchParams(location.search).get("session") || "default", false));
 
+const sessionsClient = createClient(SessionService, transport);
+const workspaces = startWorkspaces({
+  sessions: sessionsClient, panel: $<HTMLElement>("workspaces"), list: $<HTMLElement>("workspace-list"),
+  diff: $<HTMLElement>("workspace-diff"), log: logEvent,
+});
 const control = startControl({
-  sessions: createClient(SessionService, transport), current: () => session, switchTo, log: logEvent,
+  sessions: sessionsClient, current: () => session, switchTo, log: logEvent, onSession: workspaces.show,
   list: $<HTMLUListElement>("session-list"), drawer: $<HTMLElement>("sessions"), newButton: $<HTMLButtonElement>("new-session"),
   menuButton: $<HTMLButtonElement>("menu"), agentSelect, input, stop: $<HTMLButtonElement>("stop"),
   mode: $<HTMLSelectElement>("mode"), model: $<HTMLSelectElement>("model"), commands: $<HTMLElement>("commands"),
