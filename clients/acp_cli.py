@@ -22,9 +22,9 @@ from collections.abc import Callable
 from uibus import logs
 from uibus.clients.connection import Connection
 from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
-from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
+from uibus.jsonrpc import INVALID_REQUEST, RpcError
 
 MAX_LINE = 16 * 1024 * 1024  # one incoming message at most this long; a longer one is refused
 

@@ -39,6 +39,7 @@ from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
 from uibus.pipeline import Pipeline
+from uibus.quotas import QUOTAS, Quotas
 from uibus.sqlite_store import SqliteStore
 from uibus.store import Store
 from uibus.tasks import Tasks, cancel_and_wait
@@ -305,6 +306,9 @@ class App:
                                                        lambda: float(sessions.closed_idle)),
             "uibus_agent_sessions_closed_evicted_total": ("agent sessions closed because their session was evicted",
                                                           lambda: float(sessions.closed_evicted)),
+            "uibus_agent_sessions_closed_reclaimed_total": (
+                "idle agent sessions closed (least recently used first) so a turn could start under max_processes",
+                lambda: float(sessions.closed_reclaimed)),
             "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
                                                        lambda: float(sessions.closed_dead)),
             "uibus_agent_turns_forwarded_total": (
@@ -337,9 +341,11 @@ class App:
                                              "index": str(worker.index), "pid": str(worker.pid)})
         core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
+        quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
+        metrics.registry.register(quotas)  # uibus_quota_refused_total / uibus_quota_in_use, by tenant
         # Hosted agents' /mcp tokens are minted here for each (never --auth-token); tenants named here.
         core.agent_sessions.tokens = tokens
-        pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else ())
+        pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

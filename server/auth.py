@@ -50,7 +50,7 @@ import hmac
 import logging
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from fnmatch import translate
 from pathlib import Path
@@ -168,6 +168,9 @@ class Tokens:
             self._fixed[_digest(auth_token.encode())] = Grant.of("--auth-token", [ALL], OPERATOR)
         self._metrics = _digest(metrics_token.encode()) if metrics_token else None
         self._grants: dict[bytes, Grant] = dict(self._fixed)
+        # Told after every reload that took effect: what holds a stream or connection open ends
+        # those whose token is no longer one of ours (`revoked`), within the reload.
+        self.on_reload: list[Callable[[], None]] = []
         self._minted: dict[bytes, Grant] = {}
         if tokens_file:
             self._grants = {**self._read(), **self._fixed}
@@ -200,7 +203,17 @@ class Tokens:
             return False
         self._grants = {**grants, **self._fixed}
         log.info("tokens reloaded", extra={"fields": {"file": self.tokens_file, "tokens": len(grants)}})
+        for hook in list(self.on_reload):
+            try:
+                hook()
+            except Exception as exc:  # one holder's failure must not keep the others' revoked streams open
+                log.error("ending revoked streams failed", extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}})
         return True
+
+    def revoked(self, authorization: str | bytes | None) -> bool:
+        """Whether a stream opened with this `Authorization` value must end now: tokens are on and
+        its token is no longer one of them."""
+        return self.enabled and self.grant(bearer(authorization)) is None
 
     def grant(self, token: bytes | None) -> Grant | None:
         """The grant of a presented token, None when it is not one of ours."""

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.errors import ConfigError
+from uibus.quotas import QUOTAS
 
 
 def _default_store() -> str:
@@ -183,10 +184,26 @@ class Config:
         "help": "PEM CA bundle: clients must present a certificate it signed (mTLS) on both ports"})
     http_header_timeout_seconds: float = field(default=5.0, metadata={
         "help": "an HTTP request's headers must arrive within this (from connect, or from its first byte)"})
+    http_body_timeout_seconds: float = field(default=30.0, metadata={
+        "help": "a request body must arrive whole within this of its request (a body sent a byte at a time "
+                "holds a connection: 408 past it)"})
     http_idle_seconds: float = field(default=15.0, metadata={
         "help": "an idle keep-alive HTTP connection is closed after this"})
     http_max_connections: int = field(default=4096, metadata={
         "help": "open HTTP connections (WebSockets and streams included); beyond it new ones are refused"})
+    # Per-tenant quotas (uibus.quotas; a tenant is its token's name): 0 turns one off.
+    quota_acp_connections: int = field(default=QUOTAS["acp_connections"].default, metadata={
+        "help": "ACP connections (/acp WebSocket and HTTP) one tenant may hold open"})
+    quota_codebolt_connections: int = field(default=QUOTAS["codebolt_connections"].default, metadata={
+        "help": "CodeBolt agent connections one tenant may hold open"})
+    quota_streams: int = field(default=QUOTAS["streams"].default, metadata={
+        "help": "gRPC server streams (UI feeds, dialog streams, chats) one tenant may hold open"})
+    quota_watches: int = field(default=QUOTAS["watches"].default, metadata={
+        "help": "WatchSessions streams one tenant may hold open"})
+    quota_sessions_per_minute: int = field(default=QUOTAS["sessions_per_minute"].default, metadata={
+        "help": "sessions one tenant may create (CreateSession, ACP session/new) per minute"})
+    quota_dialogs: int = field(default=QUOTAS["dialogs"].default, metadata={
+        "help": "dialogs one tenant may have open (waiting for an answer)"})
     ws_ping_seconds: float = field(default=20.0, metadata={
         "help": "WebSocket ping interval; 0 turns pings off"})
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
@@ -232,11 +249,14 @@ class Config:
                   f"must be at most half of --max-message-bytes ({self.max_message_bytes // 2}), as a reply "
                   "carries the context and the answer")
         check(self.mailboxes_bytes >= self.mailbox_bytes, "mailboxes_bytes", "must be at least --mailbox-bytes")
+        for name in QUOTAS:
+            check(getattr(self, f"quota_{name}") >= 0, f"quota_{name}", "must be 0 (off) or more")
         check(not self.workspaces_dir or Path(self.workspaces_dir).expanduser().is_absolute(), "workspaces_dir",
               "must be an absolute path (every replica must name the same directory)")
         for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
-        for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_idle_seconds",
+        for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_body_timeout_seconds",
+                     "http_idle_seconds",
                      "ws_ping_timeout_seconds", "agent_lease_seconds"):
             check(getattr(self, name) > 0, name, "must be more than 0")
         for cert, key in (("tls_cert", "tls_key"), ("http_tls_cert", "http_tls_key")):

@@ -41,7 +41,7 @@ async def ui_feed(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
     dialogs = setup.core.dialogs
-    setup.serve(extension_ui.add_to(setup.registry, dialogs))
+    setup.serve(extension_ui.add_to(setup.registry, dialogs, setup.pipeline.quotas, setup.pipeline.tenant_of))
     setup.gauge("uibus_extension_ui_pending_dialogs", "Extension-UI dialogs waiting for an answer", dialogs.count)
     yield
     await dialogs.aclose()  # before the bus and the store close: the last closed events go out
@@ -64,7 +64,8 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def session_api(setup: Setup) -> AsyncIterator[None]:
     """uibus.v1.SessionService: the sessions of the caller's tenant, and steering their agents."""
-    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions))
+    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions,
+                                setup.pipeline.tenant_of, setup.pipeline.quotas))
     setup.mount(SESSIONS_PATH, SessionsHttp(setup.registry.lookup, setup.config.max_message_bytes))
     yield
 
@@ -78,8 +79,11 @@ async def webview_mux(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
     """CodeBoltService, and the agents' WebSocket on the HTTP port (both of its paths)."""
-    gateway = Gateway(setup.core, setup.pipeline.wrap)
+    gateway = Gateway(setup.core, setup.pipeline.wrap, quotas=setup.pipeline.quotas,
+                      tenant_of=setup.pipeline.tenant_of)
     setup.serve(codebolt.add_to(setup.registry, gateway))
+    tokens = setup.pipeline.tokens
+    tokens.on_reload.append(lambda: gateway.revoke(tokens.revoked))  # a revoked token's sockets close
     endpoint = AgentToApp(gateway)
     setup.mount(PATH, endpoint)
     setup.mount(CODEBOLTJS_PATH, endpoint)
@@ -97,6 +101,7 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
     server = McpServer(setup.core, setup.pipeline.wrap, version())
     server.visible = setup.pipeline.visible_sessions
+    server.quotas, server.tenant_of = setup.pipeline.quotas, setup.pipeline.tenant_of
     endpoint = McpHttp(server, setup.config.max_message_bytes)
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",
@@ -109,7 +114,8 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
 async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/acp` on the HTTP port: uibus as a remote ACP agent for editors (WebSocket), whose calls
     run through the pipeline on the in-process channel."""
-    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens)
+    endpoint = AcpWebSocket(setup.registry.lookup, setup.pipeline.tokens, setup.config.max_message_bytes,
+                            setup.pipeline.quotas)
     setup.mount(ACP_PATH, endpoint)
     setup.gauge("uibus_acp_editor_connections", "Editors attached over /acp", endpoint.count)
     try:

@@ -33,6 +33,7 @@ layer costs an extra hop per message, which is most of what a delivery costs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
@@ -51,6 +52,7 @@ from uibus.errors import PermissionDenied, UibusError, Unauthenticated
 from uibus.logs import Throttle
 from uibus.metrics import Metrics
 from uibus.proto_check import json_checker
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import session_from_metadata
 from uibus.telemetry.calls import call_spans
 
@@ -67,6 +69,17 @@ PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 
 # What a method's token must allow (see `access_of`).
 OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
+
+
+REVOKE_RETRY_S = 0.05  # a revoked stream whose cancel was lost is cancelled again this often ...
+REVOKE_RETRIES = 100  # ... this many times at most (5 s)
+
+
+def _authorization(metadata: Any) -> Any:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value
+    return None
 
 
 def _every_session(session: str) -> bool:
@@ -141,15 +154,46 @@ def code_name(context: Any) -> str:
 
 class Pipeline:
     def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None,
-                 headers: Sequence[tuple[str, str]] = ()) -> None:
+                 headers: Sequence[tuple[str, str]] = (), quotas: Quotas | None = None) -> None:
         """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open.
         `headers`: response metadata every call sends once admitted (none: nothing is added, and the
-        calls cost what they did)."""
+        calls cost what they did). `quotas`: the per-tenant quotas every door asks (uibus.quotas)."""
         self.metrics = metrics
+        self.quotas = quotas if quotas is not None else Quotas()
+        # Streams open with a token (grpc.aio's and the HTTP transports' call tasks), so a reload
+        # that revokes the token ends them UNAUTHENTICATED (`revoke`); in-process calls are their
+        # caller's (/acp closes its own connections).
+        self._streams: dict[asyncio.Task[Any], Any] = {}
+        self._revoked: dict[asyncio.Task[Any], int] = {}  # revoked streams' tasks -> the cancels sent them
         self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
         self._rejected_log = Throttle()
         self._failed_log = Throttle()
+        self.tokens.on_reload.append(self.revoke)
+
+    def revoke(self) -> int:
+        """Ends every open stream whose token the reload removed (UNAUTHENTICATED); how many."""
+        n = 0
+        for task, authorization in list(self._streams.items()):
+            if task not in self._revoked and not task.done() and self.tokens.revoked(authorization):
+                self._revoked[task] = 1
+                task.cancel("its token was revoked")
+                n += 1
+        if n:
+            with contextlib.suppress(RuntimeError):  # no loop: nothing runs that could lose the cancel
+                asyncio.get_running_loop().call_later(REVOKE_RETRY_S, self._press, REVOKE_RETRIES)
+        return n
+
+    def _press(self, tries: int) -> None:
+        """Cancels again the revoked streams whose cancel was lost (Python 3.11's asyncio.wait_for
+        drops a cancel that lands as its inner wait completes, gh-86296: a watch woken by the very
+        change the revocation made), until each has ended."""
+        left = [task for task in self._revoked if not task.done()]
+        for task in left:
+            self._revoked[task] += 1
+            task.cancel("its token was revoked")
+        if left and tries > 1:
+            asyncio.get_running_loop().call_later(REVOKE_RETRY_S, self._press, tries - 1)
 
     # ---- the policies -------------------------------------------------------------------------
 
@@ -175,6 +219,13 @@ class Pipeline:
             raise PermissionDenied("this call covers every session: it needs a token that may use all "
                                    "sessions (`*`)")
         return grant
+
+    def tenant_of(self, metadata: Any) -> str:
+        """The caller's tenant (`Grant.tenant`: its tokens-file line's name, see uibus.auth), for the
+        quotas; `anonymous` without tokens."""
+        if not self.tokens.enabled:
+            return ANONYMOUS
+        return self.authenticate(metadata).tenant
 
     def visible_sessions(self, metadata: Any) -> Callable[[str], bool]:
         """Which sessions a call that spans sessions (SessionService/ListSessions) may see: those its
@@ -245,6 +296,10 @@ class Pipeline:
         extra = self.headers
         # Tracing (uibus.telemetry): decided here, once; off, no call pays more than this None.
         spans = call_spans(label)
+        quotas = self.quotas
+        tenant_of = self.tenant_of
+        open_streams = self._streams
+        revoked = self._revoked
 
         async def attach(context: Any) -> None:
             """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
@@ -285,14 +340,22 @@ class Pipeline:
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
                 started = time.perf_counter()
                 code = "OK"
-                span = failure = token = ctx = None
+                span = failure = token = ctx = lease = task = None
                 try:
+                    if needs_auth and (not isinstance(context, CallContext) or context.transport != "inprocess"):
+                        task = asyncio.current_task()
+                        if task is not None:
+                            open_streams[task] = _authorization(context.invocation_metadata())
                     if spans is None:
-                        source = behavior(admit(request, context), context)
+                        admitted = admit(request, context)
+                        lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
+                        source = behavior(admitted, context)
                     else:  # the span is current while the handler makes each message (not between)
                         span, ctx = spans.start(context)
                         token = otel_context.attach(ctx)
-                        source = behavior(admit_traced(request, context, span), context)
+                        admitted = admit_traced(request, context, span)
+                        lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
+                        source = behavior(admitted, context)
                         if not span.is_recording():  # not sampled: no child will be either
                             otel_context.detach(token)
                             token = ctx = None
@@ -317,11 +380,23 @@ class Pipeline:
                     code = code_name(context)
                 except BaseException as exc:
                     failure = exc
-                    code, details = classify(label, exc, context)
-                    if details is None:
-                        raise
+                    if task is not None and task in revoked and isinstance(exc, asyncio.CancelledError):
+                        for _ in range(min(revoked.pop(task), task.cancelling())):
+                            task.uncancel()  # the revocation's cancels, answered as such
+                        if task.cancelling():  # cancelled for another reason too: that one goes on
+                            raise
+                        code, details = "UNAUTHENTICATED", "this stream's token was revoked (--tokens-file reloaded)"
+                    else:
+                        code, details = classify(label, exc, context)
+                        if details is None:
+                            raise
                     await context.abort(status[code], details)
                 finally:
+                    if task is not None:
+                        open_streams.pop(task, None)
+                        revoked.pop(task, None)
+                    if lease is not None:
+                        lease.release()
                     done(context, code, started)
                     if span is not None:
                         if token is not None:

@@ -9,6 +9,7 @@ neuro-san StreamingChat client, ExtensionUiService UI streams.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import sys
@@ -666,6 +667,7 @@ async def test_acp_over_http_refuses_what_the_transport_does_not_allow(config: C
             assert again.status_code == 409  # one reader per stream
             assert (await http.post("/acp", json=new, headers=conn)).status_code == 202
             lines = events.aiter_lines()
+            assert await asyncio.wait_for(anext(lines), 10) == "id: 1"  # each event has its id (resumption)
             line = await asyncio.wait_for(anext(lines), 10)
             assert json.loads(line.removeprefix("data: "))["result"]["sessionId"].startswith("acp-")
         assert app.bus.count(kinds.PARTIAL_MESSAGE) == 1  # the session stays attached while its connection lives
@@ -719,3 +721,25 @@ async def test_session_load_answers_right_after_the_whole_replay_without_a_quiet
                     kept = [*kept[1:], live]  # the newest 200 by ts
                 finally:
                     await ed.close()
+
+
+async def test_an_acp_image_over_the_websocket_is_held_to_max_message_bytes_as_over_grpc(
+        config: Config, model: Model, tmp_path: Path) -> None:
+    """Issue 43: an 11 MiB image reached the agent over /acp while gRPC refuses 5 MiB. Now each call
+    an /acp editor makes is held to --max-message-bytes (here 1 MiB) as a gRPC client's is."""
+    model.script(Reply(text="small enough"))
+    async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], http_port=free_port(),
+                       max_message_bytes=1024 * 1024, chat_context_bytes=256 * 1024) as app:
+        ed = await editor("ws", f"ws://127.0.0.1:{app.http_port}/acp?agent=pi", "{}")
+        try:
+            init = await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
+            assert init["agentCapabilities"]["promptCapabilities"]["image"] is True
+            session = (await ed.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
+            big = base64.b64encode(b"\x89PNG" + bytes(2 * 1024 * 1024)).decode()
+            code, message = await ed.fails("session/prompt", {"sessionId": session, "prompt": [
+                {"type": "text", "text": "look"}, {"type": "image", "mimeType": "image/png", "data": big}]})
+            assert "RESOURCE_EXHAUSTED" in message and "--max-message-bytes" in message, (code, message)
+            assert model.requests == []  # nothing reached the agent
+            assert (await ed.call("session/prompt", prompt(session, "and now?")))["stopReason"] == "end_turn"
+        finally:
+            await ed.close()

@@ -3,7 +3,10 @@
 * schemathesis against the served `/api/v1/docs`, every check (the document must say what is
   accepted, 405s must carry Allow, responses must match their schemas, no 5xx);
 * hypothesis, built from tests/fuzzgen.py, at `/mcp` (JSON-RPC messages with hostile ids, params
-  and tool arguments), the CodeBolt socket (frames of every served action with hostile values,
+  and tool arguments), the ACP doors (`/acp` HTTP POSTs, `/acp` WebSocket frames, `uibus acp`'s
+  stdin: hostile JSON, ids and versions, every ACP method with hostile params), the sessions API
+  (its POSTs, and the watch by its bad inputs before the stream starts), the CodeBolt socket
+  (frames of every served action with hostile values,
   large ones among them), gRPC-Web (every served method, framing that lies) and native gRPC
   (every served method, random typed messages and protobuf-shaped noise).
 
@@ -613,3 +616,194 @@ def test_native_grpc(server: Server, report: Callable[[str], None]) -> None:
         _run(server, report, "native gRPC (hypothesis, every method)", prop, counts)
     finally:
         channel.close()
+
+
+# ---- the ACP doors: /acp over HTTP, /acp WebSocket frames, `uibus acp` stdio (docs/security/quotas.md) ----------
+
+_ACP_METHODS = ("initialize", "authenticate", "session/new", "session/load", "session/resume", "session/close",
+                "session/prompt", "session/list", "session/set_mode", "session/cancel", "$/cancel_request",
+                "nope/nope")
+_ACP_IDS = st.one_of(st.integers(-5, 10**6).map(str), fuzzgen.quoted("a", "b"), fuzzgen.scalar_text(),
+                     st.sampled_from(("1.5", "{}", "true", "[1]", "null")), fuzzgen.big_string(2000))
+_ACP_PARAMS = fuzzgen.envelope({
+    "protocolVersion": st.sampled_from(("1", "1.5", '"1"', "1e400", "null")),
+    "sessionId": _text("acp-fz1", "acp-fz2", "nope"), "cwd": _text("/tmp", "relative"),
+    "mcpServers": st.sampled_from(("[]", "{}", "[1]")),
+    "prompt": st.one_of(st.just('[{"type":"text","text":"hi"}]'), fuzzgen.json_text(["type", "text", "data"]),
+                        st.just('[{"type":"image","mimeType":"image/png","data":"not base64"}]')),
+    "cursor": _text("0", "x"), "modeId": _text("plan"), "requestId": _ACP_IDS,
+})
+_ACP_MESSAGE = st.one_of(
+    fuzzgen.envelope({"jsonrpc": st.sampled_from(('"2.0"', '"1.0"', "2", "null")), "id": _ACP_IDS,
+                      "method": st.sampled_from(_ACP_METHODS).map(json.dumps), "params": _ACP_PARAMS}),
+    fuzzgen.envelope({"jsonrpc": fuzzgen.quoted("2.0"), "id": _ACP_IDS, "result": fuzzgen.json_text()}),
+    fuzzgen.json_text(), st.just("[" * 5000 + "]" * 5000), st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+)
+_ACP_ROWS = ("[" * 200000 + "]" * 200000, '{"jsonrpc":"2.0","id":1.5,"method":"initialize","params":{}}',
+             '{"jsonrpc":"2.0","id":{},"method":"initialize","params":{}}',
+             '{"jsonrpc":"1.0","id":1,"method":"initialize"}',
+             '{"jsonrpc":"2.0","id":"' + "i" * 100_000 + '","method":"session/list","params":{}}')
+
+
+def _acp_answer(raw: str | bytes, data: str, counts: Counter[str]) -> None:
+    """An answer on an ACP door: RFC 8259 JSON, and never an internal error for bad input."""
+    answer = strict_json(raw)
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if error is not None:
+        assert error["code"] != -32603, f"{error} for {data[:300]!r}"
+        counts[f"error {error['code']}"] += 1
+    else:
+        counts["answered"] += 1
+
+
+def test_acp_http(server: Server, report: Callable[[str], None]) -> None:
+    counts: Counter[str] = Counter()
+    client = httpx.Client(timeout=httpx.Timeout(5, read=3))
+    headers = {"content-type": "application/json"}
+    conn: dict[str, str] = {}
+
+    def connection() -> dict[str, str]:
+        if not conn:
+            r = client.post(f"{server.base}/acp", headers=headers,
+                            content=b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":1}}')
+            assert r.status_code == 200, r.text
+            conn["acp-connection-id"] = r.headers["acp-connection-id"]
+        return conn
+
+    @_settings(2)
+    @given(body=_ACP_MESSAGE, named=st.booleans(), session=st.sampled_from(("", "acp-fz1")))
+    @example(body=_ACP_ROWS[0], named=False, session="")  # the issue's rows first
+    @example(body=_ACP_ROWS[1], named=False, session="")
+    @example(body=_ACP_ROWS[2], named=False, session="")
+    @example(body=_ACP_ROWS[3], named=False, session="")
+    @example(body=_ACP_ROWS[4], named=True, session="")
+    @counted(counts)
+    def prop(body: str, named: bool, session: str) -> None:
+        extra = {**headers, **(connection() if named else {})}
+        if session:
+            extra["acp-session-id"] = session
+        r = client.post(f"{server.base}/acp", content=body.encode("utf-8", "surrogatepass"), headers=extra)
+        assert r.status_code < 500, (r.status_code, r.text[:500], body[:300])
+        counts[str(r.status_code)] += 1
+        if r.status_code == 410:  # cut for not reading its event streams: a fresh one
+            conn.clear()
+        if r.headers.get("content-type", "").startswith("application/json"):
+            _acp_answer(r.content, body, counts)
+
+    try:
+        _run(server, report, "/acp HTTP (hypothesis)", prop, counts)
+    finally:
+        if conn:
+            client.delete(f"{server.base}/acp", headers=conn)
+        client.close()
+
+
+def test_acp_websocket(server: Server, report: Callable[[str], None]) -> None:
+    counts: Counter[str] = Counter()
+    url = f"ws://127.0.0.1:{server.http_port}/acp"
+    socket: list[Any] = []
+
+    def ws() -> Any:
+        if not socket:
+            socket.append(ws_connect(url, max_size=None, open_timeout=5))
+        return socket[0]
+
+    @_settings(2)
+    @given(frame=_ACP_MESSAGE)
+    @example(frame=_ACP_ROWS[0])
+    @example(frame=_ACP_ROWS[1])
+    @example(frame=_ACP_ROWS[3])
+    @counted(counts)
+    def prop(frame: str) -> None:
+        sock = ws()
+        sock.send(frame.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
+        try:  # an answer, if the frame gets one at once (notifications and responses get none)
+            while True:
+                _acp_answer(sock.recv(timeout=0.3), frame, counts)
+        except TimeoutError:
+            counts["no answer"] += 1
+        sock.ping().wait(5)  # the socket is still open and served
+
+    try:
+        _run(server, report, "/acp WebSocket (hypothesis)", prop, counts)
+    finally:
+        if socket:
+            socket[0].close()
+
+
+def test_acp_stdio(server: Server, report: Callable[[str], None]) -> None:
+    counts: Counter[str] = Counter()
+    uibus = str(Path(sys.executable).parent / "uibus")
+    proc = subprocess.Popen([uibus, "acp", "--target", server.proc.target], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    pending = bytearray()
+
+    def answers(wait: float) -> list[bytes]:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            chunk = proc.stdout.read()  # type: ignore[union-attr]
+            if chunk:
+                pending.extend(chunk)
+            if b"\n" in pending:
+                break
+            time.sleep(0.01)
+        *lines, rest = bytes(pending).split(b"\n")
+        pending[:] = rest
+        return lines
+
+    @_settings(2)
+    @given(line=_ACP_MESSAGE)
+    @example(line=_ACP_ROWS[0])
+    @example(line=_ACP_ROWS[1])
+    @example(line=_ACP_ROWS[4])
+    @counted(counts)
+    def prop(line: str) -> None:
+        data = line.encode("utf-8", "surrogatepass").replace(b"\n", b" ")
+        proc.stdin.write(data + b"\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        for raw in answers(0.3):
+            _acp_answer(raw, line, counts)
+        assert proc.poll() is None, f"uibus acp exited on {line[:300]!r}: {proc.stderr.read()[-2000:]!r}"  # type: ignore[union-attr]
+
+    try:
+        _run(server, report, "uibus acp stdio (hypothesis)", prop, counts)
+    finally:
+        proc.stdin.close()
+        assert proc.wait(10) == 0
+        stderr = proc.stderr.read().decode(errors="replace")  # type: ignore[union-attr]
+        assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_sessions_api(server: Server, report: Callable[[str], None]) -> None:
+    """The sessions API's POSTs with hostile bodies, and the watch by its bad inputs before the
+    stream starts (a bad prefix must be refused, not streamed)."""
+    counts: Counter[str] = Counter()
+    client = httpx.Client(timeout=httpx.Timeout(5, read=1.5))
+
+    @_settings(2)
+    @given(method=st.sampled_from(("CreateSession", "DeleteSession", "StopTurn", "SetMode", "nope")),
+           body=st.one_of(fuzzgen.json_text(["title", "agent", "mode_id"]),
+                          fuzzgen.envelope({"title": st.one_of(_text("t"), fuzzgen.big_string(5000)),
+                                            "agent": _text("pi", "a b", "../x")})),
+           session=st.sampled_from(("fz-s1", "bad name", "")),
+           prefix=st.one_of(st.sampled_from(("", "fz-", "a b", "x" * 300, "\ud800")), st.text(max_size=8)))
+    @counted(counts)
+    def prop(method: str, body: str, session: str, prefix: str) -> None:
+        headers = {"content-type": "application/json", **({"x-uibus-session": session} if session else {})}
+        r = client.post(f"{server.base}/api/v1/sessions/{method}", content=body.encode("utf-8", "surrogatepass"),
+                        headers=headers)
+        assert r.status_code < 500, (r.status_code, r.text[:500], body[:300])
+        counts[f"post {r.status_code}"] += 1
+        params = {"prefix": prefix.encode("utf-8", "surrogatepass").decode("utf-8", "replace")}
+        with client.stream("GET", f"{server.base}/api/v1/sessions/watch", params=params) as watch:
+            assert watch.status_code < 500, watch.status_code
+            counts[f"watch {watch.status_code}"] += 1
+            if watch.status_code == 200:
+                strict_json(next(watch.iter_lines()))  # the first listing, then the stream is left
+
+    try:
+        _run(server, report, "sessions API (hypothesis)", prop, counts)
+    finally:
+        client.close()

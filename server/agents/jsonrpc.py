@@ -16,8 +16,7 @@ from typing import Any
 from uibus.agents import AgentError, SessionUi
 from uibus.agents.stdio import StdioBackend, text
 from uibus.agents.turns import Event, StdioSession
-
-METHOD_NOT_FOUND = -32601
+from uibus.jsonrpc import METHOD_NOT_FOUND, RpcError, check
 
 
 class JsonRpcSession(StdioSession):
@@ -59,6 +58,12 @@ class JsonRpcSession(StdioSession):
             self.process.send(body)
 
     def on_message(self, message: Event) -> None:
+        try:  # the one JSON-RPC check (the id's type, the method's); a missing "jsonrpc" is tolerated
+            check({**message, "jsonrpc": "2.0"})  # from the agent we run, as the ACP SDKs tolerate it
+        except RpcError as exc:
+            self.log.warn("method", "agent message that is not JSON-RPC 2.0; ignored", error=exc.message[:200],
+                          method=text(message.get("method"))[:80])
+            return
         method = message.get("method")
         if method is None:  # a response to one of ours
             ident, error = message.get("id"), message.get("error")
@@ -71,12 +76,7 @@ class JsonRpcSession(StdioSession):
         params = message.get("params")
         params = params if isinstance(params, dict) else {}
         if "id" in message:
-            ident = message["id"]
-            if isinstance(ident, bool) or not isinstance(ident, str | int | None):  # JSON-RPC ids only
-                self.log.warn("method", "agent request with an id that is not a string or number; ignored",
-                              method=text(method)[:80])
-                return
-            self.on_request(ident, method, params)
+            self.on_request(message["id"], method, params)
         else:
             self.on_notification(method, params)
 

@@ -1,8 +1,8 @@
 """The session part every stdio agent protocol shares: one `StdioSession` per agent process, and
 everything around a protocol's messages that is not the protocol.
 
-* `Requests`: our requests in flight to the agent, one map of request id -> future (as the MCP
-  SDK's `BaseSession` keeps): a reply settles its future, the process's end fails every one.
+* `Requests`: our requests in flight to the agent, uibus.jsonrpc's one map of request id -> future
+  (as the MCP SDK's `BaseSession` keeps): a reply settles its future, the process's end fails every one.
 * `AgentRequests`: what the agent asks of the user while it works (pi's extension-UI dialogs, ACP's
   permission requests), one owned task each by the agent's request id: a repeated id while the first
   is open is the same dialog; a cancelled turn or the process's end closes them all (each answers
@@ -35,6 +35,7 @@ from opentelemetry.context import Context
 
 from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
 from uibus.agents.stdio import AgentProcess, StdioBackend
+from uibus.jsonrpc import Pending
 from uibus.tasks import Tasks
 from uibus.telemetry import adopted
 from uibus.telemetry.spans import tool_spans
@@ -45,49 +46,12 @@ Event = dict[str, Any]
 _TIMED_OUT: Event = {"uibus": "the turn timed out"}  # the deadline's marker in a turn's queue (by identity)
 
 
-class Requests:
-    """Our requests in flight to one agent, by id. A future leaves the map when it is done (answered,
-    failed, or cancelled by its waiter)."""
+class Requests(Pending):
+    """Our requests in flight to one agent, by id: the one in-flight map of uibus.jsonrpc (bounded),
+    whose failures here are the turn's AgentError (a JSON-RPC agent's and pi's RPC alike)."""
 
     def __init__(self) -> None:
-        self._waiting: dict[Hashable, asyncio.Future[Any]] = {}
-
-    def open(self, ident: Hashable) -> asyncio.Future[Any]:
-        """The future of request `ident`, which the caller has just sent (a reply is read by the
-        reader task, never inside the send, so registering after it is in time)."""
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[ident] = future
-        future.add_done_callback(lambda _f: self._forget(ident, future))
-        return future
-
-    def _forget(self, ident: Hashable, future: asyncio.Future[Any]) -> None:
-        if self._waiting.get(ident) is future:
-            del self._waiting[ident]
-
-    def _pending(self, ident: Any) -> asyncio.Future[Any] | None:
-        """The future still waiting for request `ident` (an agent may send any id, even unhashable)."""
-        future = self._waiting.get(ident) if isinstance(ident, Hashable) else None
-        return None if future is None or future.done() else future
-
-    def resolve(self, ident: Any, result: Any) -> bool:
-        """Settles request `ident` with `result`; False when no such request waits (not ours)."""
-        if (future := self._pending(ident)) is None:
-            return False
-        future.set_result(result)
-        return True
-
-    def reject(self, ident: Any, error: BaseException) -> bool:
-        if (future := self._pending(ident)) is None:
-            return False
-        future.set_exception(error)
-        return True
-
-    def fail_all(self, why: str) -> None:
-        """The agent is gone: every wait on it ends now, with `why` (a later send fails: the
-        process is not alive)."""
-        for future in list(self._waiting.values()):
-            if not future.done():
-                future.set_exception(AgentError(why))
+        super().__init__(gone=AgentError)
 
 
 class AgentRequests:

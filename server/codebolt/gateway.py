@@ -39,8 +39,13 @@ from uibus.codebolt.actions import Reply
 from uibus.codebolt.protocol import Request
 from uibus.domain.core import Core
 from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable, Unimplemented
+from uibus.quotas import ANONYMOUS, Lease, Quotas
 from uibus.session import session_of
 from uibus.tasks import Tasks, cancel_all
+
+# Closes the agent's socket: with a WebSocket close code and reason (default: going away, shutdown).
+Close = Callable[..., Awaitable[None]]
+REVOKED = 4401  # the close code of a socket whose token a reload revoked
 
 log = logging.getLogger("uibus.codebolt")
 
@@ -65,7 +70,7 @@ class Upgrade:
     """The request of CONNECT: how to talk to the socket being opened."""
 
     send: Send
-    close: Callable[[], Awaitable[None]]
+    close: Close
 
 
 @dataclass(slots=True)
@@ -84,8 +89,12 @@ class Gateway:
     """
 
     def __init__(self, core: Core, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_waits: int = MAX_WAITS) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_waits: int = MAX_WAITS,
+                 quotas: Quotas | None = None, tenant_of: Callable[[Metadata], str] | None = None) -> None:
+        """`quotas` and `tenant_of`: a tenant's `codebolt_connections` quota (uibus.quotas)."""
         self.core = core
+        self.quotas = quotas if quotas is not None else Quotas()
+        self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
         self.max_message_bytes = max_message_bytes
         self.max_waits = max_waits
         self.connections: set[AgentConnection] = set()
@@ -128,7 +137,7 @@ class Gateway:
                 out[method_of(f"{family}.{name}")] = grpc.unary_unary_rpc_method_handler(action(f"{family}.{name}"))
         return out
 
-    async def open(self, metadata: Metadata, peer: str, send: Send, close: Callable[[], Awaitable[None]]
+    async def open(self, metadata: Metadata, peer: str, send: Send, close: Close
                    ) -> tuple[AgentConnection | None, grpc.StatusCode, str]:
         """Opens a connection through the pipeline (auth, session, shutdown); on refusal, why."""
         ctx = CallContext(metadata, peer, "websocket")
@@ -137,13 +146,27 @@ class Gateway:
         return conn, code, details
 
     def connect(self, session: str, metadata: Metadata, peer: str, send: Send,
-                close: Callable[[], Awaitable[None]]) -> AgentConnection:
+                close: Close) -> AgentConnection:
         if self.closing:
             raise Unavailable("uibus is shutting down")
-        conn = AgentConnection(self, session, metadata, peer, send, close)
-        conn.follow_user(self.core.history.follow(session, USER_QUEUE))  # refused at the stream cap
+        lease = self.quotas.hold("codebolt_connections", self.tenant_of(metadata))
+        try:
+            conn = AgentConnection(self, session, metadata, peer, send, close)
+            conn.follow_user(self.core.history.follow(session, USER_QUEUE))  # refused at the stream cap
+        except BaseException:
+            lease.release()
+            raise
+        conn.lease = lease
         self.connections.add(conn)
         return conn
+
+    def revoke(self, revoked: Callable[[Any], bool]) -> None:
+        """Closes the connections whose token a reload revoked (`revoked(authorization)`): code
+        4401, UNAUTHENTICATED; their waits end as at any close."""
+        for conn in list(self.connections):
+            authorization = next((v for k, v in conn.metadata if k == "authorization"), None)
+            if not conn.closed and revoked(authorization) and not self._closers.closed:
+                self._closers.spawn(conn.revoked(), name="uibus-codebolt-revoked")
 
     def pending(self, session: str | None = None) -> int:
         return sum(len(c.waits) for c in self.connections if session is None or c.session == session)
@@ -180,7 +203,7 @@ class Gateway:
 
 class AgentConnection:
     def __init__(self, gateway: Gateway, session: str, metadata: Metadata, peer: str, send: Send,
-                 close: Callable[[], Awaitable[None]]) -> None:
+                 close: Close) -> None:
         self.gateway = gateway
         self.session = session
         self.metadata = metadata
@@ -193,6 +216,7 @@ class AgentConnection:
         self.answered: deque[int] = deque(maxlen=USER_QUEUE)  # ts of user messages a wait took
         self._pusher: asyncio.Task[None] | None = None
         self.closed = False
+        self.lease: Lease | None = None  # the tenant's codebolt_connections, given back at close
 
     def follow_user(self, sub: Subscription) -> None:
         self._pusher = asyncio.ensure_future(self._push_user_messages(sub))  # stopped by `close`
@@ -321,6 +345,13 @@ class AgentConnection:
             await self.waits.aclose()  # none is left; no new one may start
         finally:  # counted until its waits are really gone, so stats never under-report
             self.gateway.connections.discard(self)
+            if self.lease is not None:
+                self.lease.release()
+
+    async def revoked(self) -> None:
+        """Its token was revoked: the socket is closed (4401); the transport's loop then closes it."""
+        with contextlib.suppress(Exception):
+            await self._close_socket(REVOKED, "UNAUTHENTICATED: the token was revoked")
 
     async def shutdown(self) -> None:
         """Lets the waits answer (the bus and the dialogs are closed by now), then closes."""

@@ -42,6 +42,7 @@ from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.agents.workspaces import GitError, Workspaces
 from uibus.auth import Tokens
 from uibus.domain.agent_handles import Handles
+from uibus.domain.agent_room import MakesRoom
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.errors import Cancelled, Unavailable
@@ -155,7 +156,7 @@ def cut_by_shutdown(agent: str) -> str:
             "conversation is kept, send the turn again")
 
 
-class AgentSessions:
+class AgentSessions(MakesRoom):
     """Every live agent session of this process, by (uibus session, agent name)."""
 
     def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, *, sweep_s: float = SWEEP_S) -> None:
@@ -441,7 +442,7 @@ class AgentSessions:
                 async with opening:  # two first turns at once start one agent
                     entry = self._live.get(key)
                     if entry is None:
-                        agent = await self._open(session, backend)
+                        agent = await self._open_reclaiming(session, backend)
                         try:  # the marker first: a sweep must never find a live agent without one
                             await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                         except BaseException:
@@ -463,7 +464,7 @@ class AgentSessions:
                     self.closed_dead += 1
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
-                    entry.agent = await self._open(session, backend)
+                    entry.agent = await self._open_reclaiming(session, backend)
                 task = asyncio.current_task()
                 entry.task = task
                 self.on_change()

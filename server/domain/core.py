@@ -53,7 +53,7 @@ class Core:
         sessions.workspaces = Workspaces(str(Path(root).expanduser()),
                                          enabled=any(getattr(b, "workspace_repo", None) is not None
                                                      for b in agents.backends.values()))
-        listing = Sessions(store, dialogs, sessions, history)
+        listing = Sessions(store, dialogs, sessions, history, recent=feed.recent)
         sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
         dialogs.pending.on_change = listing.poke  # shows in every watch at once
         chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,

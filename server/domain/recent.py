@@ -18,6 +18,10 @@ class RecentMessages:
         self.log = log
         self.max_messages = max_messages
 
+    async def forget(self, session: str) -> None:
+        """Drops the session's unwritten log states before it is deleted (see SessionLog.forget)."""
+        await self.log.forget(session)
+
     async def read(self, session: str) -> dict[int, ui_pb2.ClineMessage]:
         """The latest state of the session's newest `max_messages` messages, by ts."""
         replay = await self.log.read(session, kind=MESSAGE, last=self.max_messages)

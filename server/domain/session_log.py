@@ -298,7 +298,16 @@ class SessionLog:
         head = self._heads.get(session)
         return head.seq if head is not None else 0
 
-    def forget(self, session: str) -> None:
-        """The session was deleted: its head and unwritten states go too."""
-        self._heads.pop(session, None)
+    async def forget(self, session: str) -> None:
+        """The session is being deleted: its unwritten states and its head go, after a write in
+        flight has landed (not cancelled: a store write is atomic), so no write lands behind the
+        delete and brings the session back with its messages (DeleteSession is final)."""
         self._pending.pop(session, None)
+        while (done := self._done.get(session)) is not None:
+            await done.wait()
+            self._pending.pop(session, None)
+        timer = self._cooling.pop(session, None)
+        if timer is not None:
+            timer.cancel()
+        self._pending.pop(session, None)
+        self._heads.pop(session, None)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -41,10 +42,12 @@ from uibus.domain.agent_state_sharing import AgentStateSharing
 from uibus.domain.dialog_sharing import KEY as SHARED_KEY
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
+from uibus.domain.recent import RecentMessages
 from uibus.domain.steering import Steering, state_of
-from uibus.errors import NotFound
+from uibus.errors import InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
+from uibus.session import check_session
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
 TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title
@@ -54,7 +57,19 @@ REMOTE_S = 1.0  # other replicas' dialogs and agents of an unchanged session are
 RECENT_S = 60.0  # ... and only for sessions active this recently (or listing some)
 RECENT = 20  # history entries read (newest) to find the agent a session last talked to
 MAX_LISTED = 500  # sessions one listing shows (the most recently active): a UI's list, not an export
+# Every field bounded, whichever door it came in by (docs/security/quotas.md): what CreateSession takes, and what a
+# listing shows of each title (a stored title from before the bound, or an agent's, is cut to it),
+# so MAX_LISTED entries fit any reply (500 x a few KiB, far under --max-message-bytes).
+MAX_TITLE_CHARS = 1024  # a title CreateSession takes
+LISTED_TITLE_CHARS = 256  # a title (the session's, an agent's, a waiting dialog's) as a listing shows it
+MAX_AGENT_CHARS = 128  # an agent name CreateSession takes (the HTTP API's pattern: [A-Za-z0-9_.-]{1,128})
+_AGENT = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
+
+
+def _listed(title: str) -> str:
+    """A title as a listing shows it: at most LISTED_TITLE_CHARS characters."""
+    return title if len(title) <= LISTED_TITLE_CHARS else title[: LISTED_TITLE_CHARS - 1] + "…"
 
 
 def shorten(text: str, limit: int = TITLE_CHARS) -> str:
@@ -80,8 +95,10 @@ class Sessions:
     """The sessions API over the store, the chat history, the dialogs and the hosted agents."""
 
     def __init__(self, store: Any, dialogs: Dialogs, agents: AgentSessions, history: ChatHistory,
-                 *, watch_s: float = WATCH_S) -> None:
+                 *, watch_s: float = WATCH_S, recent: RecentMessages | None = None) -> None:
+        """`recent`: the feed's write-behind recent messages, dropped first when a session is deleted."""
         self.store = store
+        self.recent = recent
         self.dialogs = dialogs
         self.agents = agents
         self.history = history
@@ -203,9 +220,13 @@ class Sessions:
         agents.sort(key=lambda a: a.agent)
         # what was set for the session, else what an agent titled its conversation, else the first message
         title = static.title or next((a.title for a in agents if a.title), "") or static.first
-        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=getattr(d.request, d.method).title)
+        waiting = [pb.WaitingDialog(id=d.id, kind=d.method, title=_listed(getattr(d.request, d.method).title))
                    for d in self.dialogs.pending.waiting(session)]
         waiting += [d for d in static.remote if all(d.id != w.id for w in waiting)]
+        title = _listed(title)
+        for a in agents:
+            if len(a.title) > LISTED_TITLE_CHARS:
+                a.title = _listed(a.title)
         return pb.SessionEntry(session=session, title=title, last_activity_ms=int(stamp),
                                running=[a.agent for a in agents if a.running],
                                waiting_dialogs=max(len(waiting), self.dialogs.count(session)), agents=agents,
@@ -225,6 +246,8 @@ class Sessions:
     async def list(self, visible: Callable[[str], bool], prefix: str = "", *, shared: bool = False) -> pb.SessionList:
         """The sessions `visible` allows (and starting with `prefix`), most recently active first, at
         most MAX_LISTED of them; `shared`: from the snapshot the watches share."""
+        if prefix:
+            check_session(prefix)  # every door (gRPC, HTTP API, MCP's list_sessions) the same bound
         listed = pb.SessionList()
         for session, stamp in await self._stamps(shared):
             if session.startswith(prefix) and visible(session):
@@ -256,7 +279,13 @@ class Sessions:
     # ---- writing ----
 
     async def create(self, session: str, title: str = "", agent: str = "") -> pb.SessionEntry:
-        """Makes `session` exist (a META value), keeping what it had; sets the title / agent given."""
+        """Makes `session` exist (a META value), keeping what it had; sets the title / agent given
+        (bounded: InvalidArgument for a title over MAX_TITLE_CHARS or an agent name that is none)."""
+        if len(title) > MAX_TITLE_CHARS:
+            raise InvalidArgument(f"title is {len(title)} characters long; the limit is {MAX_TITLE_CHARS}")
+        if agent and not _AGENT.fullmatch(agent):
+            raise InvalidArgument(f"agent {agent[:40]!r} is not an agent name: 1 to {MAX_AGENT_CHARS} characters "
+                                  "from A-Z a-z 0-9 _ . -")
         def change(meta: Any | None) -> dict[str, Any]:
             value = dict(meta or {})
             if title:
@@ -285,6 +314,11 @@ class Sessions:
         closed = await self.agents.close_session(session)
         for dialog in self.dialogs.pending.waiting(session):
             self.dialogs.pending.close(dialog, ext_pb.DIALOG_OUTCOME_CANCELLED)
+        # What would bring it back after the drop goes first: the feed's write-behind messages
+        # (written a moment later, they listed the session again with its messages) and the caches.
+        if self.recent is not None:
+            await self.recent.forget(session)
+        self._static.pop(session, None)
         existed = await self.store.drop_session(session)
         spaces = self.agents.workspaces
         removed = await spaces.remove_session(session) if spaces is not None else None

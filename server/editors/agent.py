@@ -7,7 +7,7 @@ Sessions are uibus sessions, named by their ACP `sessionId`: `session/new` makes
 answer), `session/resume` attaches without the replay, `session/close` detaches this editor only.
 A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
 (a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
-them (uibus.editors.rpc).
+them (uibus.jsonrpc, the one JSON-RPC core).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -27,7 +26,9 @@ import grpc
 from uibus import version
 from uibus.editors import updates
 from uibus.editors.attached import Attached
-from uibus.editors.rpc import (
+from uibus.editors.uplink import Uplink
+from uibus.errors import InvalidArgument
+from uibus.jsonrpc import (
     AUTH_REQUIRED,
     CANCEL_REQUEST,
     INTERNAL_ERROR,
@@ -38,12 +39,11 @@ from uibus.editors.rpc import (
     RESOURCE_NOT_FOUND,
     Outgoing,
     RpcError,
+    Running,
     dump,
-    parse,
+    read,
     valid_id,
 )
-from uibus.editors.uplink import Uplink
-from uibus.errors import InvalidArgument
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.session import check_session
@@ -65,6 +65,7 @@ _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode
                  grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
 
 Write = Callable[[str], Awaitable[None]]
+WriteMessage = Callable[[dict[str, Any], str], Awaitable[None]]
 
 
 def _media(block: dict[str, Any], data: Any, mime: Any, what: str) -> tuple[str, bytes]:
@@ -115,6 +116,11 @@ def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_dat
     return "".join(parts), attached
 
 
+def _key(ident: Any) -> tuple[str, Any]:
+    """A request id as a key: 1 and "1" are different ids."""
+    return (type(ident).__name__, ident)
+
+
 def check_prefix(prefix: str) -> str:
     """A session-name prefix `session/new` can use (InvalidArgument, saying why, if not)."""
     try:
@@ -153,12 +159,16 @@ def _cwd(params: dict[str, Any]) -> None:
 class Editor:
     """One editor connection; `aclose` detaches every session it holds."""
 
-    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX,
+                 write_message: WriteMessage | None = None) -> None:
         """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
-        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match."""
+        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match.
+        `write_message`, instead of `write`: given the message with its text, for a way out that
+        routes by the message (ACP over HTTP) without parsing its own output again."""
         self.uplink = uplink
         self.prefix = prefix
         self._write = write
+        self._write_message = write_message
         self._lock = asyncio.Lock()  # one message at a time on the wire
         self.outgoing = Outgoing(self.send)
         self.tasks = Tasks("acp editor")
@@ -166,8 +176,7 @@ class Editor:
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
         self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
         self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
-        self._running: dict[str, asyncio.Task[None]] = {}  # request id (as JSON) -> the task answering it
-        self._withdrawn: set[str] = set()  # ids the editor cancelled ($/cancel_request)
+        self._running = Running()  # the editor's requests being answered, by id ($/cancel_request finds them)
         self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
@@ -175,7 +184,10 @@ class Editor:
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
-            await self._write(dump(message))
+            if self._write_message is not None:
+                await self._write_message(message, dump(message))
+            else:
+                await self._write(dump(message))
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
         await self.send({"jsonrpc": "2.0", "method": method, "params": params})
@@ -193,22 +205,23 @@ class Editor:
     # ---- incoming ----
 
     async def receive(self, data: str | bytes) -> None:
-        """One incoming message. Requests run in tasks of their own; a bad message is answered
-        with its error and changes nothing else."""
+        """One incoming message, through the one JSON-RPC reader (hostile-JSON guard, `jsonrpc`
+        and `id` checked before anything waits on it): a bad message is answered with its error
+        (-32700 / -32600) and changes nothing else."""
         try:
-            message = parse(data)
+            message = read(data)
         except RpcError as exc:
-            await self.send({"jsonrpc": "2.0", "id": None, "error": exc.body()})
+            await self.send(exc.answer())
             return
+        await self.handle(message)
+
+    async def handle(self, message: dict[str, Any]) -> None:
+        """One message `uibus.jsonrpc.read` took. Requests run in tasks of their own."""
         method = message.get("method")
-        if method is None and "id" in message and ("result" in message or "error" in message):
+        if method is None:  # a response to one of ours (read checked it has its id and a result or error)
             self.outgoing.answered(message)
             return
         ident = message.get("id")
-        if not isinstance(method, str) or not valid_id(ident):
-            await self.send({"jsonrpc": "2.0", "id": ident if valid_id(ident) else None, "error": RpcError(
-                INVALID_REQUEST, "a request needs a method name and an id that is a string or number").body()})
-            return
         params = message.get("params", {})
         if "id" not in message:
             self._notification(method, params)
@@ -217,8 +230,8 @@ class Editor:
                 INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
             ).body()})
         else:
-            key = json.dumps(ident)
-            self._running[key] = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            task = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            self._running.add(_key(ident), task)
 
     def _notification(self, method: str, params: Any) -> None:
         if not isinstance(params, dict):
@@ -228,27 +241,24 @@ class Editor:
             if attached is not None:
                 attached.cancel()
         elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
-            key = json.dumps(params.get("requestId"))
-            task = self._running.get(key)
-            if task is not None and not task.done():
-                self._withdrawn.add(key)
-                task.cancel()
+            requested = params.get("requestId")
+            if valid_id(requested):
+                self._running.cancel(_key(requested))
 
     async def _request(self, ident: Any, method: str, params: Any) -> None:
-        key = json.dumps(ident)
+        key = _key(ident)
+        task = asyncio.current_task()
         try:
             await self._answer(ident, method, params)
         except asyncio.CancelledError:
-            if key not in self._withdrawn:
+            if not self._running.withdrawn(key):
                 raise
-            task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
             await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
                 REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
         finally:
-            self._running.pop(key, None)
-            self._withdrawn.discard(key)
+            self._running.discard(key, task)
 
     async def _answer(self, ident: Any, method: str, params: Any) -> None:
         try:
@@ -296,8 +306,12 @@ class Editor:
         return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
 
     async def _attach(self, name: str, *, replay: bool) -> Attached:
-        if name in self.sessions:
-            await self.sessions.pop(name).detach()
+        """A fresh attachment of `name`, replacing the one this connection held. Each attachment is
+        owned by its own object, not by the name: a load and a resume of one session at once each
+        detach only what they replaced and remove only themselves (a failed one never takes the
+        other's attachment out of `sessions`, where `aclose` would no longer find it)."""
+        while (old := self.sessions.pop(name, None)) is not None:  # another may slip in while we detach
+            await old.detach()
         if len(self.sessions) >= MAX_SESSIONS:
             raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
         attached = Attached(name, self.uplink, self.notify, self._ask, self.outgoing.cancel,
@@ -306,14 +320,20 @@ class Editor:
         try:
             await attached.attach(replay=replay)
         except BaseException:
-            self.sessions.pop(name, None)
+            self._forget(attached)
             await attached.detach()
             raise
         return attached
 
+    def _forget(self, attached: Attached) -> None:
+        """Removes `attached` from `sessions` if it is still the one held under its name."""
+        if self.sessions.get(attached.name) is attached:
+            del self.sessions[attached.name]
+
     async def new(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
         name = f"{self.prefix}{secrets.token_hex(8)}"
+        await self.uplink.create(name)  # listed at once (session/list, every UI's ListSessions)
         await self._attach(name, replay=False)
         return {"sessionId": name}
 
@@ -322,7 +342,7 @@ class Editor:
         name = _session_id(params)
         attached = await self._attach(name, replay=True)
         if not attached.replayed:
-            self.sessions.pop(name, None)
+            self._forget(attached)
             await attached.detach()
             raise RpcError(RESOURCE_NOT_FOUND, f"session {name} has no conversation to load "
                                                "(session/new starts one, session/resume attaches to any)")

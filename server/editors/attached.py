@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 
 from uibus.editors import updates
-from uibus.editors.rpc import INVALID_REQUEST, RpcError
 from uibus.editors.uplink import Uplink, each
+from uibus.jsonrpc import INVALID_REQUEST, RpcError
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2
@@ -55,6 +55,7 @@ class Attached:
         self.view = updates.FeedView()
         self.replayed = 0  # transcript messages this attach found
         self._replay_done = asyncio.Event()
+        self.detached = False  # once detached, an attach still waiting gives up
         self._live = asyncio.Event()
         self._has_headers = False
         self.refused: grpc.aio.AioRpcError | None = None  # the feed's failure before it was subscribed
@@ -80,12 +81,17 @@ class Attached:
         self.tasks.spawn(self._dialogs(), name=f"acp dialogs {self.name}")
         self.tasks.spawn(self._offers(), name=f"acp offers {self.name}")
         await self._replay_done.wait()
+        if self.detached:  # detached while attaching (another load or resume of it on this connection)
+            raise RpcError(INVALID_REQUEST, f"session {self.name} was attached again on this connection meanwhile "
+                                            "(another session/load or session/resume of it): this one was superseded")
         if self.refused is not None:  # uibus refused the subscription (a token, an outage): the editor hears why
             raise self.refused
 
     async def detach(self) -> None:
         """Ends this editor's part in the session (its prompt, its streams, its questions); the
         session and its other UIs go on."""
+        self.detached = True
+        self._replay_done.set()  # an attach still waiting ends: its feed may be cancelled before it starts
         for ident in list(self._asking.values()):
             await self._withdraw(ident)
         self._asking.clear()

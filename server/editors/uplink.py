@@ -69,6 +69,8 @@ class Uplink:
                            sessions_pb2.SessionList, streaming=True)
         self._list = _rpc(channel, f"/{_SESSIONS}/ListSessions", sessions_pb2.ListSessionsRequest,
                           sessions_pb2.SessionList)
+        self._create = _rpc(channel, f"/{_SESSIONS}/CreateSession", sessions_pb2.CreateSessionRequest,
+                            sessions_pb2.SessionEntry)
 
     @staticmethod
     def _md(session: str) -> tuple[tuple[str, str], ...]:
@@ -107,6 +109,11 @@ class Uplink:
     async def sessions(self, prefix: str = "") -> sessions_pb2.SessionList:
         """The sessions the channel's token may use (named `prefix…`), most recently active first."""
         return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
+
+    async def create(self, session: str) -> None:
+        """Makes `session` exist (CreateSession: listed at once, counted in the tenant's sessions
+        per minute), naming the configured agent."""
+        await self._create(sessions_pb2.CreateSessionRequest(agent=self.agent), metadata=self._md(session))
 
     def _state_in(self, listed: sessions_pb2.SessionList, session: str) -> sessions_pb2.AgentState | None:
         for entry in listed.sessions:

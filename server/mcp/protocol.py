@@ -12,6 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from uibus.errors import InvalidArgument, UibusError, Unimplemented
+from uibus.jsonrpc import INTERNAL_ERROR as INTERNAL_ERROR
+from uibus.jsonrpc import INVALID_PARAMS as INVALID_PARAMS
+from uibus.jsonrpc import INVALID_REQUEST as INVALID_REQUEST
+from uibus.jsonrpc import METHOD_NOT_FOUND as METHOD_NOT_FOUND
+from uibus.jsonrpc import PARSE_ERROR as PARSE_ERROR
+from uibus.jsonrpc import SERVER_ERROR as SERVER_ERROR
+from uibus.jsonrpc import RpcError, check
 
 # The initialize-handshake revisions uibus speaks, oldest first. neuro-san 0.7's client asks for
 # 2025-06-18 and accepts only that answer; a client asking for another one we know gets it back,
@@ -20,14 +27,8 @@ from uibus.errors import InvalidArgument, UibusError, Unimplemented
 VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 LATEST = VERSIONS[-1]
 
-# JSON-RPC 2.0 error codes (the standard ones), plus one server-defined code for everything that
-# is a uibus status rather than a protocol mistake; its `data.status` names that status.
-PARSE_ERROR = -32700
-INVALID_REQUEST = -32600
-METHOD_NOT_FOUND = -32601
-INVALID_PARAMS = -32602
-INTERNAL_ERROR = -32603
-SERVER_ERROR = -32000
+# JSON-RPC 2.0 error codes: the one table (uibus.jsonrpc). SERVER_ERROR is for everything that is
+# a uibus status rather than a protocol mistake; its `data.status` names that status.
 
 # Every MCP method runs as a call of this service in the handler pipeline: `/mcp/<method>` is its
 # label in metrics and logs, its access rule is the session's (uibus.pipeline.access_of).
@@ -76,31 +77,22 @@ class Message:
 
 
 def parse_message(value: Any) -> Message:
-    """The JSON-RPC message `value` is, or ProtocolError saying why it is none."""
-    if isinstance(value, list):
-        raise ProtocolError("JSON-RPC batches are not supported (MCP 2025-06-18 removed them): send one "
-                            "message per POST")
-    if not isinstance(value, dict):
-        raise ProtocolError(f"a JSON-RPC message is a JSON object, not {type(value).__name__}")
-    if value.get("jsonrpc") != "2.0":
-        raise ProtocolError('a JSON-RPC message needs "jsonrpc": "2.0"')
-    has_id = "id" in value
-    ident = value.get("id")
-    if has_id and (isinstance(ident, bool) or not isinstance(ident, str | int)):
-        raise ProtocolError('"id" must be a string or an integer')
-    method = value.get("method")
+    """The JSON-RPC message `value` is, or ProtocolError saying why it is none: the one JSON-RPC
+    check (uibus.jsonrpc.check; MCP ids are never null)."""
+    try:
+        checked = check(value, null_id=False)
+    except RpcError as exc:
+        raise ProtocolError(exc.message) from None
+    ident = checked.get("id")
+    method = checked.get("method")
     if method is None:
-        if "result" in value or "error" in value:
-            return Message(None, ident)  # a client's response: nothing of ours is waiting for it
-        raise ProtocolError('a JSON-RPC message needs "method" (or "result"/"error" for a response)')
-    if not isinstance(method, str) or not method:
-        raise ProtocolError('"method" must be a non-empty string')
-    params = value.get("params", {})
+        return Message(None, ident)  # a client's response: nothing of ours is waiting for it
+    params = checked.get("params")
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise ProtocolError(f'"params" of {method} must be an object')
-    return Message(method, ident, params, is_request=has_id)
+    return Message(method, ident, params, is_request="id" in checked)
 
 
 def response(ident: Any, result: dict[str, Any]) -> dict[str, Any]:

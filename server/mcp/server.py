@@ -40,6 +40,7 @@ from uibus.bus import LIVE
 from uibus.calls import text_metadata
 from uibus.dialog_limits import MAX_TIMEOUT_MS
 from uibus.domain.core import Core
+from uibus.jsonrpc import Running, valid_id
 from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, MethodNotFound
 from uibus.mcp.session_tools import SESSION_TOOLS, run_session_tool
@@ -47,6 +48,7 @@ from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.proto_check import enum_spellings
 from uibus.proto_schema import standalone
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import names_session, session_of
 
 _MAXIMAL = agent_pb2.MAXIMAL
@@ -178,9 +180,12 @@ class McpServer:
         self.chat_schema = standalone(agent_pb2.ChatRequest.DESCRIPTOR, required=("user_message",))
         self.handlers: dict[str, grpc.RpcMethodHandler] = {
             path: wrap(path, grpc.unary_stream_rpc_method_handler(fn)) for path, fn in self._methods().items()}
-        self.inflight: dict[tuple[str, Any], asyncio.Task[Any]] = {}
+        self.inflight = Running()  # requests running, by (Mcp-Session-Id, id): notifications/cancelled
         # Which sessions a call may list (the pipeline's visible_sessions; the app sets it): list_sessions.
         self.visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True
+        # The quotas every door asks (the app sets them): ask_user holds the tenant's `dialogs`.
+        self.quotas = Quotas()
+        self.tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ---- what the transport asks -----------------------------------------------------------
@@ -205,30 +210,24 @@ class McpServer:
         """Registers the running request so `notifications/cancelled` (same session) can cancel it."""
         task = asyncio.current_task()
         key = (session_id or "", ident)
-        if session_id is None or ident is None or task is None or key in self.inflight:
+        if session_id is None or ident is None or task is None or not self.inflight.add(key, task):
             yield
             return
-        self.inflight[key] = task
         try:
             yield
         finally:
-            if self.inflight.get(key) is task:
-                del self.inflight[key]
+            self.inflight.discard(key, task)
 
     def _cancel(self, session_id: str | None, ident: Any) -> bool:
-        if isinstance(ident, bool) or not isinstance(ident, str | int):  # no request has such an id
+        if not session_id or not valid_id(ident, null=False):  # no request has such an id
             return False
-        task = self.inflight.get((session_id or "", ident)) if session_id else None
-        if task is None or task.done():
-            return False
-        task.cancel()
-        return True
+        return self.inflight.cancel((session_id, ident))
 
     def _end(self, session_id: str) -> None:
         self._ended[session_id] = None
         while len(self._ended) > ENDED_SESSIONS:
             self._ended.popitem(last=False)
-        for (sid, ident), _task in list(self.inflight.items()):
+        for (sid, ident), _task in self.inflight.items():  # type: ignore[misc]
             if sid == session_id:
                 self._cancel(sid, ident)
 
@@ -259,7 +258,7 @@ class McpServer:
                 raise InvalidParams(f"{name} cannot call itself: its own turn holds its agent session, so the call "
                                     "would wait for itself")
             if name in USER_TOOLS:
-                run = self._user_tool(name, session, args)
+                run = self._user_tool(name, session, args, self.tenant_of(context.invocation_metadata()))
             elif name in SESSION_TOOLS:
                 run = self._session_tool(name, session, args, context)
             else:
@@ -367,7 +366,7 @@ class McpServer:
             structured["sly_data"] = json_format.MessageToDict(final.sly_data)
         yield Reply(protocol.text_result(text, structured or None))
 
-    async def _user_tool(self, tool: str, session: str, args: dict[str, Any]) -> AsyncIterator[Any]:
+    async def _user_tool(self, tool: str, session: str, args: dict[str, Any], tenant: str) -> AsyncIterator[Any]:
         _only(args, tool)
         dialogs = self.core.dialogs
         if tool == "notify_user":
@@ -388,8 +387,9 @@ class McpServer:
             yield Reply(_fired(fired, session, "status"))
             return
         dialog = _dialog(args)
-        yield LIVE  # admitted and valid: the wait for the person begins
-        result = await dialogs.ask(session, dialog)
+        with self.quotas.hold("dialogs", tenant):
+            yield LIVE  # admitted and valid: the wait for the person begins
+            result = await dialogs.ask(session, dialog)
         yield Reply(_answer(dialog, result))
 
 

@@ -7,34 +7,43 @@ Each method is one call on the domain's `Dialogs`, which owns the dialogs, their
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from uibus.domain.dialogs import Dialogs
+from uibus.domain.dialogs import DialogRequest, Dialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import session_of, since_of
 
 
 class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
-    def __init__(self, dialogs: Dialogs) -> None:
+    def __init__(self, dialogs: Dialogs, quotas: Quotas | None = None,
+                 tenant_of: Callable[[Any], str] | None = None) -> None:
+        """`quotas`, `tenant_of`: a tenant's `dialogs` quota (uibus.quotas), held while its dialog waits."""
         self.dialogs = dialogs
+        self.quotas = quotas if quotas is not None else Quotas()
+        self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
+
+    async def _ask(self, request: DialogRequest, context: grpc.aio.ServicerContext) -> pb.DialogResult:
+        with self.quotas.hold("dialogs", self.tenant_of(context.invocation_metadata())):
+            return await self.dialogs.ask(session_of(context), request)
 
     # ---- agent side: dialogs (each waits for its outcome) ----
 
     async def Select(self, request: pb.SelectRequest, context: grpc.aio.ServicerContext) -> pb.DialogResult:
-        return await self.dialogs.ask(session_of(context), request)
+        return await self._ask(request, context)
 
     async def Confirm(self, request: pb.ConfirmRequest, context: grpc.aio.ServicerContext) -> pb.DialogResult:
-        return await self.dialogs.ask(session_of(context), request)
+        return await self._ask(request, context)
 
     async def Input(self, request: pb.InputRequest, context: grpc.aio.ServicerContext) -> pb.DialogResult:
-        return await self.dialogs.ask(session_of(context), request)
+        return await self._ask(request, context)
 
     async def Editor(self, request: pb.EditorRequest, context: grpc.aio.ServicerContext) -> pb.DialogResult:
-        return await self.dialogs.ask(session_of(context), request)
+        return await self._ask(request, context)
 
     # ---- agent side: fire-and-forget ----
 
@@ -72,6 +81,8 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
 SERVICE = pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
 
 
-def add_to(registry: Any, dialogs: Dialogs) -> str:
-    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(ExtensionUiService(dialogs), registry)
+def add_to(registry: Any, dialogs: Dialogs, quotas: Quotas | None = None,
+           tenant_of: Callable[[Any], str] | None = None) -> str:
+    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(ExtensionUiService(dialogs, quotas, tenant_of),
+                                                                   registry)
     return SERVICE

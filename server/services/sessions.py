@@ -18,15 +18,22 @@ from uibus.domain.sessions import Sessions
 from uibus.errors import InvalidArgument
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
+from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import check_session, session_of
 
 Visible = Callable[[Any], Callable[[str], bool]]  # call metadata -> which sessions it may see
+Tenant = Callable[[Any], str]  # call metadata -> the caller's tenant (uibus.quotas)
 
 
 class SessionService(sessions_pb2_grpc.SessionServiceServicer):
-    def __init__(self, sessions: Sessions, visible_of: Visible) -> None:
+    def __init__(self, sessions: Sessions, visible_of: Visible, tenant_of: Tenant | None = None,
+                 quotas: Quotas | None = None) -> None:
+        """`tenant_of` and `quotas`: the caller's tenant and its quotas (watches open, sessions
+        created per minute), the same ones every door asks (uibus.quotas)."""
         self.sessions = sessions
         self.visible_of = visible_of
+        self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
+        self.quotas = quotas if quotas is not None else Quotas()
 
     def _visible(self, context: grpc.aio.ServicerContext) -> Callable[[str], bool]:
         return self.visible_of(context.invocation_metadata())
@@ -41,12 +48,16 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionList]:
         if request.prefix:
             check_session(request.prefix)
-        async for listed in self.sessions.watch(self._visible(context), request.prefix):
-            yield listed
+        visible = self._visible(context)
+        with self.quotas.hold("watches", self.tenant_of(context.invocation_metadata())):
+            async for listed in self.sessions.watch(visible, request.prefix):
+                yield listed
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.SessionEntry:
-        return await self.sessions.create(session_of(context), request.title, request.agent)
+        session = session_of(context)
+        self.quotas.tick("sessions_per_minute", self.tenant_of(context.invocation_metadata()))
+        return await self.sessions.create(session, request.title, request.agent)
 
     async def DeleteSession(self, request: pb.DeleteSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.DeleteSessionReply:
@@ -81,6 +92,8 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
 SERVICE = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
 
 
-def add_to(registry: Any, sessions: Sessions, visible_of: Visible) -> str:
-    sessions_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, visible_of), registry)
+def add_to(registry: Any, sessions: Sessions, visible_of: Visible, tenant_of: Tenant | None = None,
+           quotas: Quotas | None = None) -> str:
+    sessions_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, visible_of, tenant_of, quotas),
+                                                           registry)
     return SERVICE

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
+import logging
 import secrets
 import time
 from typing import Any
@@ -36,7 +36,11 @@ import grpc
 from uibus.auth import Tokens, bearer
 from uibus.editors.agent import Editor
 from uibus.editors.uplink import Uplink
+from uibus.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
+from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
 from uibus.session import SESSION_KEY
+from uibus.tasks import Tasks
+from uibus.transports import sse
 from uibus.transports.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -53,10 +57,14 @@ from uibus.transports.asgi import (
 from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.transports.inprocess import Channel
 
+log = logging.getLogger("uibus.acp")
+
 CONNECTION = b"acp-connection-id"
 SESSION = b"acp-session-id"
 MAX_CONNECTIONS = 256  # HTTP connections open at once; more are refused 503
-MAX_BUFFERED = 4096  # messages waiting for a reader on one connection (all its streams); more close it
+MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # bytes of events waiting for a reader on one connection; more cut it
+MAX_ROUTES = 128  # requests of one connection awaiting their answer (the Editor runs at most 64 at once)
+MAX_GONE = 256  # connections cut for not reading, remembered to tell their next request why
 IDLE_S = 300.0  # a connection with no stream open and nothing posted this long is closed
 LOAD_DELIVERY_S = 2.0  # the longest a session/load's answer waits for its replay to be read
 LOAD_SETTLE_S = 0.02  # and then, for the last update's write to land ahead of the answer
@@ -69,72 +77,55 @@ SESSION_METHODS = frozenset({"session/cancel", "session/close", "session/delete"
                              "session/set_model"})
 
 
-class Outbox:
-    """What one stream (the connection's, or a session's) has to say until its reader takes it."""
-
-    def __init__(self) -> None:
-        self.queue: collections.deque[str] = collections.deque()
-        self.more = asyncio.Event()
-        self.reading = False
-        self.closed = False
-
-    def push(self, text: str) -> None:
-        self.queue.append(text)
-        self.more.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self.more.set()
-
-    async def take(self, patience: float) -> str | None:
-        """The next message; "" after `patience` seconds of nothing; None once closed."""
-        if not self.queue and not self.closed:
-            self.more.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.more.wait(), patience)
-        if self.queue:
-            return self.queue.popleft()
-        return None if self.closed else ""
+def _key(ident: Any) -> tuple[str, Any]:
+    """A request id as a map key, taken from the message itself (never from its serialized text):
+    1 and "1" are different ids."""
+    return (type(ident).__name__, ident)
 
 
 class HttpConnection:
-    """One editor's ACP connection over HTTP: its `Editor` and its streams."""
+    """One editor's ACP connection over HTTP: its `Editor` and its streams (uibus.transports.sse
+    queues, bounded together in bytes by the connection's `Budget`)."""
 
-    def __init__(self, ident: str, authorization: str, uplink: Uplink, prefix: str) -> None:
+    def __init__(self, ident: str, authorization: str, uplink: Uplink, prefix: str, lease: Lease | None = None,
+                 max_buffered: int = MAX_BUFFERED_BYTES) -> None:
         self.id = ident
+        self.lease = lease  # the tenant's acp_connections quota, given back at close
         self.authorization = authorization
-        self.editor = Editor(uplink, self.write, prefix=prefix)
-        self.outbox = Outbox()  # the connection's stream
-        self.sessions: dict[str, Outbox] = {}
-        self.routes: dict[str, str | None] = {}  # a client request's id (JSON) -> the session its answer goes to
-        self.loading: dict[str, str] = {}  # a session/load's id (JSON) -> its session (see `write`)
-        self.initial: asyncio.Future[str] | None = None
-        self.initial_id = ""
+        self.editor = Editor(uplink, _unused_write, prefix=prefix, write_message=self.write)
+        self.budget = sse.Budget(max_buffered)
+        self.outbox = sse.Queue(self.budget)  # the connection's stream
+        self.sessions: dict[str, sse.Queue] = {}
+        # A client request's id -> the session its answer goes to; keyed when the request is taken
+        # and popped by its answer (every request the Editor takes is answered once, with its id).
+        self.routes: dict[tuple[str, Any], str | None] = {}
+        self.loading: dict[tuple[str, Any], str] = {}  # a session/load's id -> its session (see `write`)
+        self.initial: asyncio.Future[tuple[dict[str, Any], str]] | None = None
+        self.initial_id: tuple[str, Any] | None = None
         self.touched = time.monotonic()
-        self.overflowed = False
 
-    def stream(self, session: str | None) -> Outbox:
+    @property
+    def overflowed(self) -> str:
+        return self.budget.overflowed
+
+    def stream(self, session: str | None) -> sse.Queue:
         if session is None:
             return self.outbox
         found = self.sessions.get(session)
         if found is None:
-            found = self.sessions[session] = Outbox()
+            found = self.sessions[session] = sse.Queue(self.budget)
         return found
-
-    def buffered(self) -> int:
-        return len(self.outbox.queue) + sum(len(s.queue) for s in self.sessions.values())
 
     def idle(self, now: float) -> bool:
         reading = self.outbox.reading or any(s.reading for s in self.sessions.values())
         return not reading and now - self.touched > IDLE_S
 
-    async def write(self, text: str) -> None:
-        """The Editor's output, routed to the stream its client reads it from."""
-        message = json.loads(text)
+    async def write(self, message: dict[str, Any], text: str) -> None:
+        """The Editor's output, routed by the message to the stream its client reads it from."""
         if "method" not in message:  # a response: where its request came from
-            key = json.dumps(message.get("id"))
+            key = _key(message.get("id"))
             if self.initial is not None and not self.initial.done() and key == self.initial_id:
-                self.initial.set_result(text)
+                self.initial.set_result((message, text))
                 return
             route = self.routes.pop(key, None)
             loaded = self.loading.pop(key, None)
@@ -144,10 +135,15 @@ class HttpConnection:
             params = message.get("params")
             found = params.get("sessionId") if isinstance(params, dict) else None
             route = found if isinstance(found, str) else None
-        if self.buffered() >= MAX_BUFFERED:
-            self.overflowed = True  # the client stopped reading: the connection is closed at the next request
-            return
-        self.stream(route).push(text)
+        try:
+            self.stream(route).push(text.encode())
+        except sse.Overflow:  # the client stopped reading: cut (its streams end, its next request is told why)
+            self._cut()
+
+    def _cut(self) -> None:
+        for stream in (self.outbox, *self.sessions.values()):
+            stream.drop()
+            stream.close()
 
     async def _delivered(self, session: str) -> None:
         """Waits (bounded) until the session's stream has handed its reader the replay a
@@ -163,10 +159,14 @@ class HttpConnection:
         await asyncio.sleep(LOAD_SETTLE_S)
 
     async def aclose(self) -> None:
-        self.outbox.close()
-        for stream in self.sessions.values():
-            stream.close()
+        if self.lease is not None:
+            self.lease.release()
+        self._cut()
         await self.editor.aclose()
+
+
+async def _unused_write(text: str) -> None:  # pragma: no cover - HttpConnection routes by write_message
+    raise AssertionError("an HTTP connection's Editor writes through write_message")
 
 
 def _route(message: dict[str, Any], session: str) -> tuple[str | None, str]:
@@ -185,15 +185,30 @@ def _route(message: dict[str, Any], session: str) -> tuple[str | None, str]:
 class AcpHttp:
     """The HTTP side of `/acp` (the WebSocket side hands it every plain HTTP request)."""
 
-    def __init__(self, lookup: Lookup, tokens: Tokens) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0,
+                 quotas: Quotas | None = None) -> None:
         self.lookup = lookup
         self.tokens = tokens
+        self.max_message_bytes = max_message_bytes
+        self.quotas = quotas if quotas is not None else Quotas()
         self.open: dict[str, HttpConnection] = {}
+        self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # cut connections: why
+        self._closing = Tasks("acp revoked connections")
 
     def count(self) -> int:
         return len(self.open)
 
+    def revoke(self) -> None:
+        """Ends the connections whose token a reload removed: their event streams end at once, the
+        connection (its Editor, its sessions' feeds) closes, and its next request is 401."""
+        for ident, conn in list(self.open.items()):
+            if self.tokens.revoked(conn.authorization):
+                conn._cut()
+                del self.open[ident]
+                self._closing.spawn(conn.aclose(), name="acp revoked connection")
+
     async def aclose(self) -> None:
+        await self._closing.aclose(patience=5.0)
         errors = []
         for ident in list(self.open):
             try:
@@ -206,6 +221,11 @@ class AcpHttp:
     async def _sweep(self) -> None:
         now = time.monotonic()
         for ident, conn in list(self.open.items()):
+            if conn.overflowed:
+                log.warning("ACP connection cut", extra={"fields": {"why": conn.overflowed}})
+                self.gone[ident] = conn.overflowed
+                while len(self.gone) > MAX_GONE:
+                    self.gone.popitem(last=False)
             if conn.overflowed or conn.idle(now):
                 await self.open.pop(ident).aclose()
 
@@ -224,7 +244,8 @@ class AcpHttp:
             return None
         conn = self._find(scope)
         if conn is None:
-            await respond(send, 404, "Unknown Acp-Connection-Id")
+            why = self.gone.get(header(scope, CONNECTION))
+            await respond(send, 410 if why else 404, why or "Unknown Acp-Connection-Id")
         return conn
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, *, agent: str, prefix: str) -> None:
@@ -261,23 +282,16 @@ class AcpHttp:
             return
         except ClientGone:
             return
-        try:
-            message = json.loads(body)
-        except ValueError:
-            await respond(send, 400, "Invalid JSON")
-            return
-        if isinstance(message, list):
-            await respond_json(send, 400, {"jsonrpc": "2.0", "id": None, "error": {
-                "code": -32600, "message": "JSON-RPC batches are not supported"}})
-            return
-        if not isinstance(message, dict):
-            await respond(send, 400, "Invalid JSON-RPC message")
+        try:  # the one JSON-RPC reader: hostile JSON, `jsonrpc` and `id` are refused before anything waits
+            message = read(body)
+        except RpcError as exc:
+            await respond_json(send, 400, exc.answer())
             return
         if message.get("method") == "initialize" and "id" in message:
             if header(scope, CONNECTION):
                 await respond(send, 400, "Initialize not allowed on existing connection")
                 return
-            await self._initialize(scope, send, message, body, agent, prefix)
+            await self._initialize(scope, send, message, agent, prefix)
             return
         conn = await self._connection(scope, send)
         if conn is None:
@@ -288,34 +302,48 @@ class AcpHttp:
                 await respond(send, 400, problem)
                 return
             if "id" in message:  # its answer goes to the stream of its session (session/load's: the connection's)
-                conn.routes[json.dumps(message["id"])] = None if message["method"] == "session/load" else session
+                key = _key(message["id"])
+                if len(conn.routes) >= MAX_ROUTES and key not in conn.routes:
+                    await respond_json(send, 429, RpcError(INVALID_REQUEST, f"{MAX_ROUTES} requests of this "
+                                                           "connection await their answers: wait for them",
+                                                           ident=message["id"]).answer())
+                    return
+                conn.routes[key] = None if message["method"] == "session/load" else session
                 if message["method"] == "session/load" and session:
-                    conn.loading[json.dumps(message["id"])] = session
-        await conn.editor.receive(body)
+                    conn.loading[key] = session
+        await conn.editor.handle(message)
         await respond(send, 202, b"")
 
-    async def _initialize(self, scope: Scope, send: Send, message: dict[str, Any], body: bytes, agent: str,
-                          prefix: str) -> None:
+    async def _initialize(self, scope: Scope, send: Send, message: dict[str, Any], agent: str, prefix: str) -> None:
         if message["id"] is None:
             await respond(send, 400, "Initialize request must include an ID")
             return
+        grant = self.tokens.grant(bearer(header(scope, b"authorization")))
+        try:  # the tenant's own share first: one tenant never fills the door for the others
+            lease = self.quotas.hold("acp_connections", grant.tenant if grant is not None else ANONYMOUS)
+        except QuotaExceeded as exc:
+            await respond_json(send, 429, {"jsonrpc": "2.0", "id": message["id"], "error": {
+                "code": QUOTA_EXCEEDED, "message": str(exc), "data": {"quota": exc.quota}}})
+            return
         if len(self.open) >= MAX_CONNECTIONS:
+            lease.release()
             await respond(send, 503, f"{MAX_CONNECTIONS} ACP connections are open: try again later")
             return
         metadata = tuple(metadata_of(scope))
-        channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope))
+        channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope),
+                          self.max_message_bytes)
         conn = HttpConnection(secrets.token_urlsafe(18), header(scope, b"authorization"), Uplink(channel, agent),
-                              prefix)
-        conn.initial, conn.initial_id = asyncio.get_running_loop().create_future(), json.dumps(message["id"])
+                              prefix, lease)
+        conn.initial, conn.initial_id = asyncio.get_running_loop().create_future(), _key(message["id"])
         self.open[conn.id] = conn
         try:
-            await conn.editor.receive(body)
-            answer = await asyncio.wait_for(conn.initial, INITIALIZE_S)
+            await conn.editor.handle(message)
+            answered, answer = await asyncio.wait_for(conn.initial, INITIALIZE_S)
         except BaseException:
             self.open.pop(conn.id, None)
             await conn.aclose()
             raise
-        if "error" in json.loads(answer):  # refused (a bad protocolVersion...): no connection stays open
+        if "error" in answered:  # refused (a bad protocolVersion...): no connection stays open
             self.open.pop(conn.id, None)
             await conn.aclose()
         await respond(send, 200, answer, "application/json", headers=[(CONNECTION, conn.id.encode())])
@@ -335,25 +363,8 @@ class AcpHttp:
         stream.reading = True
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-            while not gone.done():
-                taking = asyncio.ensure_future(stream.take(KEEPALIVE_S))
-                await asyncio.wait((taking, gone), return_when=asyncio.FIRST_COMPLETED)
-                if gone.done():  # the client went away: what it did not take stays for the next reader
-                    taking.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await taking
-                    if taking.done() and not taking.cancelled() and taking.result():
-                        stream.queue.appendleft(taking.result())
-                    break
-                text = taking.result()
-                if text is None:
-                    break
-                await send({"type": "http.response.body", "more_body": True,
-                            "body": f"data: {text}\n\n".encode() if text else b":\n\n"})
-            if not gone.done():
-                await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+            await sse.pump(stream, send, gone, KEEPALIVE_S)
         finally:
             stream.reading = False
             gone.cancel()

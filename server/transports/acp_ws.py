@@ -14,6 +14,9 @@ chooses the agent a prompt runs (default: the server's default agent), `?prefix=
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
 from urllib.parse import parse_qs
 
 import grpc
@@ -23,6 +26,7 @@ from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
 from uibus.json_input import dump_json
+from uibus.quotas import ANONYMOUS, QuotaExceeded, Quotas
 from uibus.session import SESSION_KEY
 from uibus.transports.acp_http import AcpHttp
 from uibus.transports.asgi import Receive, Scope, Send, error_body, header, refuse
@@ -30,6 +34,7 @@ from uibus.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.transports.inprocess import Channel
 
 PATH = "/acp"
+REVOKED = 4401  # the close code of a socket whose token a reload revoked (4000-4999: the application's)
 
 
 class SocketGone(Exception):
@@ -37,11 +42,28 @@ class SocketGone(Exception):
 
 
 class AcpWebSocket:
-    def __init__(self, lookup: Lookup, tokens: Tokens) -> None:
+    def __init__(self, lookup: Lookup, tokens: Tokens, max_message_bytes: int = 0,
+                 quotas: Quotas | None = None) -> None:
+        """`max_message_bytes`: --max-message-bytes, on every call an editor's messages make (a
+        prompt's images and blobs included), as over gRPC. `quotas`: a tenant's `acp_connections`
+        counts its WebSockets and HTTP connections together."""
         self.lookup = lookup
         self.tokens = tokens
+        self.max_message_bytes = max_message_bytes
+        self.quotas = quotas if quotas is not None else Quotas()
         self.open: set[Editor] = set()
-        self.http = AcpHttp(lookup, tokens)
+        self._sockets: dict[asyncio.Task[Any], str] = {}  # each socket's task -> its Authorization
+        self._revoked: set[asyncio.Task[Any]] = set()
+        self.http = AcpHttp(lookup, tokens, max_message_bytes, self.quotas)
+        tokens.on_reload.append(self.revoke)
+
+    def revoke(self) -> None:
+        """Ends the sockets (and HTTP connections) whose token a reload removed: closed 4401."""
+        for task, authorization in list(self._sockets.items()):
+            if task not in self._revoked and self.tokens.revoked(authorization):
+                self._revoked.add(task)
+                task.cancel("its token was revoked")
+        self.http.revoke()
 
     def count(self) -> int:
         return len(self.open) + self.http.count()
@@ -60,11 +82,37 @@ class AcpWebSocket:
         if scope["type"] != "websocket":  # ACP's Streamable HTTP (the SDK's createHttpStream)
             await self.http(scope, receive, send, agent=agent, prefix=prefix)
             return
-        if self.tokens.enabled and self.tokens.grant(bearer(header(scope, b"authorization"))) is None:
+        grant = self.tokens.grant(bearer(header(scope, b"authorization")))
+        if self.tokens.enabled and grant is None:
             await refuse(scope, send, 401, dump_json(error_body(
                 grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
                 "application/json")
             return
+        try:
+            lease = self.quotas.hold("acp_connections", grant.tenant if grant is not None else ANONYMOUS)
+        except QuotaExceeded as exc:
+            await refuse(scope, send, 429, dump_json(error_body(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))),
+                         "application/json")
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._sockets[task] = header(scope, b"authorization")
+        try:
+            with lease:
+                await self._serve(scope, receive, send, agent, prefix)
+        except asyncio.CancelledError:
+            if task not in self._revoked:
+                raise
+            if task.cancelling() == 1:
+                task.uncancel()
+            with contextlib.suppress(Exception):  # the socket may be gone already
+                await send({"type": "websocket.close", "code": REVOKED, "reason": "UNAUTHENTICATED: the token was "
+                                                                                 "revoked"})
+        finally:
+            self._sockets.pop(task, None)
+            self._revoked.discard(task)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, agent: str, prefix: str) -> None:
         metadata = tuple((k, v) for k, v in metadata_of(scope) if k != SESSION_KEY)  # each call names its own
 
         async def write(text: str) -> None:
@@ -74,7 +122,8 @@ class AcpWebSocket:
                 raise SocketGone from exc
 
         await send({"type": "websocket.accept"})
-        editor = Editor(Uplink(Channel(self.lookup, metadata, peer_of(scope)), agent), write, prefix=prefix)
+        channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes)
+        editor = Editor(Uplink(channel, agent), write, prefix=prefix)
         self.open.add(editor)
         try:
             while True:

@@ -65,8 +65,8 @@ class AgentToApp:
             except Exception as exc:  # uvicorn raises its own disconnect errors / OSError
                 raise SocketGone from exc
 
-        async def close() -> None:
-            await send({"type": "websocket.close", "code": _GOING_AWAY, "reason": "uibus is shutting down"})
+        async def close(code: int = _GOING_AWAY, reason: str = "uibus is shutting down") -> None:
+            await send({"type": "websocket.close", "code": code, "reason": reason})
 
         conn, code, details = await self.gateway.open(_metadata(scope), peer_of(scope), send_text, close)
         if conn is None:

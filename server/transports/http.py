@@ -40,7 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uibus.config import Config, address
 from uibus.errors import ConfigError
 from uibus.logs import Throttle
-from uibus.transports.asgi import ASGIApp
+from uibus.transports.asgi import ASGIApp, Message, Receive, Scope, Send, respond
 from uibus.transports.browser import BrowserPolicy
 from uibus.transports.routes import Routes, build
 
@@ -84,6 +84,49 @@ def server_tls(cert: str, key: str, client_ca: str = "", cert_flag: str = "--tls
         context.verify_mode = ssl.CERT_REQUIRED
     context.set_alpn_protocols(["http/1.1"])
     return context
+
+
+def body_deadline(app: ASGIApp, seconds: float) -> ASGIApp:
+    """`app` with a deadline on every HTTP request's body (--http-body-timeout-seconds): the body
+    must have arrived whole within `seconds` of the request. Past it the app reads a disconnect (every
+    door treats that as the client gone) and the client gets 408, so a body sent a byte at a time
+    (slowloris) holds a connection no longer than this. One place for every route, as the header
+    timeout is; what comes after the body (a stream's wait for the client to go) is not bounded."""
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        whole = timed_out = started = False
+
+        async def receive_body() -> Message:
+            nonlocal whole, timed_out
+            if whole or timed_out:
+                return await receive() if whole else {"type": "http.disconnect"}
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                timed_out = True
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                whole = True
+            return message
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        await app(scope, receive_body, sending)
+        if timed_out and not started:
+            await respond(send, 408, f"the request body did not arrive within {seconds:g} s "
+                                     "(--http-body-timeout-seconds)\n", headers=[(b"connection", b"close")])
+
+    return guarded
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +270,7 @@ class HttpServer:
         self.policy = BrowserPolicy.from_config(config)
         frames = f"frame-ancestors {self.policy.frame_ancestors()}".encode()
         routes.page_headers = [(b"content-security-policy", frames), (b"x-content-type-options", b"nosniff")]
-        app: ASGIApp = build(routes, self.policy)
+        app: ASGIApp = body_deadline(build(routes, self.policy), config.http_body_timeout_seconds)
         if config.http_tls_cert:
             tls = server_tls(config.http_tls_cert, config.http_tls_key, config.tls_client_ca, "--http-tls-cert",
                              "--http-tls-key")

@@ -33,10 +33,14 @@ class Channel:
     """A grpc.aio-like channel whose calls run in this process; `metadata` goes on every call."""
 
     def __init__(self, lookup: Lookup, metadata: Iterable[tuple[str, str | bytes]] = (),
-                 peer: str = "inprocess") -> None:
+                 peer: str = "inprocess", max_message_bytes: int = 0) -> None:
+        """`max_message_bytes` (0: none): the bound a gRPC server puts on each request message
+        (--max-message-bytes), for doors that call through here on a client's behalf (`/acp`), so
+        a message refused over gRPC is refused the same way here (RESOURCE_EXHAUSTED)."""
         self._lookup = lookup
         self._metadata = tuple(metadata)
         self._peer = peer
+        self.max_message_bytes = max_message_bytes
 
     def unary_unary(self, method: str, request_serializer: Serializer = None,
                     response_deserializer: Deserializer = None) -> _Unary:
@@ -87,9 +91,13 @@ class _Method:
         """What the handler gets: each message serialized and decoded again, as over a wire
         (so a caller's message is never shared with the server), or the raw bytes decoded."""
         decode = handler.request_deserializer
+        limit = self._channel.max_message_bytes
 
         def one(message: Any) -> Any:
             data = self._serialize(message) if self._serialize is not None else message
+            if limit and isinstance(data, bytes) and len(data) > limit:
+                raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the request message is {len(data)} bytes; the "
+                             f"limit is {limit} (--max-message-bytes)")
             return decode(data) if decode is not None else data
 
         if not self._streaming:

@@ -32,6 +32,7 @@ from uibus.mcp import protocol
 from uibus.mcp.protocol import InvalidParams, Message, ProtocolError
 from uibus.mcp.server import Call, McpServer, Reply
 from uibus.tasks import cancel_and_wait
+from uibus.transports import sse
 from uibus.transports.asgi import (
     CHALLENGE,
     BodyTooLarge,
@@ -59,8 +60,9 @@ def _json(obj: Any) -> bytes:
     return dump_json_bytes(obj)
 
 
-def _sse(obj: Any) -> bytes:
-    return b"event: message\ndata: " + _json(obj) + b"\n\n"
+def _sse(obj: Any, ids: sse.Ids) -> bytes:
+    """One event of a POST's stream (uibus.transports.sse: the one SSE framing), with its id."""
+    return sse.frame(_json(obj), ids.next(), "message")
 
 
 class McpHttp:
@@ -200,6 +202,7 @@ class _Exchange:
         self.done = False
         self._lock = asyncio.Lock()
         self._keepalive: asyncio.Task[None] | None = None
+        self.ids = sse.Ids()  # the stream's event ids (1, 2, …), for resumption
 
     async def start(self) -> None:
         """The call was admitted and is about to wait: start the event stream (when the client takes one)."""
@@ -207,9 +210,7 @@ class _Exchange:
             return
         self.streaming = True
         async with self._lock:
-            await self.send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]})
+            await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         self._keepalive = asyncio.create_task(self._ping(), name="uibus-mcp-keepalive")
 
     async def _ping(self) -> None:
@@ -219,7 +220,7 @@ class _Exchange:
                 if self.done:
                     return
                 try:
-                    await self.send({"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True})
+                    await self.send({"type": "http.response.body", "body": sse.KEEPALIVE, "more_body": True})
                 except Exception:  # the client went away: the call's own task learns it and ends
                     return
 
@@ -234,7 +235,7 @@ class _Exchange:
         """A notification for the client: sent on the stream; without one there is no way to send it."""
         if self.streaming:
             async with self._lock:
-                await self.send({"type": "http.response.body", "body": _sse(message), "more_body": True})
+                await self.send({"type": "http.response.body", "body": _sse(message, self.ids), "more_body": True})
 
     async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
         """The response: the result, 202 for a notification, or the error (`rejection`: why the
@@ -258,7 +259,7 @@ class _Exchange:
         if self.streaming:
             async with self._lock:
                 self.done = True
-                await self.send({"type": "http.response.body", "body": _sse(body), "more_body": False})
+                await self.send({"type": "http.response.body", "body": _sse(body, self.ids), "more_body": False})
         else:
             await self._whole(200, _json(body), extra)
 

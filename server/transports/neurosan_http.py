@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message as ProtoMessage
 
 from uibus.calls import CallContext, Metadata, Sink, drive
+from uibus.errors import InvalidArgument
 from uibus.json_input import dump_json_bytes, load_json
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.proto_check import enum_spellings
@@ -62,6 +63,8 @@ def _parse(request_type: type[ProtoMessage], body: bytes) -> ProtoMessage:
     if body.strip():
         what = f"the body (a {request_type.__name__} in proto3 JSON)"
         data = load_json(body, what)
+        if not isinstance(data, dict):  # ParseDict would take "" (or [] ...) as an empty message
+            raise InvalidArgument(f"{what} must be a JSON object, not {type(data).__name__}")
         enum_spellings(data, request_type.DESCRIPTOR, what)
         json_format.ParseDict(data, request)
     return request

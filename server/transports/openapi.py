@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from uibus import version
+from uibus.domain.sessions import MAX_TITLE_CHARS
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 from uibus.proto_schema import SchemaBook
@@ -140,6 +141,9 @@ def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:
         if steers:
             schema = {"allOf": [schema, {"required": ["agent"], "properties": {
                 "agent": {"type": "string", "pattern": AGENT_NAME_PATTERN}}}]}
+        elif rpc == "CreateSession":  # the bounds every door holds it to (uibus.domain.sessions)
+            schema = {"allOf": [schema, {"properties": {
+                "agent": {"pattern": r"^[A-Za-z0-9_.-]{0,128}$"}, "title": {"maxLength": MAX_TITLE_CHARS}}}]}
         paths[f"{SESSIONS_PATH}/{rpc}"] = {"post": _operation(
             f"SessionService_{rpc}", "SessionService", rpc, what + " On the session the header names.",
             {"description": f"The {reply.DESCRIPTOR.name}.", "content": _json(book.ref(reply.DESCRIPTOR))},
