@@ -33,8 +33,8 @@ from uibus.pb.uibus.v1 import sessions_pb2_grpc
 from uibus.quotas import MAX_TENANT_LABELS, OTHER, QuotaExceeded, Quotas
 
 pytestmark = pytest.mark.timeout(90)
-TOKENS = "a-token team-a-*\nb-token team-b-*\nadmin-token *\n"
-A, B = "--tokens-file line 1", "--tokens-file line 2"
+TOKENS = "a-token (team-a) team-a-*\nb-token (team-b) team-b-*\nadmin-token *\n"
+A, B = "team-a", "team-b"  # the tenants the lines name (uibus.auth's Grant.tenant)
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
 
 
