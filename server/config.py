@@ -161,6 +161,13 @@ class Config:
         "help": "sessions kept in the store; beyond it the longest-idle ones are deleted"})
     history_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "bytes of chat history kept per session (oldest entries dropped first)"})
+    log_max_events: int = field(default=10_000, metadata={
+        "help": "entries kept in each session's log (the latest state of each message, dialog, request); "
+                "a cursor older than what is kept gets a gap and the snapshot; 0: no count bound"})
+    log_max_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "bytes of events kept in each session's log (oldest dropped first); 0: no byte bound"})
+    log_max_age_seconds: float = field(default=7 * 24 * 3600.0, metadata={
+        "help": "entries of a session's log older than this are dropped (at its next write); 0: no age bound"})
     keepalive_seconds: float = field(default=20.0, metadata={
         "help": "gRPC server pings an idle connection this often; 0 turns keepalive off"})
     keepalive_timeout_seconds: float = field(default=10.0, metadata={
@@ -253,7 +260,11 @@ class Config:
             check(getattr(self, f"quota_{name}") >= 0, f"quota_{name}", "must be 0 (off) or more")
         check(not self.workspaces_dir or Path(self.workspaces_dir).expanduser().is_absolute(), "workspaces_dir",
               "must be an absolute path (every replica must name the same directory)")
-        for name in ("session_ttl_seconds", "keepalive_seconds", "grace_seconds", "drain_seconds", "ws_ping_seconds"):
+        # The log's bounds may each be off (0), as LogRetention's; the newest entry is always kept.
+        for name in ("log_max_events", "log_max_bytes"):
+            check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
+        for name in ("session_ttl_seconds", "log_max_age_seconds", "keepalive_seconds", "grace_seconds",
+                     "drain_seconds", "ws_ping_seconds"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
         for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_body_timeout_seconds",
                      "http_idle_seconds",

@@ -260,6 +260,40 @@ async def test_a_too_old_cursor_gets_the_gap(app: Any, connect: Any) -> None:
     reader.cancel()
 
 
+async def test_log_max_events_makes_an_old_cursor_get_the_gap(config: Config) -> None:
+    """`--log-max-events` bounds what the server's session log keeps: with 3, a cursor taken after
+    the first of 7 messages is older than the log and gets `gap`, then what is kept; a cursor
+    within what is kept resumes without one."""
+    async with running(replace(config, log_max_events=3)) as app, \
+            Connection(f"127.0.0.1:{app.port}", session="small") as conn:
+        assert app.core.feed.log.retention == LogRetention(max_entries=3)
+        await conn.host.PublishPartialMessage(_say(1, "first"))
+        await app.core.feed.log.flush("small")
+        old = (await app.core.feed.log.read("small")).head
+        for ts in range(2, 8):
+            await conn.host.PublishPartialMessage(_say(ts, f"m{ts}"))
+            await app.core.feed.log.flush("small")
+        kept = (await app.core.feed.log.read("small")).entries
+        assert [e.key for e in kept] == ["5", "6", "7"]
+        stub = webview_pb2_grpc.WebviewServiceStub(conn.channel)
+
+        async def resume(cursor: int) -> list[webview_pb2.WebviewEvent]:
+            call = stub.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id="c", mark_replay_end=True),
+                                  metadata=(("x-uibus-session", "small"), *_since(cursor)))
+            events: list[webview_pb2.WebviewEvent] = []
+            while not (events and events[-1].replay_complete):
+                events.append(await asyncio.wait_for(call.read(), 5))
+            call.cancel()
+            return events
+
+        events = await resume(old)
+        assert [e.source for e in events if e.gap] == ["subscribeToPartialMessage"]
+        assert [e.partial_message.ts for e in events if e.HasField("partial_message")] == [5, 6, 7]
+        events = await resume(kept[0].seq)  # within what is kept: no gap, just what came after
+        assert not any(e.gap for e in events)
+        assert [e.partial_message.ts for e in events if e.HasField("partial_message")] == [6, 7]
+
+
 async def test_webview_resume_replays_only_after_the_cursor(app: Any, connect: Any) -> None:
     conn = connect(session="wvr")
     for ts in (1, 2):

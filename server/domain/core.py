@@ -17,10 +17,11 @@ from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.domain.ownership import Ownership
+from uibus.domain.session_log import SessionLog
 from uibus.domain.sessions import Sessions
 from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.pb.cline import ui_pb2
-from uibus.store import Store
+from uibus.store import LogRetention, Store
 
 
 @dataclass
@@ -43,7 +44,10 @@ class Core:
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
         clock = TsClock()
-        feed = UiFeed(bus, store, clock)
+        # the session log's retention: --log-max-events, --log-max-bytes, --log-max-age-seconds
+        retention = LogRetention(max_entries=config.log_max_events, max_bytes=config.log_max_bytes,
+                                 max_age_s=config.log_max_age_seconds)
+        feed = UiFeed(bus, store, clock, log=SessionLog(store, retention=retention))
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
         dialogs = Dialogs(bus, store, config.queue_size, log=feed.log)
         sessions = AgentSessions(dialogs, feed, store)
