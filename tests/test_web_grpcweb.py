@@ -313,3 +313,33 @@ async def test_reflection_over_grpc_web(web: App, http: httpx.AsyncClient) -> No
     names = {s.name for s in reflection_pb2.ServerReflectionResponse.FromString(reply.messages[0])
              .list_services_response.service}
     assert {"cline.UiService", "uibus.v1.HostService", "uibus.v1.WebviewService"} <= names
+
+
+async def test_a_stream_resumes_after_its_cursor_over_grpc_web(web: App, http: httpx.AsyncClient, web_connect) -> None:
+    """The HTTP port's resumable streams are gRPC-Web's: `x-uibus-since` as a request header means
+    what the gRPC metadata means (what came after the cursor, then live), and a bad cursor is
+    INVALID_ARGUMENT in the gRPC-Web status."""
+    host = web_connect(session="since").host
+    await host.PublishPartialMessage(ui_pb2.ClineMessage(ts=1, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="had"))
+    cursor = (await web.core.feed.log.read("since")).head
+    for ts in (2, 3):
+        await host.PublishPartialMessage(ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=ui_pb2.TEXT, text=f"m{ts}"))
+    empty = common_pb2.EmptyRequest().SerializeToString()
+    stream = call_stream(http, url(web, UI + "subscribeToPartialMessage"), empty,
+                         headers={"x-uibus-session": "since", "x-uibus-since": str(cursor)})
+    kind, _reply = await anext(stream)
+    assert kind == "headers"
+    missed = []
+    for _ in range(2):
+        kind, payload = await asyncio.wait_for(anext(stream), 5)
+        assert kind == "message"
+        missed.append(ui_pb2.ClineMessage.FromString(payload))
+    assert [(m.ts, m.text) for m in missed] == [(2, "m2"), (3, "m3")] and cursor < missed[0].seq < missed[1].seq
+    await host.PublishPartialMessage(ui_pb2.ClineMessage(ts=4, type=ui_pb2.SAY, say=ui_pb2.TEXT, text="live"))
+    kind, payload = await asyncio.wait_for(anext(stream), 5)
+    assert kind == "message" and ui_pb2.ClineMessage.FromString(payload).ts == 4
+    await stream.aclose()
+    bad = await call(http, url(web, UI + "subscribeToPartialMessage"), empty,
+                     headers={"x-uibus-session": "since", "x-uibus-since": "-1"})
+    assert bad.status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "x-uibus-since" in bad.message
+    await wait_for(lambda: web.bus.count() == 0, what="subscriptions removed")
