@@ -35,6 +35,7 @@ from uibus.agents.config import load_agents
 from uibus.auth import Tokens
 from uibus.bus import Bus
 from uibus.config import Config, redacted
+from uibus.domain.agent_metrics import agent_metrics
 from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
@@ -293,47 +294,8 @@ class App:
             "uibus_store_up": ("1 while the session store answers, 0 while it fails (see /readyz for why)",
                                lambda: 0.0 if store.problem else 1.0),
         }
-        sessions = core.agent_sessions
-        gauges["uibus_agent_sessions"] = (
-            "agent sessions open now: hosted agents (backend rpc) that live across turns, one per (session, agent), "
-            "each with its process", lambda: float(sessions.count()))
-        # core.forwarding and core.ownership are None without a shared store: their counters read 0 then.
-        counters: Gauges = {
-            "uibus_agent_processes_started_total": (
-                "agent processes started (backend rpc): one per agent session, again after one died",
-                lambda: float(sum(getattr(b, "started", 0) for b in agents.backends.values()))),
-            "uibus_agent_sessions_closed_idle_total": ("agent sessions closed for being idle (idle_seconds)",
-                                                       lambda: float(sessions.closed_idle)),
-            "uibus_agent_sessions_closed_evicted_total": ("agent sessions closed because their session was evicted",
-                                                          lambda: float(sessions.closed_evicted)),
-            "uibus_agent_sessions_closed_reclaimed_total": (
-                "idle agent sessions closed (least recently used first) so a turn could start under max_processes",
-                lambda: float(sessions.closed_reclaimed)),
-            "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
-                                                       lambda: float(sessions.closed_dead)),
-            "uibus_agent_turns_forwarded_total": (
-                "hosted agent turns carried from this replica to the replica owning the agent",
-                lambda: float(getattr(core.forwarding, "forwarded", 0))),
-            "uibus_agent_turns_served_total": (
-                "hosted agent turns other replicas carried here, to the agent this replica owns",
-                lambda: float(getattr(core.forwarding, "served", 0))),
-            "uibus_agent_turns_interrupted_total": (
-                "forwarded turns ended UNAVAILABLE because the owning replica went silent",
-                lambda: float(getattr(core.forwarding, "interrupted", 0))),
-            "uibus_agent_leases_taken_over_total": (
-                "agent ownership leases this replica took over from a replica whose lease had expired",
-                lambda: float(getattr(core.ownership, "taken_over", 0))),
-            "uibus_agent_leases_fenced_total": (
-                "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
-                "their turns cut, their agent closed",
-                lambda: float(getattr(core.ownership, "fenced", 0))),
-            "uibus_agent_conversations_resumed_total": (
-                "hosted agents' conversations picked up again by a new process (option resume)",
-                lambda: float(sessions.handles.resumed)),
-            "uibus_agent_resumes_failed_total": (
-                "hosted agents' conversations that could not be resumed: a new one started, the UIs told",
-                lambda: float(sessions.handles.resume_failed)),
-        }
+        agent_gauges, counters = agent_metrics(core, agents)
+        gauges.update(agent_gauges)
         worker = self.worker
         labelled: Labelled = {}
         metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,

@@ -111,7 +111,7 @@ def rss_mb() -> float:
 
 
 async def test_acp_http_output_nobody_reads_is_bounded_in_bytes_and_the_client_told(app: App) -> None:
-    """Issue 43: 100 prompts of 900 KB with no reader grew RSS 147 -> 221 MB (the bound was 4,096
+    """Seen by a tenant: 100 prompts of 900 KB with no reader grew RSS 147 -> 221 MB (the bound was 4,096
     messages, each up to 16 MiB). Now the events waiting for a reader are bounded in bytes per
     connection (MAX_BUFFERED_BYTES, 8 MiB): past it the connection is cut, and its next request
     hears why (410), instead of anything growing or a response vanishing."""
@@ -145,7 +145,7 @@ async def test_acp_http_output_nobody_reads_is_bounded_in_bytes_and_the_client_t
 
 
 async def test_acp_http_routes_of_bad_requests_leave_nothing_behind(app: App) -> None:
-    """Issue 43: 100 POSTs with 1 MB ids answered with id null left their routes (RSS 202 -> 311 MB).
+    """Seen by a tenant: 100 POSTs with 1 MB ids answered with id null left their routes (RSS 202 -> 311 MB).
     Now a message is checked before it is routed (an overlong id is -32600 at once), and ids are keys
     of their own, not re-serialized text."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{app.http_port}", timeout=30) as http:
@@ -172,7 +172,7 @@ async def _answers(ws: Any, ids: set[int], timeout: float = 10) -> dict[int, dic
 
 
 async def test_load_and_resume_of_one_session_at_once_always_answer_and_leak_nothing(app: App) -> None:
-    """Issue 43: session/load and session/resume of one session sent together over /acp: the load
+    """Seen by a tenant: session/load and session/resume of one session sent together over /acp: the load
     never answered (48 of 60 tries) and 12 subscriptions per try stayed open for good. 60 tries: both
     answer every time, and once the sockets close the subscriptions are back to their baseline."""
     url = f"ws://127.0.0.1:{app.http_port}/acp"

@@ -725,7 +725,7 @@ async def test_session_load_answers_right_after_the_whole_replay_without_a_quiet
 
 async def test_an_acp_image_over_the_websocket_is_held_to_max_message_bytes_as_over_grpc(
         config: Config, model: Model, tmp_path: Path) -> None:
-    """Issue 43: an 11 MiB image reached the agent over /acp while gRPC refuses 5 MiB. Now each call
+    """Seen by a tenant: an 11 MiB image reached the agent over /acp while gRPC refuses 5 MiB. Now each call
     an /acp editor makes is held to --max-message-bytes (here 1 MiB) as a gRPC client's is."""
     model.script(Reply(text="small enough"))
     async with hosting(config, tmp_path, [pi_agent(tmp_path, model)], http_port=free_port(),

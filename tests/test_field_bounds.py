@@ -71,7 +71,7 @@ async def test_mcp_list_sessions_checks_its_prefix_as_every_other_door(web: App)
 
 
 async def test_delete_session_right_after_a_turn_is_final(web: App) -> None:
-    """Issue 43: DeleteSession right after a turn: the session was listed again within 1 s with its
+    """Seen by a tenant: DeleteSession right after a turn: the session was listed again within 1 s with its
     recent messages back (the write-behind buffer outlived the delete). Now it is dropped first."""
     for i in range(5):
         session = f"gone-{i}"

@@ -97,7 +97,7 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
 
 @pytest.mark.parametrize("path", ["/acp", "/api/v1/sessions/CreateSession"])
 async def test_a_body_sent_a_byte_a_second_is_timed_out(web_config: Config, path: str) -> None:
-    """Issue 43: a request body sent at 1 byte/s to /acp or the sessions API was never timed out (a
+    """Seen by a tenant: a request body sent at 1 byte/s to /acp or the sessions API was never timed out (a
     slowloris path: --http-max-connections is global). Now --http-body-timeout-seconds bounds it."""
     app = await start_app(replace(web_config, http_body_timeout_seconds=1.0))
     try:
