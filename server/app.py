@@ -305,8 +305,8 @@ class App:
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
         metrics.registry.register(quotas)  # uibus_quota_refused_total / uibus_quota_in_use, by tenant
-        # Hosted agents' /mcp tokens are minted here for each (never --auth-token); tenants named here.
-        core.agent_sessions.tokens = tokens
+        # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
+        core.agent_sessions.tokens, core.agent_sessions.quotas = tokens, quotas
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),

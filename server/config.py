@@ -211,6 +211,10 @@ class Config:
         "help": "sessions one tenant may create (CreateSession, ACP session/new) per minute"})
     quota_dialogs: int = field(default=QUOTAS["dialogs"].default, metadata={
         "help": "dialogs one tenant may have open (waiting for an answer)"})
+    quota_agent_processes: int = field(default=QUOTAS["agent_processes"].default, metadata={
+        "help": "processes of one hosted agent one tenant may hold (running or kept idle); at it, the "
+                "tenant's own least recently used idle one is closed first (the agent's max_processes "
+                "still caps them all)"})
     ws_ping_seconds: float = field(default=20.0, metadata={
         "help": "WebSocket ping interval; 0 turns pings off"})
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={

@@ -259,3 +259,47 @@ async def test_an_agents_idle_processes_never_refuse_another_tenants_first_turn(
         live = {s for s in ("team-a-0", "team-a-1", "team-a-2", "team-b-1")
                 if app.core.agent_sessions.live_agents(s)}
         assert live == {"team-a-1", "team-a-2", "team-b-1"}  # the least recently used one went
+
+
+@pytest.mark.node
+async def test_a_tenant_at_its_agent_processes_gives_way_to_itself_and_no_one_else_is_refused(
+        web_config: Config, tmp_path: Path) -> None:
+    """The quota agent_processes (docs/security/quotas.md): A at its share of an agent closes its own
+    least recently used idle process; with all of its own running, A is refused naming the quota,
+    while B (under the same max_processes) is served."""
+    require("the ACP SDK (npm ci --prefix tests/acp)", (ACP_DIR / "node_modules" / "@agentclientprotocol").is_dir(),
+            "node")
+    path = tmp_path / "tokens"
+    path.write_text(TOKENS)
+    async with hosting(web_config, tmp_path, [fixture_agent(tmp_path, max_processes=4)], tokens_file=str(path),
+                       quota_agent_processes=2) as app:
+        sessions, target = app.core.agent_sessions, f"127.0.0.1:{app.port}"
+
+        def live() -> set[str]:
+            return {s for s in (*(f"team-a-{i}" for i in range(4)), "team-b-1") if sessions.live_agents(s)}
+
+        for i in range(3):
+            async with Connection(target, session=f"team-a-{i}", token="a-token") as a:
+                assert (await turn_of(a, "acp", "hello"))[-1].response.text == "Turn 1: hello"
+        # The third was A's own at its share of 2 (max_processes 4 had room): its oldest idle one went.
+        assert live() == {"team-a-1", "team-a-2"} and sessions.closed_reclaimed == 1
+        async with Connection(target, session="team-a-1", token="a-token") as a1, \
+                Connection(target, session="team-a-2", token="a-token") as a2:
+            slow = [asyncio.ensure_future(turn_of(a, "acp", "slow")) for a in (a1, a2)]
+            await wait_for(lambda: sessions.running("team-a-1", "acp") and sessions.running("team-a-2", "acp"),
+                           timeout=30, what="A's two turns running")
+            async with Connection(target, session="team-a-3", token="a-token") as a3:
+                code = await _code(turn_of(a3, "acp", "hello"))
+            assert code.startswith("RESOURCE_EXHAUSTED: quota agent_processes exceeded: tenant 'team-a' is at its "
+                                   "limit of 2 agent processes"), code
+            assert "of agent 'acp'" in code and "--quota-agent-processes" in code
+            async with Connection(target, session="team-b-1", token="b-token") as b:
+                assert (await turn_of(b, "acp", "me too"))[-1].response.text == "Turn 1: me too"
+            assert live() == {"team-a-1", "team-a-2", "team-b-1"} and sessions.closed_reclaimed == 1
+            for s in ("team-a-1", "team-a-2"):
+                assert sessions.stop(s, "acp")
+            for done in await asyncio.gather(*slow, return_exceptions=True):
+                assert isinstance(done, grpc.aio.AioRpcError) and done.code() == grpc.StatusCode.CANCELLED
+        samples = await metrics(app)
+        assert samples[("uibus_quota_refused_total", (("quota", "agent_processes"), ("tenant", A)))] == 1
+        assert ("uibus_quota_refused_total", (("quota", "agent_processes"), ("tenant", B))) not in samples

@@ -1,10 +1,18 @@
-"""Room for a turn under an agent's `max_processes`: the least recently used idle agent session of
-that agent is closed first, and the open tried once more.
+"""Room for a turn: an agent's `max_processes`, shared by everyone, and each tenant's share of it (the
+quota `agent_processes`, per tenant and agent; docs/security/quotas.md).
 
 A process whose turns are done stays for the agent's idle_seconds, so the next turn finds its
 conversation; but an idle process is nobody's to keep. Without this, one tenant's finished turns held
 every process of an agent for idle_seconds (900 by default) and refused every other tenant's first
-turn RESOURCE_EXHAUSTED (docs/security/quotas.md). Only agent sessions running or awaiting a turn are never closed.
+turn RESOURCE_EXHAUSTED. So:
+
+* a tenant at its share gives way to itself: its own least recently used idle agent session of that
+  agent is closed, and it is refused (QuotaExceeded naming the quota) only when all of its own are
+  running or awaiting a turn; another tenant's are never touched, so no one is refused for it;
+* at the agent's max_processes, the least recently used idle agent session of that agent (anyone's)
+  is closed and the open tried once more.
+
+Only agent sessions running or awaiting a turn are never closed.
 
 A mixin of `AgentSessions` (uibus.domain.agent_sessions), whose `_live`, `_open` and `_close` it uses:
 its own module because it is its own job (who gives way), not the sessions' lifecycle.
@@ -12,14 +20,52 @@ its own module because it is its own job (who gives way), not the sessions' life
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
+from uibus.auth import OPERATOR, Tokens
 from uibus.errors import ResourceExhausted
+from uibus.quotas import Quotas
+
+QUOTA = "agent_processes"
 
 
 class MakesRoom:
     closed_reclaimed = 0  # idle agent sessions closed to make room for a turn (a /metrics counter)
     _live: dict[tuple[str, str], Any]
+    tokens: Tokens | None  # whose each session is (AgentSessions.tokens)
+    # The quotas in force (the app's); None: no per-tenant share, only max_processes.
+    quotas: Quotas | None = None
+    # (tenant, agent) -> agent sessions being opened now: counted in the share before they are live,
+    # so two first turns of one tenant at once cannot both take its last place.
+    _starting: dict[tuple[str, str], int]
+
+    def _share_of(self, tenant: str, name: str) -> int:
+        """What `tenant` holds of agent `name`: its live agent sessions and those being opened."""
+        live = sum(1 for key, entry in self._live.items() if key[1] == name and entry.tenant == tenant)
+        return live + self._starting.get((tenant, name), 0)
+
+    @asynccontextmanager
+    async def _within_share(self, session: str, name: str) -> AsyncIterator[str]:
+        """A place in the share of agent `name` of `session`'s tenant (yielded), held while its agent
+        session is opened (it counts as live once opened). At the share, the tenant's own least
+        recently used idle one is closed first; QuotaExceeded when none of its own is idle."""
+        tenant = self.tokens.tenant(session) if self.tokens is not None else OPERATOR
+        quotas = self.quotas
+        while quotas is not None and quotas.at_limit(QUOTA, tenant, held=self._share_of(tenant, name)):
+            if not await self._reclaim(name, tenant):
+                raise quotas.refuse(QUOTA, tenant, f" of agent {name!r}, none of them idle")
+        key = (tenant, name)
+        self._starting[key] = self._starting.get(key, 0) + 1
+        try:
+            yield tenant
+        finally:
+            left = self._starting[key] - 1
+            if left:
+                self._starting[key] = left
+            else:
+                del self._starting[key]
 
     async def _open_reclaiming(self, session: str, backend: Any) -> Any:
         """`_open`; at the agent's max_processes, its least recently used idle agent session is
@@ -31,15 +77,18 @@ class MakesRoom:
                 raise
         return await self._open(session, backend)  # type: ignore[attr-defined]
 
-    async def _reclaim(self, name: str) -> bool:
-        """Closes the least recently used idle agent session of agent `name`; False when none is idle."""
+    async def _reclaim(self, name: str, tenant: str | None = None) -> bool:
+        """Closes the least recently used idle agent session of agent `name` (of `tenant` alone when
+        given); False when none is idle."""
         idle = [(entry.idle_since, key) for key, entry in self._live.items()
-                if key[1] == name and not entry.users and entry.task is None]
+                if key[1] == name and not entry.users and entry.task is None
+                and (tenant is None or entry.tenant == tenant)]
         if not idle:
             return False
         key = min(idle)[1]
         entry = self._live.pop(key)
         self.closed_reclaimed += 1
+        why = "max_processes" if tenant is None else f"its tenant's quota {QUOTA}"
         await self._close(key, entry.agent, "closed (the least recently used idle one) to make room "  # type: ignore[attr-defined]
-                                            "under max_processes")
+                                            f"under {why}")
         return True

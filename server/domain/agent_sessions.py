@@ -40,7 +40,7 @@ from typing import Any
 
 from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
 from uibus.agents.workspaces import GitError, Workspaces
-from uibus.auth import Tokens
+from uibus.auth import OPERATOR, Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.agent_room import MakesRoom
 from uibus.domain.dialogs import Dialogs
@@ -142,6 +142,7 @@ class _Live:
     """One open agent session and its turn bookkeeping."""
 
     agent: AgentSession
+    tenant: str = OPERATOR  # whose it is (uibus.auth.Tokens.tenant): its quota agent_processes
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
     users: int = 0  # turns running or waiting
     idle_since: float = field(default_factory=time.monotonic)
@@ -167,13 +168,12 @@ class AgentSessions(MakesRoom):
         self.sweep_s = sweep_s
         self._live: dict[tuple[str, str], _Live] = {}
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
+        self._starting: dict[tuple[str, str], int] = {}  # (tenant, agent) -> opening now (MakesRoom)
         self._one_shot = 0  # agent sessions of callers that named no session, open now
         self._stopping = 0  # agent sessions being closed now (their processes still stopping)
         self._sweeper = Tasks("agent sessions sweep")
         self._closing = False
-        self.closed_idle = 0
-        self.closed_evicted = 0
-        self.closed_dead = 0
+        self.closed_idle = self.closed_evicted = self.closed_dead = 0
         # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
         self.on_change: Callable[[], None] = _nothing
         # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
@@ -442,16 +442,17 @@ class AgentSessions(MakesRoom):
                 async with opening:  # two first turns at once start one agent
                     entry = self._live.get(key)
                     if entry is None:
-                        agent = await self._open_reclaiming(session, backend)
-                        try:  # the marker first: a sweep must never find a live agent without one
-                            await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
-                        except BaseException:
-                            try:
-                                await agent.aclose()
-                            finally:
-                                self._release(agent)
-                            raise
-                        entry = self._live[key] = _Live(agent)
+                        async with self._within_share(session, name) as tenant:  # the tenant's share first
+                            agent = await self._open_reclaiming(session, backend)
+                            try:  # the marker first: a sweep must never find a live agent without one
+                                await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
+                            except BaseException:
+                                try:
+                                    await agent.aclose()
+                                finally:
+                                    self._release(agent)
+                                raise
+                            entry = self._live[key] = _Live(agent, tenant)
                         self._ensure_sweeper(agent.idle_seconds)
             finally:
                 if not opening.locked():
