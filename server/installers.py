@@ -72,7 +72,11 @@ async def session_api(setup: Setup) -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def webview_mux(setup: Setup) -> AsyncIterator[None]:
-    setup.serve(webview.add_to(setup.registry, setup.core.feed))
+    """uibus.v1.WebviewService: a webview's UI streams, and on request its session's extension UI
+    and the sessions listing (scoped by the caller's token as SessionService's), over one stream."""
+    core, pipeline = setup.core, setup.pipeline
+    setup.serve(webview.add_to(setup.registry, core.feed, core.dialogs, core.sessions, pipeline.visible_sessions,
+                               pipeline.tenant_of, pipeline.quotas))
     yield
 
 

@@ -11,14 +11,18 @@ import pytest
 
 from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
+from tests.test_sessions_api import auth, tenants
+from uibus.app import App
 from uibus.bus import LIVE
 from uibus.clients.connection import Connection
 from uibus.domain.feed import UI_STREAMS
 from uibus.pb.cline import common_pb2, ui_pb2
-from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
+from uibus.pb.uibus.v1 import host_pb2, sessions_pb2, sessions_pb2_grpc, webview_pb2, webview_pb2_grpc
 
 STREAMS = len(UI_STREAMS)  # every UiService stream, multiplexed
-__all__ = ["redis_server"]  # the fixture, imported to be used here
+__all__ = ["redis_server", "tenants"]  # the fixtures, imported to be used here
 
 
 async def test_one_stream_carries_every_ui_event(app, connect) -> None:
@@ -279,4 +283,90 @@ async def test_replay_complete_marker_follows_the_whole_replay_when_asked(app, c
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(plain.read(), 0.3)
     plain.cancel()
+    await wait_for(lambda: app.bus.count(session=session) == 0, what="every inner subscription removed")
+
+
+async def _until(call: Any, found: Any, timeout: float = 3) -> list[webview_pb2.WebviewEvent]:
+    """Every event read up to and including the first for which `found` is true."""
+    got: list[webview_pb2.WebviewEvent] = []
+    while not got or not found(got[-1]):
+        got.append(await asyncio.wait_for(call.read(), timeout))
+    return got
+
+
+async def _create(api: Any, token: str, session: str) -> None:
+    await api.CreateSession(sessions_pb2.CreateSessionRequest(), metadata=auth(token, session))
+
+
+async def test_the_page_follows_dialogs_and_the_listing_over_the_one_stream(tenants: App) -> None:
+    """With `extension_ui` and `sessions` the one stream also carries the session's dialogs (answered
+    with Respond, they reach the agent that asked) and the sessions listing, scoped by the call's
+    token exactly as SessionService's watch: team a's page never lists team b's sessions."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.port}") as ch:
+        api = sessions_pb2_grpc.SessionServiceStub(ch)
+        await _create(api, "team-a-token", "team-a-2")
+        await _create(api, "team-b-token", "team-b-1")
+        md = auth("team-a-token", "team-a-1")
+        call = webview_pb2_grpc.WebviewServiceStub(ch).Subscribe(webview_pb2.WebviewSubscribeRequest(
+            client_id="c1", extension_ui=True, sessions=True, mark_replay_end=True), metadata=md)
+        start = await _until(call, lambda e: e.replay_complete)
+        listings = [e.sessions for e in start if e.HasField("sessions")]
+        assert [e.source for e in start if e.HasField("sessions")] == ["sessions"]
+        assert [s.session for s in listings[0].sessions] == ["team-a-2"]  # team b's is not there
+        watch = api.WatchSessions(sessions_pb2.ListSessionsRequest(), metadata=md)
+        assert await watch.read() == listings[0]  # the same listing SessionService's watch sends
+        watch.cancel()
+
+        agent = ext_grpc.ExtensionUiServiceStub(ch)
+        asking = asyncio.ensure_future(agent.Confirm(ext_pb2.ConfirmRequest(title="Deploy?"), metadata=md))
+        got = await _until(call, lambda e: e.HasField("extension_ui") and e.extension_ui.HasField("request"))
+        asked = got[-1]
+        assert asked.source == "extension_ui" and asked.extension_ui.request.confirm.title == "Deploy?"
+        assert asked.extension_ui.seq > 0
+        # the listing follows: team-a-1 now has a dialog waiting
+        await _until(call, lambda e: any(s.session == "team-a-1" and s.waiting_dialogs == 1
+                                         for s in e.sessions.sessions))
+        await agent.Respond(ext_pb2.RespondRequest(id=asked.extension_ui.request.id, confirmed=True), metadata=md)
+        assert (await asyncio.wait_for(asking, 3)).confirmed
+        await _until(call, lambda e: e.extension_ui.closed.id == asked.extension_ui.request.id)
+        await _create(api, "team-b-token", "team-b-2")
+        await _create(api, "team-a-token", "team-a-3")
+        later = await _until(call, lambda e: any(s.session == "team-a-3" for s in e.sessions.sessions))
+        assert not any(s.session.startswith("team-b") for e in later for s in e.sessions.sessions)
+        team_a = tenants.tokens.grant(b"team-a-token").tenant  # type: ignore[union-attr]
+        assert tenants.quotas.in_use("watches", team_a) == 1  # the listing counts as a watch
+        call.cancel()
+    await wait_for(lambda: tenants.bus.count() == 0, what="every inner subscription removed")
+    await wait_for(lambda: tenants.quotas.in_use("watches", team_a) == 0, what="the watch released")
+
+
+async def test_one_cursor_resumes_the_messages_and_the_extension_ui(app, connect) -> None:
+    """Partial messages and extension-UI events are stamped in the one session log, so the highest
+    seq a page saw resumes both: it gets exactly what came after, in one stream, no snapshot."""
+    session = "one-cursor"
+    conn = connect(session=session)
+    md = (("x-uibus-session", session),)
+    agent = ext_grpc.ExtensionUiServiceStub(conn.channel)
+    await conn.host.PublishPartialMessage(_say(1, "before"))
+    await agent.SetStatus(ext_pb2.SetStatusRequest(key="k", text="old"), metadata=md)
+    request = webview_pb2.WebviewSubscribeRequest(client_id="c1", extension_ui=True, mark_replay_end=True)
+    stub = webview_pb2_grpc.WebviewServiceStub(conn.channel)
+    call = stub.Subscribe(request, metadata=md)
+    start = await _until(call, lambda e: e.replay_complete)
+    assert [e.partial_message.text for e in start if e.HasField("partial_message")] == ["before"]
+    assert [e.extension_ui.request.set_status.text for e in start if e.HasField("extension_ui")] == ["old"]
+    cursor = max(max(e.partial_message.seq, e.extension_ui.seq) for e in start)
+    call.cancel()
+
+    await agent.SetStatus(ext_pb2.SetStatusRequest(key="k", text="new"), metadata=md)  # while away
+    await conn.host.PublishPartialMessage(_say(2, "while away"))
+    await agent.Notify(ext_pb2.NotifyRequest(message="hello"), metadata=md)
+    again = stub.Subscribe(request, metadata=(*md, ("x-uibus-since", str(cursor))))
+    got = await _until(again, lambda e: e.replay_complete)
+    assert not any(e.gap or e.extension_ui.gap for e in got)
+    assert [e.partial_message.text for e in got if e.HasField("partial_message")] == ["while away"]
+    ext = [e.extension_ui for e in got if e.HasField("extension_ui")]
+    assert [e.request.WhichOneof("method") for e in ext] == ["set_status", "notify"]
+    assert ext[0].request.set_status.text == "new" and all(e.seq > cursor for e in ext)
+    again.cancel()
     await wait_for(lambda: app.bus.count(session=session) == 0, what="every inner subscription removed")

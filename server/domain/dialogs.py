@@ -38,6 +38,7 @@ from uibus import kinds, telemetry
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.domain.dialog_sharing import SharedDialogs
+from uibus.domain.feed import REPLAY_END
 from uibus.domain.session_log import SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
@@ -62,11 +63,8 @@ PREFIX = "extui/"
 STATUS = PREFIX + "status/"
 WIDGET = PREFIX + "widget/"
 TITLE = PREFIX + "title"
-_CLOSED_HOW = {
-    TIMED_OUT: "timed out",
-    CALLER_CANCELLED: "was cancelled by the agent that asked it",
-    SHUTDOWN: "was closed by the server shutting down",
-}
+_CLOSED_HOW = {TIMED_OUT: "timed out", CALLER_CANCELLED: "was cancelled by the agent that asked it",
+               SHUTDOWN: "was closed by the server shutting down"}
 # How each dialog is checked, and the name the protocol gives it (the ExtensionUiRequest field).
 _ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
     pb.SelectRequest: ("select", checks.check_select),
@@ -382,8 +380,10 @@ class Dialogs:
 
     # ---- UIs ----
 
-    async def events(self, session: str, since: int | None = None) -> AsyncIterator[pb.ExtensionUiEvent | Live]:
-        """`LIVE` once subscribed, kept state, then waiting dialogs (oldest first), then live events.
+    async def events(self, session: str, since: int | None = None,
+                     mark_end: bool = False) -> AsyncIterator[pb.ExtensionUiEvent | Live | Any]:
+        """`LIVE` once subscribed, kept state, then waiting dialogs (oldest first), then live events;
+        with `mark_end`, the feed's `REPLAY_END` between the two (a multiplexing stream's cue).
 
         The subscription is taken before the waiting dialogs are listed, with no await between,
         so a dialog opened here at any moment reaches this UI exactly once. With Redis the
@@ -391,11 +391,10 @@ class Dialogs:
         the state); one published after the subscription may arrive both ways, so a live request
         already replayed is skipped (see uibus.domain.dialog_sharing).
         """
-        bus = self.bus
-        sub = bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
+        sub = self.bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
         try:
             waiting = self.pending.waiting(session)
-            await bus.ready(session)  # heard on every replica (and their dialogs' holders known) first
+            await self.bus.ready(session)  # heard on every replica (and their dialogs' holders known) first
             yield LIVE  # subscribed: the pipeline sends the response headers now
             if since is not None and self.log is not None:
                 missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, sub)
@@ -403,6 +402,8 @@ class Dialogs:
                     sent = {event.seq for event in missed}  # queued meanwhile too: sent once
                     for event in missed:
                         yield event
+                    if mark_end:
+                        yield REPLAY_END
                     async for event in sub:
                         if sent and event.seq in sent:
                             sent.discard(event.seq)
@@ -426,6 +427,8 @@ class Dialogs:
                 replay.request.replayed = True
                 replayed.add(request.id)
                 yield replay
+            if mark_end:
+                yield REPLAY_END
             async for event in sub:
                 if replayed:
                     which = event.WhichOneof("event")
@@ -436,7 +439,7 @@ class Dialogs:
                             continue  # already replayed
                 yield event
         finally:
-            bus.unsubscribe(sub)
+            self.bus.unsubscribe(sub)
 
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
         """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""

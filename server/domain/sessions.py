@@ -47,6 +47,7 @@ from uibus.domain.steering import Steering, state_of
 from uibus.errors import InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
+from uibus.quotas import Quotas
 from uibus.session import check_session
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
@@ -275,6 +276,15 @@ class Sessions:
                 await asyncio.wait_for(changed.wait(), self.watch_s)
             except TimeoutError:
                 pass
+
+    async def watch_held(self, visible: Callable[[str], bool], quotas: Quotas, tenant: str,
+                         prefix: str = "") -> AsyncIterator[pb.SessionList]:
+        """`watch`, counted against the tenant's `watches` quota while it is followed: the one way
+        every stream of the listing (SessionService's watch, the page's multiplexed stream) follows
+        it, so none of them can watch more, or more widely, than the caller's token allows."""
+        with quotas.hold("watches", tenant):
+            async for listed in self.watch(visible, prefix):
+                yield listed
 
     # ---- writing ----
 

@@ -48,10 +48,9 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.SessionList]:
         if request.prefix:
             check_session(request.prefix)
-        visible = self._visible(context)
-        with self.quotas.hold("watches", self.tenant_of(context.invocation_metadata())):
-            async for listed in self.sessions.watch(visible, request.prefix):
-                yield listed
+        tenant = self.tenant_of(context.invocation_metadata())
+        async for listed in self.sessions.watch_held(self._visible(context), self.quotas, tenant, request.prefix):
+            yield listed
 
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.SessionEntry:
