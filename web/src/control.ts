@@ -1,11 +1,12 @@
-// The control room: every session of this token at a glance (WatchSessions), switching between
+// The control room: every session of this token at a glance (the listing the page's one stream
+// carries, as SessionService/WatchSessions sends it), switching between
 // them without a reload, a new session, and — for the open session — Stop, the agent's mode and
 // model pickers and `/` command completion where the agent offers them. Attention: when a dialog
 // waits in a session this tab does not show (another session, or the tab is hidden), the tab's
 // title carries the count and a browser notification names the agent and the question; a click
 // on it opens that session, where the dialog takes the focus. Answering anywhere clears it
 // everywhere, because the counts come from the server's list.
-import { Code, ConnectError } from "@connectrpc/connect";
+import { ConnectError } from "@connectrpc/connect";
 import type { Client } from "@connectrpc/connect";
 import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import type { AgentState, SessionEntry } from "./gen/uibus/v1/sessions_pb";
@@ -40,7 +41,7 @@ export function status(e: SessionEntry): "waiting" | "running" | "idle" {
   return e.waitingDialogs > 0 ? "waiting" : e.running.length ? "running" : "idle";
 }
 
-export function startControl(c: Control): { sessionChanged: () => void } {
+export function startControl(c: Control): { sessionChanged: () => void; listed: (sessions: SessionEntry[]) => void } {
   let entries: SessionEntry[] = [];
   const seen = new Map<string, Set<string>>(); // session -> dialog ids already announced
   let first = true; // the first list: what waits already is counted, never announced
@@ -204,31 +205,12 @@ export function startControl(c: Control): { sessionChanged: () => void } {
     void call("new session", () => c.sessions.createSession({}));
   });
 
-  // The watch: reconnects with backoff, and at once when the tab comes back (a phone's browser
-  // drops connections in the background): the first list after it is the whole state.
-  let watch = new AbortController();
-  async function follow(): Promise<void> {
-    for (let attempt = 0; ; attempt++) {
-      const signal = watch.signal;
-      try {
-        for await (const listed of c.sessions.watchSessions({}, { signal })) {
-          attempt = 0;
-          entries = listed.sessions;
-          render();
-        }
-      } catch (err) {
-        const e = ConnectError.from(err);
-        if (e.code === Code.Unimplemented || e.code === Code.Unauthenticated) return;
-      }
-      await new Promise((r) => setTimeout(r, signal.aborted ? 0 : Math.min(5000, 250 * 2 ** attempt)));
-    }
+  document.addEventListener("visibilitychange", () => { if (!document.hidden) attention(); });
+  // Each listing the page's one stream brings (WebviewService with `sessions`: the sessions this
+  // token may see, sent whole on every change; the stream reconnects, so this needs no loop).
+  function listed(sessions: SessionEntry[]): void {
+    entries = sessions;
+    render();
   }
-  document.addEventListener("visibilitychange", () => {
-    if (document.hidden) return;
-    watch.abort();
-    watch = new AbortController();
-    attention();
-  });
-  void follow();
-  return { sessionChanged: render };
+  return { sessionChanged: render, listed };
 }

@@ -3,7 +3,7 @@
 import { Code, ConnectError } from "@connectrpc/connect";
 import type { Client } from "@connectrpc/connect";
 import { DialogOutcome, ExtensionUiService, NotifyType } from "./gen/uibus/v1/extension_ui_pb";
-import type { ExtensionUiRequest, RespondRequest } from "./gen/uibus/v1/extension_ui_pb";
+import type { ExtensionUiEvent, ExtensionUiRequest, RespondRequest } from "./gen/uibus/v1/extension_ui_pb";
 
 type Ui = {
   dialogs: HTMLElement;
@@ -29,9 +29,17 @@ function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls = "", text = ""):
   return e;
 }
 
-// Follows the session's extension UI until `signal` aborts (the page switched to another session):
-// then its dialogs, statuses, widgets and title are cleared and the loop ends.
-export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui: Ui, signal?: AbortSignal): void {
+export type ExtensionUi = {
+  // One event of the session's extension UI, as the page's one stream carries it (main.ts).
+  event: (ev: ExtensionUiEvent) => void;
+  // Forget what is shown (another session, a stream that starts from the snapshot, a gap): the
+  // snapshot that follows brings back the title, statuses, widgets and every dialog still waiting.
+  reset: () => void;
+};
+
+// The session's extension UI: its events come over the page's one stream (WebviewService, with
+// `extension_ui`); answers go back as unary `Respond` calls.
+export function extensionUi(client: Client<typeof ExtensionUiService>, ui: Ui): ExtensionUi {
   const open = new Map<string, HTMLElement>();
 
   async function respond(id: string, answer: RespondRequest["answer"], card: HTMLElement): Promise<void> {
@@ -142,32 +150,27 @@ export function followExtensionUi(client: Client<typeof ExtensionUiService>, ui:
     }
   }
 
-  async function run(): Promise<void> {
-    for (let attempt = 0; !signal?.aborted; attempt++) {
-      try {
-        for await (const ev of client.subscribe({}, { signal })) {
-          attempt = 0;
-          if (ev.event.case === "request") request(ev.event.value);
-          else if (ev.event.case === "closed") {
-            const { id, reason } = ev.event.value;
-            open.get(id)?.remove();
-            if (open.delete(id)) ui.log("dialog closed", OUTCOME[reason] ?? "");
-          }
-        }
-      } catch (err) {
-        const e = ConnectError.from(err);
-        if (e.code === Code.Unimplemented || e.code === Code.Unauthenticated) return; // no extension UI here
-      }
-      for (const card of open.values()) card.remove();
-      open.clear();  // the replay on resubscribe brings back every dialog still waiting
-      if (signal?.aborted) break;
-      await new Promise((r) => setTimeout(r, Math.min(5000, 250 * 2 ** attempt)));
+  function event(ev: ExtensionUiEvent): void {
+    if (ev.gap) { // the log no longer reaches back to this page's cursor: the snapshot follows
+      reset();
+      ui.log("gap", "extension UI: starting over from the session's state");
     }
+    if (ev.event.case === "request") request(ev.event.value);
+    else if (ev.event.case === "closed") {
+      const { id, reason } = ev.event.value;
+      open.get(id)?.remove();
+      if (open.delete(id)) ui.log("dialog closed", OUTCOME[reason] ?? "");
+    }
+  }
+
+  function reset(): void {
+    for (const card of open.values()) card.remove();
+    open.clear();
     ui.statuses.replaceChildren();
     ui.widgets.replaceChildren();
     ui.title.textContent = "";
     ui.title.hidden = true;
   }
 
-  void run();
+  return { event, reset };
 }

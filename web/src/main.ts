@@ -1,7 +1,8 @@
 // uibus webview: a browser page that talks gRPC-Web to the server that served it.
 //
-// It follows the session's UI streams (one multiplexed WebviewService stream, because a browser
-// allows only six HTTP/1.1 connections per server), renders Cline partial messages growing in
+// It follows everything of its session — the UI streams, the extension UI, the sessions listing —
+// over one multiplexed WebviewService stream (a browser allows only six HTTP/1.1 connections per
+// server, shared by every tab of the page), renders Cline partial messages growing in
 // place (replaced by `ts`; each SAY kind in its own block, render.ts), applies the theme, and
 // chats with any agent the concierge lists. The stream starts with the session's state (recent
 // messages, theme; marked `replayed`), so a page opened or reloaded mid-conversation shows the
@@ -21,7 +22,7 @@ import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
 import { startControl } from "./control";
 import { startWorkspaces } from "./workspace";
-import { followExtensionUi } from "./extui";
+import { extensionUi } from "./extui";
 import { renderBody } from "./render";
 import type { Format } from "./render";
 
@@ -227,28 +228,61 @@ function applyTheme(json: string): void {
   themeName.textContent = String(theme.name || kind || "custom");
 }
 
-// ---- UI streams -----------------------------------------------------------------------------------
-// The highest seq of a message this page has shown: a reconnect resumes after it (the server sends
-// exactly what changed since, not the whole snapshot again; docs/streams/resume.md).
+// ---- the one stream ---------------------------------------------------------------------------------
+// Everything of the session comes over one WebviewService stream: the UI streams, the extension UI
+// (dialogs, statuses, …) and the sessions listing. A browser keeps at most six HTTP/1.1 connections
+// per server, and each open stream holds one: with a stream per kind, two or three tabs of the
+// page used them all and a tap on Yes never left the browser. One stream per tab leaves the rest
+// for the page's calls (chat, answers, steering).
+//
+// The cursor: the highest seq this page has had (messages and extension-UI events are stamped in
+// the one session log). A reconnect resumes after it: the server sends exactly what changed since,
+// not the whole snapshot again (docs/streams/resume.md). What a connection replays is taken into
+// the cursor only once the server says the replay is whole (`replay_complete`): its parts arrive
+// interleaved, so a connection cut halfway must not skip the part still to come.
 let cursor = 0n;
+// Restarts the stream (from the cursor) when the tab comes back: a phone's browser may have cut it
+// in the background without the page noticing.
+let restart: AbortController | null = null;
+document.addEventListener("visibilitychange", () => { if (!document.hidden) restart?.abort(); });
 
-async function followUi(signal: AbortSignal): Promise<void> {
+async function follow(signal: AbortSignal): Promise<void> {
   for (let attempt = 0; !signal.aborted; attempt++) {
+    const mine = new AbortController();
+    const stop = () => mine.abort();
+    signal.addEventListener("abort", stop);
+    restart = mine;
     try {
       setStatus("connecting", "connecting…");
       const headers = cursor > 0n ? { "x-uibus-since": cursor.toString() } : undefined;
-      const stream = webview.subscribe({ clientId, providerType: provider }, { signal, headers });
+      if (cursor === 0n) extUi.reset(); // the stream starts from the session's state
+      const stream = webview.subscribe({ clientId, providerType: provider, markReplayEnd: true, extensionUi: true,
+                                         sessions: true }, { signal: mine.signal, headers });
       let first = true;
-      await ui.initializeWebview(create(EmptyRequestSchema), { signal });
+      let complete = false;
+      let seen = cursor;
+      const saw = (seq: bigint) => {
+        if (seq > seen) seen = seq;
+        if (complete && seq > cursor) cursor = seq;
+      };
+      await ui.initializeWebview(create(EmptyRequestSchema), { signal: mine.signal });
       setStatus("live", "live");
       for await (const ev of stream) {
         if (first) { first = false; attempt = 0; }
         const e = ev.event;
+        if (ev.replayComplete) {
+          complete = true;
+          if (seen > cursor) cursor = seen;
+          continue;
+        }
         if (ev.gap) logEvent("gap: the session's log no longer reaches back to what this page had");
         if (e.case === "partialMessage") {
-          if (e.value.seq > cursor) cursor = e.value.seq;
+          saw(e.value.seq);
           showPartial(e.value, ev.replayed);
-        }
+        } else if (e.case === "extensionUi") {
+          saw(e.value.seq);
+          extUi.event(e.value);
+        } else if (e.case === "sessions") control.listed(e.value.sessions);
         else if (ev.source === "subscribeToTheme" && e.case === "text") applyTheme(e.value);
         else if (ev.source === "subscribeToAddToInput" && e.case === "text") {
           input.value = input.value ? `${input.value}\n${e.value}` : e.value;
@@ -266,9 +300,13 @@ async function followUi(signal: AbortSignal): Promise<void> {
       setStatus("down", "stream ended");
     } catch (err) {
       if (signal.aborted) return;
+      if (mine.signal.aborted) { attempt = -1; continue; } // restarted: at once, from the cursor
       const e = ConnectError.from(err);
       setStatus("down", `disconnected: ${e.rawMessage || Code[e.code]}`);
       if (e.code === Code.Unauthenticated || e.code === Code.InvalidArgument) return;
+    } finally {
+      signal.removeEventListener("abort", stop);
+      if (restart === mine) restart = null;
     }
     // Back in the foreground (a phone's browser cut the stream meanwhile): reconnect at once.
     await new Promise<void>((r) => {
@@ -395,13 +433,12 @@ input.addEventListener("keydown", (ev) => {
   }
 });
 
-const extUi = createClient(ExtensionUiService, transport);
+const extUi = extensionUi(createClient(ExtensionUiService, transport), {
+  dialogs: $<HTMLElement>("dialogs"), statuses: $<HTMLElement>("statuses"), widgets: $<HTMLElement>("widgets"),
+  title: $<HTMLElement>("ext-title"), input, log: logEvent,
+});
 function followSession(): void {
-  void followUi(following.signal);
-  followExtensionUi(extUi, {
-    dialogs: $<HTMLElement>("dialogs"), statuses: $<HTMLElement>("statuses"), widgets: $<HTMLElement>("widgets"),
-    title: $<HTMLElement>("ext-title"), input, log: logEvent,
-  }, following.signal);
+  void follow(following.signal);
 }
 
 // Another session, without a reload: the open one's streams end, its messages and dialogs go,
@@ -415,7 +452,8 @@ function switchTo(name: string, push = true): void {
   sentByMe.length = 0;
   pendingChat = null;
   messages.replaceChildren();
-  $<HTMLElement>("dialogs").replaceChildren();
+  cursor = 0n; // the new session's log: from its state, not from a seq of the old one's
+  extUi.reset();
   $<HTMLElement>("session").textContent = session;
   document.title = `uibus · ${session}`;
   if (push) {
