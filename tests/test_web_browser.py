@@ -19,7 +19,8 @@ from uibus.domain.feed import UI_STREAMS
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 
-# Every UiService subscription (multiplexed by WebviewService.Subscribe) + the extension-UI stream.
+# Every UiService subscription + the extension-UI feed, all multiplexed by the page's one
+# WebviewService.Subscribe stream (the sessions listing is no bus subscription).
 STREAMS_PER_PAGE = len(UI_STREAMS) + 1
 WITHIN = 1000  # ms: each published update must be on screen within a second
 

@@ -254,8 +254,8 @@ async def test_a_webview_on_another_replica_starts_with_the_recent_messages(redi
 
 async def test_replay_complete_marker_follows_the_whole_replay_when_asked(app, connect) -> None:
     """With `mark_replay_end` the stream sends one `replay_complete` event (no source, no payload)
-    after the theme and every recent message, and what follows it is live; without it (the page,
-    the tests above) no such event is sent."""
+    after the theme and every recent message, and what follows it is live; without it (the tests
+    above) no such event is sent."""
     session = "marked"
     conn = connect(session=session)
     await conn.host.SetTheme(host_pb2.TextEvent(text='{"name": "m"}'))
