@@ -127,3 +127,50 @@ async def test_three_tabs_and_a_phone_in_one_browser_each_live_on_one_connection
         await context.close()
     await wait_for(lambda: web.bus.count() == 0, timeout=5, what="subscriptions removed after the tabs closed")
     await wait_for(lambda: web.quotas.in_use("streams", ANONYMOUS) == 0, timeout=5, what="every stream ended")
+
+
+async def test_a_tab_resumes_messages_and_extension_ui_from_one_cursor(web_config: Any, browser: Any) -> None:
+    """The server restarts under an open tab: its one stream reconnects with `x-uibus-since` set to
+    the highest seq it had — here an extension-UI status's, newer than its last message, as both
+    are stamped in the one session log — and gets what it missed of both, once, not a snapshot."""
+    from tests.conftest import running
+
+    sent: list[dict[str, str]] = []
+    session = "resume-tab"
+    md = (("x-uibus-session", session),)
+    context = await browser.new_context(viewport={"width": 1100, "height": 700})
+    try:
+        async with running(web_config) as app, Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            page = await context.new_page()
+            page.on("request", lambda r: sent.append(r.headers) if r.url.endswith("WebviewService/Subscribe")
+                    else None)
+            await page.goto(f"http://127.0.0.1:{app.http_port}/?session={session}")
+            await page.wait_for_selector('#status[data-state="live"]', timeout=5000)
+            await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=1, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                                      text="before"))
+            await page.wait_for_selector("[data-ts='1']", timeout=3000)
+            agent = ext_grpc.ExtensionUiServiceStub(conn.channel)
+            await agent.SetStatus(ext.SetStatusRequest(key="build", text="one"), metadata=md)
+            await page.wait_for_selector('#statuses [data-key="build"]:text("one")', timeout=3000)
+            shown = await app.core.feed.log.read(session)
+            cursor = shown.head
+            assert cursor > max(e.seq for e in shown.entries if e.kind == "message")  # the status's seq
+        async with running(web_config) as app, Connection(f"127.0.0.1:{app.port}", session=session) as conn:
+            agent = ext_grpc.ExtensionUiServiceStub(conn.channel)
+            await agent.SetStatus(ext.SetStatusRequest(key="build", text="two"), metadata=md)
+            await conn.host.PublishPartialMessage(ui_pb2.ClineMessage(ts=2, type=ui_pb2.SAY, say=ui_pb2.TEXT,
+                                                                      text="while away"))
+            asking = asyncio.ensure_future(agent.Confirm(ext.ConfirmRequest(title="Still there?"), metadata=md))
+            await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
+            await page.wait_for_selector("[data-ts='2']", timeout=5000)
+            await page.wait_for_selector('#statuses [data-key="build"]:text("two")', timeout=5000)
+            await page.wait_for_selector('.dialog[data-kind="confirm"]', timeout=5000)
+            assert any(h.get("x-uibus-since") == str(cursor) for h in sent), (cursor, sent)  # resumed
+            await asyncio.sleep(0.3)  # anything shown twice would be by now
+            assert await page.locator("#messages .msg").count() == 2
+            assert await page.locator("#statuses [data-key]").count() == 1
+            assert await page.locator(".dialog").count() == 1
+            await page.click('.dialog button:text("Yes")')
+            assert (await asyncio.wait_for(asking, 5)).confirmed
+    finally:
+        await context.close()
