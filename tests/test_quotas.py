@@ -103,6 +103,34 @@ def md(token: str, session: str | None = None) -> tuple[tuple[str, str], ...]:
     return (*out, ("x-uibus-session", session)) if session else out
 
 
+async def test_the_pages_listing_is_a_watch_of_its_tenant(tenants: App) -> None:
+    """A page follows the sessions listing on its one WebviewService stream (`sessions`): it is held
+    against the same `watches` quota as WatchSessions, refused when the tenant is at its limit, and
+    the same stream without the listing is not refused."""
+    from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.port}") as ch:
+        api = sessions_pb2_grpc.SessionServiceStub(ch)
+        webview = webview_pb2_grpc.WebviewServiceStub(ch)
+        page = webview.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id="p1", sessions=True),
+                                 metadata=md("a-token", "team-a-1"))
+        assert (await asyncio.wait_for(page.read(), 10)).HasField("sessions")
+        watch = api.WatchSessions(pb.ListSessionsRequest(), metadata=md("a-token"))
+        await asyncio.wait_for(watch.read(), 10)
+        assert tenants.quotas.in_use("watches", A) == 2
+        refused = webview.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id="p2", sessions=True),
+                                    metadata=md("a-token", "team-a-1"))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(refused.read(), 10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "quota watches" in (err.value.details() or "")
+        plain = webview.Subscribe(webview_pb2.WebviewSubscribeRequest(client_id="p3"),
+                                  metadata=md("a-token", "team-a-1"))
+        await asyncio.wait_for(plain.initial_metadata(), 10)  # subscribed: no listing, no watch
+        for call in (page, watch, plain):
+            call.cancel()
+    await wait_for(lambda: tenants.quotas.in_use("watches", A) == 0, timeout=5, what="the watches given back")
+
+
 async def test_watches_and_sessions_per_minute_per_tenant(tenants: App) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{tenants.port}") as ch:
         api = sessions_pb2_grpc.SessionServiceStub(ch)

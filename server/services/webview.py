@@ -75,15 +75,15 @@ async def _extension_ui(dialogs: Dialogs, session: str, since: int | None) -> As
 
 
 async def _listing(watch: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
-    """The listing has no subscription to wait for: live at once; what it starts with is the first list."""
-    yield LIVE
-    first = True
+    """The listing has no subscription to wait for: it is live once its first list is made (the
+    `watches` quota held, so a refusal comes before the headers), which is all it starts with."""
     async with contextlib.aclosing(watch) as listings:
+        first = await anext(listings)
+        yield LIVE
+        yield webview_pb2.WebviewEvent(source=SESSIONS, sessions=first)
+        yield REPLAY_END
         async for listed in listings:
             yield webview_pb2.WebviewEvent(source=SESSIONS, sessions=listed)
-            if first:
-                first = False
-                yield REPLAY_END
 
 
 class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
@@ -114,8 +114,8 @@ class WebviewService(webview_pb2_grpc.WebviewServiceServicer):
             if self.sessions is None or self.visible_of is None:
                 raise Unimplemented("this server has no sessions listing to carry (sessions)")
             metadata = context.invocation_metadata()
-            sources.append(_listing(self.sessions.watch_held(self.visible_of(metadata), self.quotas,
-                                                                  self.tenant_of(metadata))))
+            visible, tenant = self.visible_of(metadata), self.tenant_of(metadata)
+            sources.append(_listing(self.sessions.watch_held(visible, self.quotas, tenant)))
         return sources
 
     async def _ui(self, session: str, stream: UiStream, target: str,
