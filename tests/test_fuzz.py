@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import functools
+import itertools
 import json
 import math
 import os
@@ -702,6 +703,7 @@ def test_acp_websocket(server: Server, report: Callable[[str], None]) -> None:
     counts: Counter[str] = Counter()
     url = f"ws://127.0.0.1:{server.http_port}/acp"
     socket: list[Any] = []
+    sentinels = itertools.count()
 
     def ws() -> Any:
         if not socket:
@@ -717,12 +719,26 @@ def test_acp_websocket(server: Server, report: Callable[[str], None]) -> None:
     def prop(frame: str) -> None:
         sock = ws()
         sock.send(frame.encode("utf-8", "surrogatepass").decode("utf-8", "replace"))
-        try:  # an answer, if the frame gets one at once (notifications and responses get none)
-            while True:
-                _acp_answer(sock.recv(timeout=0.3), frame, counts)
-        except TimeoutError:
+        # A request of a method nobody serves follows each frame: its answer (-32601, at once) shows the
+        # socket is still open and served, and bounds the wait for the frame's own answer without a
+        # timeout per case (notifications and responses get none). A request the frame made that runs
+        # longer may answer after it; that answer is checked in a later case or at the end.
+        sentinel = f"fz-sentinel-{next(sentinels)}"
+        sock.send(json.dumps({"jsonrpc": "2.0", "id": sentinel, "method": "fuzz/sentinel"}))
+        answered = False
+        while True:
+            try:
+                raw = sock.recv(timeout=5)
+            except TimeoutError:
+                raise AssertionError(f"no answer to the sentinel after {frame[:300]!r}") from None
+            obj = strict_json(raw)
+            if isinstance(obj, dict) and obj.get("id") == sentinel:
+                assert obj.get("error", {}).get("code") == -32601, obj
+                break
+            _acp_answer(raw, frame, counts)
+            answered = True
+        if not answered:
             counts["no answer"] += 1
-        sock.ping().wait(5)  # the socket is still open and served
 
     try:
         _run(server, report, "/acp WebSocket (hypothesis)", prop, counts)
