@@ -52,6 +52,7 @@ from uibus.tasks import Tasks, caller_cancelled, cancel_and_wait
 log = logging.getLogger("uibus.editors")
 
 PROTOCOL_VERSION = 1
+CURSOR_KEY = "uibus/since"  # session/resume's `_meta` cursor: the highest `uibus/seq` the editor has
 MAX_SESSIONS = 64  # sessions one editor connection may hold at once
 DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
 LIST_PAGE = 100  # sessions per session/list answer

@@ -9,7 +9,10 @@ The wire, as the SDK's own server (`AcpServer`, experimental/server) answers it:
 * every later message is a `POST` with that header (and `Acp-Session-Id` when it concerns a
   session: required for session methods, equal to `params.sessionId`), answered `202`; what the
   agent says comes on SSE streams the client holds open with `GET` (`Accept: text/event-stream`):
-  one for the connection, one per session (`Acp-Session-Id`). A response goes where its request
+  one for the connection, one per session (`Acp-Session-Id`). Every event has an `id:`; a client
+  whose stream broke reconnects with `GET` and `Last-Event-ID` and gets exactly the events after
+  it, once, in order, then live (uibus.transports.sse keeps the recent ones: an id older than that
+  is 410, one the stream never gave 404, never a silent hole). A response goes where its request
   came from (`session/load`'s to the connection, as the SDK routes it), a request or notification
   naming a session to that session's stream, the rest to the connection's. What waits for a reader
   is kept (bounded: a connection that lets more pile up is closed);
@@ -34,7 +37,7 @@ from typing import Any
 import grpc
 
 from uibus.auth import Tokens, bearer
-from uibus.editors.agent import Editor
+from uibus.editors.agent import CURSOR_KEY, Editor
 from uibus.editors.uplink import Uplink
 from uibus.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
 from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
@@ -63,6 +66,7 @@ CONNECTION = b"acp-connection-id"
 SESSION = b"acp-session-id"
 MAX_CONNECTIONS = 256  # HTTP connections open at once; more are refused 503
 MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # bytes of events waiting for a reader on one connection; more cut it
+MAX_SESSION_STREAMS = 128  # session streams one connection keeps (with their replay logs)
 MAX_ROUTES = 128  # requests of one connection awaiting their answer (the Editor runs at most 64 at once)
 MAX_GONE = 256  # connections cut for not reading, remembered to tell their next request why
 IDLE_S = 300.0  # a connection with no stream open and nothing posted this long is closed
@@ -113,6 +117,10 @@ class HttpConnection:
             return self.outbox
         found = self.sessions.get(session)
         if found is None:
+            if len(self.sessions) >= MAX_SESSION_STREAMS:  # the oldest read-out one goes (its replay log with it)
+                old = next((k for k, q in self.sessions.items() if not q.reading and not q.queue), None)
+                if old is not None:
+                    del self.sessions[old]
             found = self.sessions[session] = sse.Queue(self.budget)
         return found
 
@@ -360,6 +368,15 @@ class AcpHttp:
         if stream.reading:
             await respond(send, 409, "Outbound stream already has an active receiver")
             return
+        resumed = header(scope, b"last-event-id")
+        if resumed:  # the client lost this stream: exactly what it missed first (uibus.transports.sse)
+            try:
+                stream.resume(resumed)
+            except sse.ResumeError as exc:
+                await respond(send, 410 if isinstance(exc, sse.TooOld) else 404,
+                              f"{exc}: session/load the session, or session/resume it with "
+                              f"_meta {{\"{CURSOR_KEY}\": <the last seq you have>}}")
+                return
         stream.reading = True
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
@@ -370,7 +387,9 @@ class AcpHttp:
             gone.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone
-            if session is not None and not stream.queue and conn.sessions.get(session) is stream:
+            # A stream that never carried an event goes (any header makes one); one that did stays
+            # with the connection, its ids and replay log kept for a client that resumes it.
+            if session is not None and not stream.ids.last and conn.sessions.get(session) is stream:
                 conn.sessions.pop(session, None)
             conn.touched = time.monotonic()
 

@@ -1,14 +1,21 @@
 """Server-sent events, once, for every SSE uibus writes: `/acp` over HTTP (uibus.transports.acp_http)
-and `/mcp` (uibus.transports.mcp_http).
+and `/mcp` (uibus.transports.mcp_http). The transports translate framing only; what a stream
+keeps, how it is resumed and when it cannot be are decided here, once.
 
-* `frame`: one event as the wire has it, with an `id:` that increases per stream (`Ids`), so a
-  client can name the last one it saw (resumption with Last-Event-ID is a later addition; the ids
-  are there for it);
+* `frame`: one event as the wire has it, with an `id:` that increases per stream: `<n>`, or
+  `<name>.<n>` for a stream whose id must also say which stream it is (MCP's GET names no stream,
+  only the id does);
 * `KEEPALIVE`: the comment that keeps proxies from closing an idle stream;
 * `Budget` and `Queue`: events waiting for a reader, bounded in *bytes* per connection (all its
   streams together). A connection whose client stops reading is cut when the bound is passed —
   `Overflow`, which the transport turns into a clear error — never grown, and never a response
   dropped in silence;
+* the replay log: each `Queue` keeps the events it already handed to a reader, bounded in bytes
+  per stream (`REPLAY_BYTES`, oldest first out), because a write to a connection that just broke
+  is lost without an error. `Queue.resume(after)` (a client's `Last-Event-ID`) puts the events
+  after that id in front of what waits, so the next reader gets exactly the missed ones, once, in
+  order, then live. An id older than the log keeps is `TooOld`, an id the stream never gave is
+  `UnknownId`: an explicit answer, never a silent hole;
 * `pump`: the GET loop that hands a queue's events to the reader, with keep-alives, until the
   queue closes or the client goes away (what it did not take stays for the next reader).
 """
@@ -23,15 +30,16 @@ from typing import Any
 
 KEEPALIVE = b": keep-alive\n\n"
 HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+REPLAY_BYTES = 1024 * 1024  # bytes of delivered events one stream keeps for a client resuming it
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def frame(data: bytes, ident: int | None = None, event: str | None = None) -> bytes:
-    """One event: `data` must be one line (compact JSON is)."""
+def frame(data: bytes, ident: int | str | None = None, event: str | None = None) -> bytes:
+    """One event: `data` must be one line (compact JSON is); b"" is an event with an id only."""
     head = b""
     if ident is not None:
-        head += b"id: %d\n" % ident
+        head += b"id: " + str(ident).encode() + b"\n"
     if event is not None:
         head += b"event: " + event.encode() + b"\n"
     return head + b"data: " + data + b"\n\n"
@@ -52,6 +60,18 @@ class Ids:
 
 class Overflow(Exception):
     """More bytes waited for a reader than the connection's bound: the connection is cut."""
+
+
+class ResumeError(Exception):
+    """A `Last-Event-ID` this stream cannot resume from; the message says why, for the client."""
+
+
+class TooOld(ResumeError):
+    """The events after the id were handed out and have since left the replay log."""
+
+
+class UnknownId(ResumeError):
+    """The id is not one this stream gave (another stream's, a future one, not an id at all)."""
 
 
 class Budget:
@@ -77,21 +97,32 @@ class Budget:
 
 
 class Queue:
-    """One stream's events until its reader takes them, within the connection's `Budget`."""
+    """One stream's events until its reader takes them (within the connection's `Budget`), and
+    the ones it took, for a reader that resumes (within `replay_bytes`)."""
 
-    def __init__(self, budget: Budget) -> None:
+    def __init__(self, budget: Budget, name: str = "", replay_bytes: int = REPLAY_BYTES) -> None:
         self.budget = budget
+        self.name = name  # the stream's part of its event ids ("": the ids are plain numbers)
         self.ids = Ids()
-        self.queue: collections.deque[bytes] = collections.deque()
+        self.queue: collections.deque[tuple[int, bytes]] = collections.deque()  # waiting for a reader
+        self.sent: collections.deque[tuple[int, bytes]] = collections.deque()  # handed out, kept for a resume
+        self.sent_bytes = 0
+        self.replay_bytes = replay_bytes
+        self.floor = 0  # the highest id that left the replay log (resuming from below it is TooOld)
         self.more = asyncio.Event()
         self.reading = False
         self.closed = False
 
+    def ident(self, n: int) -> str:
+        return f"{self.name}.{n}" if self.name else str(n)
+
     def push(self, data: bytes, event: str | None = None) -> None:
         """Queues one event; Overflow (nothing queued) past the budget."""
-        framed = frame(data, self.ids.next(), event)
+        n = self.ids.last + 1
+        framed = frame(data, self.ident(n), event)
         self.budget.take(len(framed))
-        self.queue.append(framed)
+        self.ids.next()
+        self.queue.append((n, framed))
         self.more.set()
 
     def close(self) -> None:
@@ -99,30 +130,73 @@ class Queue:
         self.more.set()
 
     def drop(self) -> None:
-        """Forgets what waits (the connection is gone), giving its bytes back."""
+        """Forgets what waits and what was sent (the connection is gone), giving its bytes back."""
         while self.queue:
-            self.budget.give(len(self.queue.popleft()))
+            self.budget.give(len(self.queue.popleft()[1]))
+        self.sent.clear()
+        self.sent_bytes = 0
+        self.floor = self.ids.last
+
+    def position(self, last_event_id: str) -> int:
+        """The number of the event a client's `Last-Event-ID` names on this stream (UnknownId if
+        the stream never gave it)."""
+        name, _, number = last_event_id.strip().rpartition(".")
+        if name != self.name or not number.isdigit() or len(number) > 18 or int(number) > self.ids.last:
+            raise UnknownId(f"Last-Event-ID {last_event_id[:80]!r} is not an event of this stream")
+        return int(number)
+
+    def resume(self, last_event_id: str) -> None:
+        """The next reader starts after `last_event_id`: the events it missed (handed to a reader
+        that went away) go back in front of what waits, in order, each once."""
+        after = self.position(last_event_id)
+        if after < self.floor:
+            raise TooOld(f"the events after {last_event_id[:80]} are no longer kept (a stream keeps the newest "
+                         f"{self.replay_bytes} bytes of events it sent; the oldest kept follows "
+                         f"{self.ident(self.floor)})")
+        back = []
+        while self.sent and self.sent[-1][0] > after:
+            n, framed = self.sent.pop()
+            self.sent_bytes -= len(framed)
+            back.append((n, framed))
+        for n, framed in back:  # newest first, so the oldest ends in front
+            self.budget.used += len(framed)
+            self.queue.appendleft((n, framed))
+        if back:
+            self.more.set()
+
+    def _sent(self, n: int, framed: bytes) -> None:
+        self.sent.append((n, framed))
+        self.sent_bytes += len(framed)
+        while self.sent_bytes > self.replay_bytes and len(self.sent) > 1:
+            gone, old = self.sent.popleft()
+            self.sent_bytes -= len(old)
+            self.floor = gone
 
     async def take(self, patience: float) -> bytes | None:
-        """The next event; b"" after `patience` seconds of nothing; None once closed."""
+        """The next event; b"" after `patience` seconds of nothing; None once closed and read."""
         if not self.queue and not self.closed:
             self.more.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.more.wait(), patience)
         if self.queue:
-            framed = self.queue.popleft()
+            n, framed = self.queue.popleft()
             self.budget.give(len(framed))
+            self._sent(n, framed)
             return framed
         return None if self.closed else b""
 
     def put_back(self, framed: bytes) -> None:
-        """An event taken but not delivered (the reader went away): first for the next reader."""
-        self.budget.used += len(framed)
-        self.queue.appendleft(framed)
+        """The event `take` just gave, not delivered (the reader went away): first for the next reader."""
+        if self.sent and self.sent[-1][1] is framed:
+            n, _ = self.sent.pop()
+            self.sent_bytes -= len(framed)
+            self.budget.used += len(framed)
+            self.queue.appendleft((n, framed))
 
 
-async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s: float) -> None:
-    """Writes `queue`'s events to an open SSE response until it closes or the client goes (`gone`)."""
+async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s: float, *, end: bool = True) -> None:
+    """Writes `queue`'s events to an open SSE response until it closes or the client goes (`gone`);
+    `end`: the response is ended then (the caller ends it itself otherwise)."""
     while not gone.done():
         taking = asyncio.ensure_future(queue.take(keepalive_s))
         await asyncio.wait((taking, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -137,5 +211,5 @@ async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s:
         if framed is None:
             break
         await send({"type": "http.response.body", "more_body": True, "body": framed or KEEPALIVE})
-    if not gone.done():
+    if end and not gone.done():
         await send({"type": "http.response.body", "body": b""})
