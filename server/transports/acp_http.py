@@ -37,7 +37,8 @@ from typing import Any
 import grpc
 
 from uibus.auth import Tokens, bearer
-from uibus.editors.agent import CURSOR_KEY, Editor
+from uibus.editors.agent import Editor
+from uibus.editors.cursor import CURSOR_KEY
 from uibus.editors.uplink import Uplink
 from uibus.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
 from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
