@@ -366,10 +366,11 @@ class AcpHttp:
             return
         session = header(scope, SESSION) or None
         stream = conn.stream(session)
-        if stream.reading:
+        resumed = header(scope, b"last-event-id")
+        # A client that resumes says it lost its reader, whose end the server may not have seen yet.
+        if not await stream.take_over() if resumed else stream.reading:
             await respond(send, 409, "Outbound stream already has an active receiver")
             return
-        resumed = header(scope, b"last-event-id")
         if resumed:  # the client lost this stream: exactly what it missed first (uibus.transports.sse)
             try:
                 stream.resume(resumed)
@@ -378,13 +379,13 @@ class AcpHttp:
                               f"{exc}: session/load the session, or session/resume it with "
                               f"_meta {{\"{CURSOR_KEY}\": <the last seq you have>}}")
                 return
-        stream.reading = True
+        stop = stream.begin_reading()
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-            await sse.pump(stream, send, gone, KEEPALIVE_S)
+            await sse.pump(stream, send, gone, KEEPALIVE_S, stop)
         finally:
-            stream.reading = False
+            stream.end_reading()
             gone.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone

@@ -83,6 +83,7 @@ class McpHttp:
         self.max_body = max_body
         self.keepalive_s = keepalive_s
         self.resume_s = RESUME_S
+        self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
         self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
 
     def _sweep(self) -> None:
@@ -186,6 +187,7 @@ class McpHttp:
                              request.error if isinstance(request, Rejected) else None, posted_gone)
         exchange.authorization = header(scope, b"authorization")
         exchange.registry = self.streams
+        exchange.replay_bytes = self.replay_bytes
 
         async def gone() -> None:
             """The client went away: at once when no event stream was open; else once no reader has
@@ -218,7 +220,7 @@ class McpHttp:
                           protocol.INVALID_REQUEST)), "application/json")
             return
         stream = found.stream
-        if stream.reading:
+        if not await stream.take_over():  # the reader it lost, if the server has not seen it go yet
             await respond(send, 409, _json(protocol.error(None, "ABORTED", "this event stream already has a reader",
                                                           protocol.INVALID_REQUEST)), "application/json")
             return
@@ -279,6 +281,7 @@ class _Exchange:
         self.posted_gone = posted_gone  # the POST's client went away
         self.authorization = ""  # the POST's, which a resuming GET must carry too
         self.registry: dict[str, _Exchange] = {}
+        self.replay_bytes = sse.REPLAY_BYTES
         self.reply: Reply | None = None
         self.streaming = False
         self.done = False
@@ -294,7 +297,7 @@ class _Exchange:
         if not self.streamable or self.streaming:
             return
         self.streaming = True
-        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12))
+        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes)
         self.registry[self.stream.name] = self
         self.stream.push(b"")
         await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
@@ -303,12 +306,12 @@ class _Exchange:
     async def read(self, send: Send, gone: asyncio.Future[Any]) -> None:
         """One reader of the stream (the POST, or a GET resuming it) until it ends or its client goes."""
         assert self.stream is not None
-        self.stream.reading = True
+        stop = self.stream.begin_reading()
         self._readers.set()
         try:
-            await sse.pump(self.stream, send, gone, self.keepalive_s)
+            await sse.pump(self.stream, send, gone, self.keepalive_s, stop)
         finally:
-            self.stream.reading = False
+            self.stream.end_reading()
             self._readers.set()
 
     async def abandoned(self, patience: float) -> None:

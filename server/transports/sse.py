@@ -112,6 +112,29 @@ class Queue:
         self.more = asyncio.Event()
         self.reading = False
         self.closed = False
+        self._stop = asyncio.Event()  # set: the current reader is to stop (a resuming one takes over)
+        self._idle = asyncio.Event()  # set while no reader reads
+        self._idle.set()
+
+    def begin_reading(self) -> asyncio.Event:
+        """A reader starts; the event it gets is set when it is to stop."""
+        self.reading = True
+        self._idle.clear()
+        self._stop = asyncio.Event()
+        return self._stop
+
+    def end_reading(self) -> None:
+        self.reading = False
+        self._idle.set()
+
+    async def take_over(self, patience: float = 5.0) -> bool:
+        """Stops the current reader, if any, for a client that resumes: it says it lost that
+        connection, whose end the server may not have seen yet. False if it did not stop in time."""
+        if self.reading:
+            self._stop.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), patience)
+        return not self.reading
 
     def ident(self, n: int) -> str:
         return f"{self.name}.{n}" if self.name else str(n)
@@ -194,22 +217,27 @@ class Queue:
             self.queue.appendleft((n, framed))
 
 
-async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s: float, *, end: bool = True) -> None:
-    """Writes `queue`'s events to an open SSE response until it closes or the client goes (`gone`);
-    `end`: the response is ended then (the caller ends it itself otherwise)."""
-    while not gone.done():
-        taking = asyncio.ensure_future(queue.take(keepalive_s))
-        await asyncio.wait((taking, gone), return_when=asyncio.FIRST_COMPLETED)
-        if gone.done():  # the client went away: what it did not take stays for the next reader
-            taking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await taking
-            if taking.done() and not taking.cancelled() and taking.result():
-                queue.put_back(taking.result())  # type: ignore[arg-type]
-            return
-        framed = taking.result()
-        if framed is None:
-            break
-        await send({"type": "http.response.body", "more_body": True, "body": framed or KEEPALIVE})
-    if end and not gone.done():
+async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s: float,
+               stop: asyncio.Event | None = None) -> None:
+    """Writes `queue`'s events to an open SSE response until it closes, the client goes (`gone`)
+    or another reader takes over (`stop`, from `Queue.begin_reading`)."""
+    stopping = asyncio.ensure_future(stop.wait()) if stop is not None else asyncio.get_running_loop().create_future()
+    try:
+        while not gone.done() and not stopping.done():
+            taking = asyncio.ensure_future(queue.take(keepalive_s))
+            await asyncio.wait((taking, gone, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if gone.done() or stopping.done():  # what this reader did not take stays for the next one
+                taking.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await taking
+                if taking.done() and not taking.cancelled() and taking.result():
+                    queue.put_back(taking.result())  # type: ignore[arg-type]
+                break
+            framed = taking.result()
+            if framed is None:
+                break
+            await send({"type": "http.response.body", "more_body": True, "body": framed or KEEPALIVE})
+    finally:
+        stopping.cancel()
+    if not gone.done():
         await send({"type": "http.response.body", "body": b""})
