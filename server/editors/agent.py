@@ -8,7 +8,7 @@ answer), `session/resume` attaches without the replay — or, given a cursor (`_
 `{"uibus/since": <seq>}`, or the v2 draft's `replayFrom: {"type": "start"}`), replays exactly
 what the session log holds after it, then goes live on the same subscription —, `session/close`
 detaches this editor only. Every update that comes from the session log carries its position in
-`_meta` (`uibus/seq`), and the answers to session/new, load, resume and prompt carry the highest
+`_meta` (`uibus/seq`), and the answers to session/load, resume and prompt carry the highest
 one the editor has been shown, so an editor always knows the cursor to resume from.
 A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
 (a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names

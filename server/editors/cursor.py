@@ -2,7 +2,7 @@
 (namespaced keys, which ACP reserves `_meta` for):
 
 * `uibus/seq` on a `session/update` (in the notification's `_meta`): the log position of the
-  message the update comes from; on the answers to session/new, load, resume and prompt: the
+  message the update comes from; on the answers to session/load, resume and prompt: the
   highest position the editor has been shown (its own turn's messages stream from the call, so
   the prompt's answer is where it learns how far they went);
 * `uibus/since` in session/resume's `_meta`: the cursor, the highest `uibus/seq` the editor has;
