@@ -286,3 +286,40 @@ async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_th
             for ed in (one, other, later):
                 if ed is not None and ed.proc.returncode is None:
                     await ed.close()
+
+
+async def test_replay_logs_are_bounded_per_stream_and_per_group_oldest_first() -> None:
+    """The SSE writer's replay log (uibus.transports.sse): each stream keeps at most its own bound, a
+    group of streams (a connection's, /mcp's) at most the group's, the oldest streams' events going
+    first; what is resumed past the log is TooOld, and an event taken but not delivered is never lost."""
+    from uibus.transports import sse
+
+    group = sse.Replay(600)
+    old, new = sse.Queue(sse.Budget(10_000), "old", 600, group), sse.Queue(sse.Budget(10_000), "new", 600, group)
+    for queue in (old, new):
+        for _ in range(5):
+            queue.push(b"x" * 90)  # 108 bytes framed
+            assert await queue.take(0) is not None
+    assert group.used <= 600 and old.sent_bytes + new.sent_bytes == group.used
+    for _ in range(5):
+        new.push(b"y" * 90)
+        await new.take(0)
+    assert not old.sent and new.sent_bytes <= 600 < new.sent_bytes + 110  # the old stream's log went first
+    with pytest.raises(sse.TooOld):
+        old.resume("old.4")
+    with pytest.raises(sse.UnknownId):
+        new.resume("old.4")
+    new.resume(new.ident(new.floor))  # from the oldest kept: exactly what follows, in order
+    again = [await new.take(0) for _ in range(len(new.queue))]
+    assert [f.split(b"\n")[0] for f in again] == [b"id: new.%d" % n for n in range(new.floor + 1, 11)]
+    # taken, then trimmed by another stream of the group before it was written: it waits again
+    new.push(b"z")
+    taken = await new.take(0)
+    assert taken is not None
+    while new.sent:
+        new.trim_one()
+    new.put_back(taken)
+    assert await new.take(0) == taken and new.floor == new.ids.last - 1
+    group.remove(old)
+    group.remove(new)
+    assert group.used == 0

@@ -67,6 +67,7 @@ CONNECTION = b"acp-connection-id"
 SESSION = b"acp-session-id"
 MAX_CONNECTIONS = 256  # HTTP connections open at once; more are refused 503
 MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # bytes of events waiting for a reader on one connection; more cut it
+MAX_REPLAY_BYTES = 4 * 1024 * 1024  # bytes of sent events one connection's streams keep for a resume (each 1 MiB)
 MAX_SESSION_STREAMS = 128  # session streams one connection keeps (with their replay logs)
 MAX_ROUTES = 128  # requests of one connection awaiting their answer (the Editor runs at most 64 at once)
 MAX_GONE = 256  # connections cut for not reading, remembered to tell their next request why
@@ -99,7 +100,8 @@ class HttpConnection:
         self.authorization = authorization
         self.editor = Editor(uplink, _unused_write, prefix=prefix, write_message=self.write)
         self.budget = sse.Budget(max_buffered)
-        self.outbox = sse.Queue(self.budget)  # the connection's stream
+        self.replay = sse.Replay(MAX_REPLAY_BYTES)  # what its streams keep for a client resuming one
+        self.outbox = sse.Queue(self.budget, replay=self.replay)  # the connection's stream
         self.sessions: dict[str, sse.Queue] = {}
         # A client request's id -> the session its answer goes to; keyed when the request is taken
         # and popped by its answer (every request the Editor takes is answered once, with its id).
@@ -121,8 +123,8 @@ class HttpConnection:
             if len(self.sessions) >= MAX_SESSION_STREAMS:  # the oldest read-out one goes (its replay log with it)
                 old = next((k for k, q in self.sessions.items() if not q.reading and not q.queue), None)
                 if old is not None:
-                    del self.sessions[old]
-            found = self.sessions[session] = sse.Queue(self.budget)
+                    self.replay.remove(self.sessions.pop(old))
+            found = self.sessions[session] = sse.Queue(self.budget, replay=self.replay)
         return found
 
     def idle(self, now: float) -> bool:
@@ -392,6 +394,6 @@ class AcpHttp:
             # A stream that never carried an event goes (any header makes one); one that did stays
             # with the connection, its ids and replay log kept for a client that resumes it.
             if session is not None and not stream.ids.last and conn.sessions.get(session) is stream:
-                conn.sessions.pop(session, None)
+                conn.replay.remove(conn.sessions.pop(session))
             conn.touched = time.monotonic()
 

@@ -69,6 +69,7 @@ KEEPALIVE_S = 15.0
 RESUME_S = 30.0  # a call whose stream broke waits this long for a resume; an ended stream is kept as long
 MAX_STREAMS = 1024  # ended streams kept for a late resume (the oldest go first past it)
 MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # events of one call waiting for a reader; more and the call is cut
+MAX_REPLAY_BYTES = 64 * 1024 * 1024  # sent events all calls' streams keep for a resume (each at most 1 MiB)
 _AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
 
 
@@ -85,6 +86,7 @@ class McpHttp:
         self.resume_s = RESUME_S
         self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
         self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
+        self.replay = sse.Replay(MAX_REPLAY_BYTES)  # their replay logs, together: the oldest streams' go first
 
     def _sweep(self) -> None:
         """Forgets the streams of calls that ended more than `resume_s` ago (and the oldest ended
@@ -96,6 +98,8 @@ class McpHttp:
             if (now - x.ended_at > self.resume_s or len(self.streams) > MAX_STREAMS  # type: ignore[operator]
                     or (x.session_id is not None and self.server.ended(x.session_id))):
                 del self.streams[key]
+                if x.stream is not None:
+                    self.replay.remove(x.stream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -187,7 +191,7 @@ class McpHttp:
                              request.error if isinstance(request, Rejected) else None, posted_gone)
         exchange.authorization = header(scope, b"authorization")
         exchange.registry = self.streams
-        exchange.replay_bytes = self.replay_bytes
+        exchange.replay_bytes, exchange.replay = self.replay_bytes, self.replay
 
         async def gone() -> None:
             """The client went away: at once when no event stream was open; else once no reader has
@@ -282,6 +286,7 @@ class _Exchange:
         self.authorization = ""  # the POST's, which a resuming GET must carry too
         self.registry: dict[str, _Exchange] = {}
         self.replay_bytes = sse.REPLAY_BYTES
+        self.replay: sse.Replay | None = None
         self.reply: Reply | None = None
         self.streaming = False
         self.done = False
@@ -297,7 +302,8 @@ class _Exchange:
         if not self.streamable or self.streaming:
             return
         self.streaming = True
-        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes)
+        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes,
+                                self.replay)
         self.registry[self.stream.name] = self
         self.stream.push(b"")
         await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})

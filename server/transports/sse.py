@@ -10,9 +10,10 @@ keeps, how it is resumed and when it cannot be are decided here, once.
   streams together). A connection whose client stops reading is cut when the bound is passed —
   `Overflow`, which the transport turns into a clear error — never grown, and never a response
   dropped in silence;
-* the replay log: each `Queue` keeps the events it already handed to a reader, bounded in bytes
-  per stream (`REPLAY_BYTES`, oldest first out), because a write to a connection that just broke
-  is lost without an error. `Queue.resume(after)` (a client's `Last-Event-ID`) puts the events
+* the replay log: each `Queue` keeps the events it already handed to a reader, because a write
+  to a connection that just broke is lost without an error; bounded in bytes per stream
+  (`REPLAY_BYTES`) and per group of streams (`Replay`: a connection's, an endpoint's), the oldest
+  events of the oldest streams out first. `Queue.resume(after)` (a client's `Last-Event-ID`) puts the events
   after that id in front of what waits, so the next reader gets exactly the missed ones, once, in
   order, then live. An id older than the log keeps is `TooOld`, an id the stream never gave is
   `UnknownId`: an explicit answer, never a silent hole;
@@ -96,12 +97,40 @@ class Budget:
         self.used -= size
 
 
+class Replay:
+    """The bytes the replay logs of a group of streams keep together. Past `limit` the oldest
+    events of the oldest streams go first (a stream keeps its newest event while it pushes)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.queues: dict[int, Queue] = {}  # by id, oldest first
+
+    def add(self, queue: Queue) -> None:
+        self.queues[id(queue)] = queue
+
+    def remove(self, queue: Queue) -> None:
+        """`queue` is forgotten: its log's bytes are given back."""
+        if self.queues.pop(id(queue), None) is not None:
+            queue.forget_sent()
+
+    def trim(self, keep: Queue) -> None:
+        for queue in list(self.queues.values()):
+            while self.used > self.limit and queue.sent and (queue is not keep or len(queue.sent) > 1):
+                queue.trim_one()
+            if self.used <= self.limit:
+                return
+
+
 class Queue:
     """One stream's events until its reader takes them (within the connection's `Budget`), and
-    the ones it took, for a reader that resumes (within `replay_bytes`)."""
+    the ones it took, for a reader that resumes (within `replay_bytes`, and its group's `Replay`)."""
 
-    def __init__(self, budget: Budget, name: str = "", replay_bytes: int = REPLAY_BYTES) -> None:
+    def __init__(self, budget: Budget, name: str = "", replay_bytes: int = REPLAY_BYTES,
+                 replay: Replay | None = None) -> None:
         self.budget = budget
+        self.replay = replay if replay is not None else Replay(replay_bytes)
+        self.replay.add(self)
         self.name = name  # the stream's part of its event ids ("": the ids are plain numbers)
         self.ids = Ids()
         self.queue: collections.deque[tuple[int, bytes]] = collections.deque()  # waiting for a reader
@@ -109,6 +138,7 @@ class Queue:
         self.sent_bytes = 0
         self.replay_bytes = replay_bytes
         self.floor = 0  # the highest id that left the replay log (resuming from below it is TooOld)
+        self._taken = 0  # the id `take` gave last (`put_back` takes it back)
         self.more = asyncio.Event()
         self.reading = False
         self.closed = False
@@ -156,9 +186,20 @@ class Queue:
         """Forgets what waits and what was sent (the connection is gone), giving its bytes back."""
         while self.queue:
             self.budget.give(len(self.queue.popleft()[1]))
+        self.forget_sent()
+
+    def forget_sent(self) -> None:
+        self.replay.used -= self.sent_bytes
         self.sent.clear()
         self.sent_bytes = 0
         self.floor = self.ids.last
+
+    def trim_one(self) -> None:
+        """The oldest event of the replay log goes: resuming from before it is TooOld from now."""
+        gone, old = self.sent.popleft()
+        self.sent_bytes -= len(old)
+        self.replay.used -= len(old)
+        self.floor = gone
 
     def position(self, last_event_id: str) -> int:
         """The number of the event a client's `Last-Event-ID` names on this stream (UnknownId if
@@ -180,6 +221,7 @@ class Queue:
         while self.sent and self.sent[-1][0] > after:
             n, framed = self.sent.pop()
             self.sent_bytes -= len(framed)
+            self.replay.used -= len(framed)
             back.append((n, framed))
         for n, framed in back:  # newest first, so the oldest ends in front
             self.budget.used += len(framed)
@@ -190,10 +232,11 @@ class Queue:
     def _sent(self, n: int, framed: bytes) -> None:
         self.sent.append((n, framed))
         self.sent_bytes += len(framed)
+        self.replay.used += len(framed)
         while self.sent_bytes > self.replay_bytes and len(self.sent) > 1:
-            gone, old = self.sent.popleft()
-            self.sent_bytes -= len(old)
-            self.floor = gone
+            self.trim_one()
+        if self.replay.used > self.replay.limit:
+            self.replay.trim(self)
 
     async def take(self, patience: float) -> bytes | None:
         """The next event; b"" after `patience` seconds of nothing; None once closed and read."""
@@ -204,17 +247,22 @@ class Queue:
         if self.queue:
             n, framed = self.queue.popleft()
             self.budget.give(len(framed))
+            self._taken = n
             self._sent(n, framed)
             return framed
         return None if self.closed else b""
 
     def put_back(self, framed: bytes) -> None:
         """The event `take` just gave, not delivered (the reader went away): first for the next reader."""
+        n = self._taken
         if self.sent and self.sent[-1][1] is framed:
-            n, _ = self.sent.pop()
+            self.sent.pop()
             self.sent_bytes -= len(framed)
-            self.budget.used += len(framed)
-            self.queue.appendleft((n, framed))
+            self.replay.used -= len(framed)
+        elif self.floor == n:  # trimmed from the replay log meanwhile: it waits again, so it is not gone
+            self.floor = n - 1
+        self.budget.used += len(framed)
+        self.queue.appendleft((n, framed))
 
 
 async def pump(queue: Queue, send: Send, gone: asyncio.Future[Any], keepalive_s: float,
