@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -105,6 +106,84 @@ async def test_mcp_ts_sdk_resumes_a_tool_calls_stream_with_its_resumption_token(
     assert numbers == list(range(1, 31))  # every piece once, in order
     assert "".join(p["message"] for p in before + after) == text
     assert 'You said: "resume me please"' in text
+    await wait_for(lambda: _gauge(app, "uibus_mcp_calls_in_flight") == 0, 5, what="the call ended")
+
+
+class Cuttable:
+    """A TCP proxy in front of uibus whose connections can be cut (as a network drops them); new
+    connections go through, as after the network is back."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self.links: set[asyncio.StreamWriter] = set()
+        self.requests: list[bytes] = []  # the first bytes of every connection (its request line, headers)
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    async def __aenter__(self) -> Cuttable:
+        self.server = await asyncio.start_server(self._link, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.server.close()
+        self.cut()
+        await self.server.wait_closed()
+
+    async def _link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.links |= {writer, up_writer}
+        first = [True]
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upstream: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if upstream and first[0]:
+                        self.requests.append(data)
+                        first[0] = False
+                    dst.write(data)
+                    await dst.drain()
+            except OSError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(copy(reader, up_writer, True), copy(up_reader, writer, False))
+        self.links -= {writer, up_writer}
+
+    def cut(self) -> None:
+        for writer in list(self.links):
+            writer.transport.abort()
+
+
+@pytest.mark.node
+async def test_mcp_ts_sdk_reconnects_by_itself_after_the_network_dropped_its_stream(app: App) -> None:
+    """The SDK's own reconnection (no token handling by the caller): the connection is cut mid-stream,
+    the call goes on, and the transport's GET with Last-Event-ID gets the rest, each piece once."""
+    need("@modelcontextprotocol/sdk")
+    async with Cuttable(app.http_port) as proxy:
+        url = f"http://127.0.0.1:{proxy.port}/mcp"
+        args = json.dumps({"user_message": {"type": "HUMAN", "text": "through a bad network"},
+                           "sly_data": {"chunks": 30, "delay_ms": 50}})
+        proc = await asyncio.create_subprocess_exec(
+            shutil.which("node") or "node", str(SCRIPT), "call", url, json.dumps({"x-uibus-session": "mcp-cut"}),
+            "hello_world", args, cwd=SCRIPT.parent, stdout=asyncio.subprocess.PIPE,
+            env={**os.environ, "MCP_RETRIES": "3"})
+        client = Node(proc)
+        try:
+            await client.until(lambda lines: sum(x["ev"] == "progress" for x in lines) >= 4)
+            proxy.cut()  # the network drops every connection; the call goes on publishing
+            await client.until(lambda lines: lines[-1]["ev"] in ("result", "error"))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+    assert client.lines[-1]["ev"] == "result", client.lines
+    assert [p["progress"] for p in client.of("progress")] == list(range(1, 31))  # each once, in order
+    text = client.lines[-1]["result"]["content"][0]["text"]
+    assert "".join(p["message"] for p in client.of("progress")) == text
+    resumed = [r for r in proxy.requests if b"\r\nlast-event-id: " in r.lower()]  # (a new connection: all were cut)
+    assert len(resumed) == 1 and resumed[0].startswith(b"GET /mcp "), proxy.requests
     await wait_for(lambda: _gauge(app, "uibus_mcp_calls_in_flight") == 0, 5, what="the call ended")
 
 

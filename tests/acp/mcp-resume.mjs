@@ -10,6 +10,7 @@
 // "message":M}, then {"ev":"result","result":R} or {"ev":"error","message":E}. `resume` first sends
 // pings until its next request id is <request-id> (the SDK's progress token is the request id, and
 // the replayed progress notifications carry the original one), then asks for the call's stream.
+// MCP_RETRIES=n lets the transport reconnect by itself (GET + Last-Event-ID) when its stream breaks.
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
 import { CallToolResultSchema } from "@modelcontextprotocol/sdk/types.js";
@@ -20,8 +21,8 @@ const [mode, url, headers, tool, args, sessionId, token, requestId] = process.ar
 const transport = new StreamableHTTPClientTransport(new URL(url), {
   requestInit: { headers: JSON.parse(headers) },
   sessionId: mode === "resume" ? sessionId : undefined,
-  reconnectionOptions: { initialReconnectionDelay: 200, maxReconnectionDelay: 1000, reconnectionDelayGrowFactor: 1.5,
-                         maxRetries: 0 },
+  reconnectionOptions: { initialReconnectionDelay: 300, maxReconnectionDelay: 1000, reconnectionDelayGrowFactor: 1.5,
+                         maxRetries: Number(process.env.MCP_RETRIES ?? 0) },
 });
 const client = new Client({ name: "uibus-resume-test", version: "1.0.0" });
 client.onerror = (e) => emit({ ev: "transport_error", message: String(e && e.message) });
