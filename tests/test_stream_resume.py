@@ -254,6 +254,10 @@ async def test_mcp_resume_edges_are_answered_never_a_silent_hole(app: App) -> No
         await r.__aexit__(None, None, None)
         assert _gauge(app, "uibus_mcp_calls_in_flight") == 1
         await wait_for(lambda: _gauge(app, "uibus_mcp_calls_in_flight") == 0, 3, what="the abandoned call cancelled")
+        # ended streams are kept resume_s for a late resume, then forgotten with their replay logs
+        await asyncio.sleep(0.4)
+        assert (await http.post(url, json={"jsonrpc": "2.0", "id": 9, "method": "ping"}, headers=headers)).is_success
+        assert app[MCP].streams == {} and app[MCP].replay.used == 0 and not app[MCP].replay.queues
 
 
 async def test_acp_over_http_resumes_a_stream_from_last_event_id(app: App) -> None:
@@ -365,6 +369,7 @@ async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_th
             for ed in (one, other, later):
                 if ed is not None and ed.proc.returncode is None:
                     await ed.close()
+        await wait_for(lambda: app.core.bus.count() == 0, 10, what="every editor's subscriptions ended")
 
 
 async def test_replay_logs_are_bounded_per_stream_and_per_group_oldest_first() -> None:

@@ -410,6 +410,8 @@ class _Exchange:
         if self.stream is not None and not self.stream.closed:  # abandoned: a late resume learns it
             self._end(protocol.error(self.ident, "CANCELLED", "the call's event stream broke and no reader resumed "
                                      "it in time: the call was cancelled"))
+        if self.ended_at is None:  # (a stream that was cut): forgotten like any other
+            self.ended_at = time.monotonic()
         if self._pumping is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._pumping), self.keepalive_s)
