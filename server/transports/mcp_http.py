@@ -195,8 +195,13 @@ class McpHttp:
 
         async def gone() -> None:
             """The client went away: at once when no event stream was open; else once no reader has
-            resumed the stream for `resume_s` (a broken stream is not a cancellation)."""
-            await asyncio.shield(posted_gone)
+            resumed the stream for `resume_s` (a broken stream is not a cancellation). At once
+            when the stream was cut."""
+            cut = asyncio.ensure_future(exchange.was_cut.wait())
+            try:
+                await asyncio.wait((posted_gone, cut), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait(cut)
             if exchange.streaming:
                 await exchange.abandoned(self.resume_s)
 
@@ -293,7 +298,7 @@ class _Exchange:
         self.stream: sse.Queue | None = None
         self.ended_at: float | None = None  # when the call's last event was queued
         self._readers = asyncio.Event()  # a reader came or went, or the stream was cut
-        self._cut = False
+        self.was_cut = asyncio.Event()
         self._pumping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -322,7 +327,7 @@ class _Exchange:
 
     async def abandoned(self, patience: float) -> None:
         """Returns once the stream has had no reader for `patience` seconds (or was cut)."""
-        while not self._cut:
+        while not self.was_cut.is_set():
             self._readers.clear()
             if self.stream is not None and self.stream.reading:
                 await self._readers.wait()
@@ -335,7 +340,7 @@ class _Exchange:
     def cut(self) -> None:
         """The stream cannot go on (its client stopped reading, or asked for events no longer
         kept): it ends, and the call with it."""
-        self._cut = True
+        self.was_cut.set()
         self._readers.set()
         if self.stream is not None:
             self.stream.drop()
