@@ -115,9 +115,11 @@ class Replay:
             queue.forget_sent()
 
     def trim(self, keep: Queue) -> None:
-        for queue in list(self.queues.values()):
+        for key, queue in list(self.queues.items()):
             while self.used > self.limit and queue.sent and (queue is not keep or len(queue.sent) > 1):
                 queue.trim_one()
+            if not queue.sent:  # emptied: to the back, so the next trim does not walk past it again
+                self.queues[key] = self.queues.pop(key)
             if self.used <= self.limit:
                 return
 
