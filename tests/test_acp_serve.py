@@ -55,7 +55,11 @@ class EditorProc:
     async def _read(self) -> None:
         assert self.proc.stdout is not None
         while line := await self.proc.stdout.readline():
-            self.events.append(json.loads(line))
+            event = json.loads(line)
+            result = event.get("result")
+            if isinstance(result, dict) and "_meta" in result:  # the session-log cursor (uibus/seq), kept apart:
+                event["meta"] = result.pop("_meta")  # the tests compare the answers themselves
+            self.events.append(event)
             self.times.append(asyncio.get_running_loop().time())
             self._new.set()
 

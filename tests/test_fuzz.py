@@ -327,7 +327,8 @@ def test_mcp(server: Server, report: Callable[[str], None]) -> None:
             counts["202"] += 1
             return
         if kind.startswith("text/event-stream"):
-            events = [strict_json(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+            # (`data: ` alone: the priming event, an id to resume from before anything is said)
+            events = [strict_json(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ") and line[6:]]
             assert events and ("result" in events[-1] or "error" in events[-1]), \
                 f"the event stream ended without the response: {raw[:500]!r} for {data[:300]!r}"
             answer = events[-1]

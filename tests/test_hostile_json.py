@@ -295,7 +295,7 @@ async def test_row11_enums_are_their_names_and_the_numbers_that_exist(web: App, 
 @pytest.mark.parametrize("method,path,allow", [
     ("TRACE", "/api/v1/list", "GET"), ("POST", "/api/v1/list", "GET"), ("DELETE", "/api/v1/docs", "GET, HEAD"),
     ("GET", "/api/v1/hello_world/streaming_chat", "POST"), ("PUT", "/api/v1/hello_world/function", "GET"),
-    ("POST", "/healthz", "GET, HEAD"), ("PATCH", "/metrics", "GET, HEAD"), ("GET", "/mcp", "POST, DELETE"),
+    ("POST", "/healthz", "GET, HEAD"), ("PATCH", "/metrics", "GET, HEAD"), ("GET", "/mcp", "GET, POST, DELETE"),
 ])
 async def test_row12_405_carries_allow(web: App, http: httpx.AsyncClient, method: str, path: str, allow: str) -> None:
     r = await http.request(method, base(web) + path)

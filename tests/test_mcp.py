@@ -296,7 +296,7 @@ async def test_http_edges_of_the_endpoint(web: App) -> None:
     assert r.status_code == 429 and r.json()["error"]["data"]["status"] == "RESOURCE_EXHAUSTED"
     async with httpx.AsyncClient(timeout=10) as http:
         get = await http.get(url(web))
-        assert get.status_code == 405 and get.headers["allow"] == "POST, DELETE"
+        assert get.status_code == 405 and get.headers["allow"] == "GET, POST, DELETE"  # GET: with Last-Event-ID
         assert (await http.get(url(web) + "/x")).status_code == 404
     # A notification and a client's response are accepted without a body.
     for message in ({"jsonrpc": "2.0", "method": "notifications/initialized"},
@@ -408,6 +408,8 @@ async def test_a_waiting_call_streams_keep_alives_until_the_answer(web: App, web
                                                                    headers=headers) as r:
         assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
         lines = r.aiter_lines()
+        priming = [await anext(lines) for _ in range(3)]  # an id and no data: resumable from the start
+        assert priming[0].startswith("id: ") and priming[0].endswith(".1") and priming[1:] == ["data: ", ""]
         assert await anext(lines) == ": keep-alive"
         event = await next_request(stream)
         await ext(conn).Respond(pb.RespondRequest(id=event.request.id, confirmed=False))

@@ -83,7 +83,8 @@ async def test_a_revoked_tokens_open_streams_end_within_seconds(web_config: Conf
                     await asyncio.wait_for(codebolt.recv(), 5)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == CODEBOLT_REVOKED
                 assert [line async for line in acp_events.aiter_lines() if line.startswith("data:")] == []
-                mcp_events = [json.loads(line[6:]) async for line in mcp.aiter_lines() if line.startswith("data: ")]
+                mcp_events = [json.loads(line[6:]) async for line in mcp.aiter_lines()
+                              if line.startswith("data: ") and line[6:]]  # (not the priming event: no data)
                 await mcp_call.__aexit__(None, None, None)
                 assert mcp_events[-1]["error"]["data"]["status"] == "UNAUTHENTICATED", mcp_events
                 took = asyncio.get_running_loop().time() - started

@@ -4,7 +4,12 @@ WebSocket frames for `/acp`). The way in hands it each incoming message (`receiv
 
 Sessions are uibus sessions, named by their ACP `sessionId`: `session/new` makes a fresh one,
 `session/load` attaches to one in use (its transcript replayed as `session/update`s before the
-answer), `session/resume` attaches without the replay, `session/close` detaches this editor only.
+answer), `session/resume` attaches without the replay — or, given a cursor (`_meta`
+`{"uibus/since": <seq>}`, or the v2 draft's `replayFrom: {"type": "start"}`), replays exactly
+what the session log holds after it, then goes live on the same subscription —, `session/close`
+detaches this editor only. Every update that comes from the session log carries its position in
+`_meta` (`uibus/seq`), and the answers to session/load, resume and prompt carry the highest
+one the editor has been shown, so an editor always knows the cursor to resume from.
 A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
 (a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
 them (uibus.jsonrpc, the one JSON-RPC core).
@@ -26,6 +31,7 @@ import grpc
 from uibus import version
 from uibus.editors import updates
 from uibus.editors.attached import Attached
+from uibus.editors.cursor import GAP_KEY, SEQ_KEY, cursor_of
 from uibus.editors.uplink import Uplink
 from uibus.errors import InvalidArgument
 from uibus.jsonrpc import (
@@ -305,7 +311,7 @@ class Editor:
         elicitation = self.client.get("elicitation")
         return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
 
-    async def _attach(self, name: str, *, replay: bool) -> Attached:
+    async def _attach(self, name: str, *, replay: bool, since: int | None = None) -> Attached:
         """A fresh attachment of `name`, replacing the one this connection held. Each attachment is
         owned by its own object, not by the name: a load and a resume of one session at once each
         detach only what they replaced and remove only themselves (a failed one never takes the
@@ -318,7 +324,7 @@ class Editor:
                             elicitation=self._elicitation())
         self.sessions[name] = attached
         try:
-            await attached.attach(replay=replay)
+            await attached.attach(replay=replay, since=since)
         except BaseException:
             self._forget(attached)
             await attached.detach()
@@ -349,8 +355,16 @@ class Editor:
         return await self._offers(attached)
 
     async def resume(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Attaches; with a cursor, what the session log holds after it comes first. A cursor below
+        the log's floor (retention dropped what follows it) is never a silent hole: the answer's
+        `_meta` says `uibus/gap: true` and the replay is the session's recent history, whole."""
         _cwd(params)
-        return await self._offers(await self._attach(_session_id(params), replay=False))
+        since = cursor_of(params)
+        attached = await self._attach(_session_id(params), replay=since is not None, since=since)
+        answer = await self._offers(attached)
+        if since is not None and attached.gap:
+            answer.setdefault("_meta", {})[GAP_KEY] = True
+        return answer
 
     async def _offers(self, attached: Attached) -> dict[str, Any]:
         """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
@@ -360,7 +374,10 @@ class Editor:
             if update["sessionUpdate"] != "current_mode_update":  # the answer's `modes` says it
                 await attached.update(update)
         offered = updates.modes(state)
-        return {"modes": offered} if offered is not None else {}
+        answer: dict[str, Any] = {"modes": offered} if offered is not None else {}
+        if attached.seq:
+            answer["_meta"] = {SEQ_KEY: attached.seq}
+        return answer
 
     async def set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
         """The hosted agent's mode (its ACP `session/set_mode`), for every UI of the session."""
@@ -442,13 +459,16 @@ class Editor:
             await attached.end_turn(None)
             raise
         await attached.end_turn(final)
+        # The turn's own messages are streamed from the call, not the feed: the answer says how far
+        # the session log has come with them (the cursor a later session/resume gives).
+        meta = {"_meta": {SEQ_KEY: attached.seq}} if attached.seq else {}
         if stop == "refusal" or (final is not None and "(stopReason refusal)" in final):  # (the text: an older uibus)
-            return {"stopReason": "refusal"}
+            return {"stopReason": "refusal", **meta}
         if final is not None and final.startswith("Error from "):  # the agent failed: the turn's answer says so
             await attached.update(updates.chunk("agent_message_chunk", f"\n\n{final}" if streamed else final))
         elif final and not streamed:  # an agent that streams no pieces: its answer at once
             await attached.update(updates.chunk("agent_message_chunk", final))
-        return {"stopReason": stop if stop in PASSED_STOPS else "end_turn"}
+        return {"stopReason": stop if stop in PASSED_STOPS else "end_turn", **meta}
 
     async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool, str]:
         """Streams one turn's updates to the editor; (the final answer, whether reply text streamed,

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from uibus.editors import updates
+from uibus.editors.cursor import SEQ_KEY
 from uibus.editors.uplink import Uplink, each
 from uibus.jsonrpc import INVALID_REQUEST, RpcError
 from uibus.pb.cline import ui_pb2
@@ -54,6 +55,8 @@ class Attached:
         self.tasks = Tasks(f"acp session {name}")
         self.view = updates.FeedView()
         self.replayed = 0  # transcript messages this attach found
+        self.gap = False  # the cursor it resumed from was older than the session's log keeps
+        self.seq = 0  # the highest log position (seq) of the messages the feed showed: the editor's cursor
         self._replay_done = asyncio.Event()
         self.detached = False  # once detached, an attach still waiting gives up
         self._live = asyncio.Event()
@@ -74,10 +77,12 @@ class Attached:
 
     # ---- attach / detach ----
 
-    async def attach(self, *, replay: bool) -> None:
+    async def attach(self, *, replay: bool, since: int | None = None) -> None:
         """Subscribes to the session's feed and dialogs; with `replay` the transcript goes to the
-        editor first. Returns once subscribed (and replayed)."""
-        self._feeding = self.tasks.spawn(self._feed(replay), name=f"acp feed {self.name}")
+        editor first (with `since`, only what changed after that seq: the feed replays from the
+        session log, then goes live on the same subscription, so nothing falls between). Returns
+        once subscribed (and replayed)."""
+        self._feeding = self.tasks.spawn(self._feed(replay, since), name=f"acp feed {self.name}")
         self.tasks.spawn(self._dialogs(), name=f"acp dialogs {self.name}")
         self.tasks.spawn(self._offers(), name=f"acp offers {self.name}")
         await self._replay_done.wait()
@@ -98,14 +103,19 @@ class Attached:
         await cancel_and_wait(self.prompt)
         await self.tasks.aclose(patience=5.0)
 
-    async def update(self, update: dict[str, Any]) -> None:
-        await self._notify("session/update", {"sessionId": self.name, "update": update})
+    async def update(self, update: dict[str, Any], seq: int = 0) -> None:
+        """One session/update; `seq`: the log position of the message it comes from, in `_meta`
+        (`uibus/seq`), so the editor knows its cursor for a later session/resume."""
+        params: dict[str, Any] = {"sessionId": self.name, "update": update}
+        if seq:
+            params["_meta"] = {SEQ_KEY: seq}
+        await self._notify("session/update", params)
 
     # ---- the feed ----
 
-    async def _feed(self, replay: bool) -> None:
+    async def _feed(self, replay: bool, since: int | None) -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue(64)
-        call = self.uplink.feed(self.name, f"acp-{secrets.token_hex(4)}")
+        call = self.uplink.feed(self.name, f"acp-{secrets.token_hex(4)}", since)
         self._has_headers = hasattr(call, "initial_metadata")
 
         async def pump() -> None:
@@ -157,14 +167,18 @@ class Attached:
                     return
                 if item.replay_complete:
                     return
+                if item.gap:  # the cursor is below the log's floor: the recent history follows, whole
+                    self.gap = True
+                    continue
                 if item.replayed:
                     message = self._message(item)
                     if message is not None:
                         self.replayed += 1
+                        self.seq = max(self.seq, message.seq)
                         shown = self.view.updates(message)  # kept in the view either way: deltas go on from here
                         if replay:
                             for u in shown:
-                                await self.update(u)
+                                await self.update(u, message.seq)
                     continue
                 await self._show(item)
         finally:
@@ -189,6 +203,7 @@ class Attached:
         message = self._message(item)
         if message is None:
             return
+        self.seq = max(self.seq, message.seq)
         if item.replayed:  # history a resumed session starts with: known, not news
             self.view.updates(message)
             return
@@ -205,7 +220,7 @@ class Attached:
         if message.ts in self._own_ts:
             return
         for u in self.view.updates(message):
-            await self.update(u)
+            await self.update(u, message.seq)
 
     # ---- the editor's own turn ----
 

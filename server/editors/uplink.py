@@ -20,7 +20,7 @@ from google.protobuf.message import Message
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2, webview_pb2
-from uibus.session import SESSION_KEY
+from uibus.session import SESSION_KEY, SINCE_KEY
 
 CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
 _EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
@@ -92,12 +92,14 @@ class Uplink:
             return None
         return {k: found.get(k) is True for k in ("image", "audio", "embeddedContext")}
 
-    def feed(self, session: str, client_id: str) -> Any:
-        """The session's UI feed as a webview gets it: its recent messages first (`replayed`), then
-        one `replay_complete` event, then live. The call itself (read it with `each`): a grpc.aio
-        call's headers say it is subscribed."""
+    def feed(self, session: str, client_id: str, since: int | None = None) -> Any:
+        """The session's UI feed as a webview gets it: its recent messages first (`replayed`; with
+        `since`, those that changed after that seq, or a `gap` event and the recent ones when the log
+        no longer reaches back to it), then one `replay_complete` event, then live. The call itself
+        (read it with `each`): a grpc.aio call's headers say it is subscribed."""
+        metadata = self._md(session) if since is None else (*self._md(session), (SINCE_KEY, str(since)))
         return self._webview(webview_pb2.WebviewSubscribeRequest(client_id=client_id, mark_replay_end=True),
-                             metadata=self._md(session))
+                             metadata=metadata)
 
     def dialogs(self, session: str) -> AsyncIterator[ext_pb.ExtensionUiEvent]:
         """The session's dialogs (those waiting first, `replayed`) and their closings."""

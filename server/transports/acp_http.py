@@ -9,7 +9,10 @@ The wire, as the SDK's own server (`AcpServer`, experimental/server) answers it:
 * every later message is a `POST` with that header (and `Acp-Session-Id` when it concerns a
   session: required for session methods, equal to `params.sessionId`), answered `202`; what the
   agent says comes on SSE streams the client holds open with `GET` (`Accept: text/event-stream`):
-  one for the connection, one per session (`Acp-Session-Id`). A response goes where its request
+  one for the connection, one per session (`Acp-Session-Id`). Every event has an `id:`; a client
+  whose stream broke reconnects with `GET` and `Last-Event-ID` and gets exactly the events after
+  it, once, in order, then live (uibus.transports.sse keeps the recent ones: an id older than that
+  is 410, one the stream never gave 404, never a silent hole). A response goes where its request
   came from (`session/load`'s to the connection, as the SDK routes it), a request or notification
   naming a session to that session's stream, the rest to the connection's. What waits for a reader
   is kept (bounded: a connection that lets more pile up is closed);
@@ -35,6 +38,7 @@ import grpc
 
 from uibus.auth import Tokens, bearer
 from uibus.editors.agent import Editor
+from uibus.editors.cursor import CURSOR_KEY
 from uibus.editors.uplink import Uplink
 from uibus.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
 from uibus.quotas import ANONYMOUS, Lease, QuotaExceeded, Quotas
@@ -63,6 +67,8 @@ CONNECTION = b"acp-connection-id"
 SESSION = b"acp-session-id"
 MAX_CONNECTIONS = 256  # HTTP connections open at once; more are refused 503
 MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # bytes of events waiting for a reader on one connection; more cut it
+MAX_REPLAY_BYTES = 4 * 1024 * 1024  # bytes of sent events one connection's streams keep for a resume (each 1 MiB)
+MAX_SESSION_STREAMS = 128  # session streams one connection keeps (with their replay logs)
 MAX_ROUTES = 128  # requests of one connection awaiting their answer (the Editor runs at most 64 at once)
 MAX_GONE = 256  # connections cut for not reading, remembered to tell their next request why
 IDLE_S = 300.0  # a connection with no stream open and nothing posted this long is closed
@@ -94,7 +100,8 @@ class HttpConnection:
         self.authorization = authorization
         self.editor = Editor(uplink, _unused_write, prefix=prefix, write_message=self.write)
         self.budget = sse.Budget(max_buffered)
-        self.outbox = sse.Queue(self.budget)  # the connection's stream
+        self.replay = sse.Replay(MAX_REPLAY_BYTES)  # what its streams keep for a client resuming one
+        self.outbox = sse.Queue(self.budget, replay=self.replay)  # the connection's stream
         self.sessions: dict[str, sse.Queue] = {}
         # A client request's id -> the session its answer goes to; keyed when the request is taken
         # and popped by its answer (every request the Editor takes is answered once, with its id).
@@ -113,7 +120,11 @@ class HttpConnection:
             return self.outbox
         found = self.sessions.get(session)
         if found is None:
-            found = self.sessions[session] = sse.Queue(self.budget)
+            if len(self.sessions) >= MAX_SESSION_STREAMS:  # the oldest read-out one goes (its replay log with it)
+                old = next((k for k, q in self.sessions.items() if not q.reading and not q.queue), None)
+                if old is not None:
+                    self.replay.remove(self.sessions.pop(old))
+            found = self.sessions[session] = sse.Queue(self.budget, replay=self.replay)
         return found
 
     def idle(self, now: float) -> bool:
@@ -357,20 +368,32 @@ class AcpHttp:
             return
         session = header(scope, SESSION) or None
         stream = conn.stream(session)
-        if stream.reading:
+        resumed = header(scope, b"last-event-id")
+        # A client that resumes says it lost its reader, whose end the server may not have seen yet.
+        if not await stream.take_over() if resumed else stream.reading:
             await respond(send, 409, "Outbound stream already has an active receiver")
             return
-        stream.reading = True
+        if resumed:  # the client lost this stream: exactly what it missed first (uibus.transports.sse)
+            try:
+                stream.resume(resumed)
+            except sse.ResumeError as exc:
+                await respond(send, 410 if isinstance(exc, sse.TooOld) else 404,
+                              f"{exc}: session/load the session, or session/resume it with "
+                              f"_meta {{\"{CURSOR_KEY}\": <the last seq you have>}}")
+                return
+        stop = stream.begin_reading()
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-            await sse.pump(stream, send, gone, KEEPALIVE_S)
+            await sse.pump(stream, send, gone, KEEPALIVE_S, stop)
         finally:
-            stream.reading = False
+            stream.end_reading()
             gone.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await gone
-            if session is not None and not stream.queue and conn.sessions.get(session) is stream:
-                conn.sessions.pop(session, None)
+            # A stream that never carried an event goes (any header makes one); one that did stays
+            # with the connection, its ids and replay log kept for a client that resumes it.
+            if session is not None and not stream.ids.last and conn.sessions.get(session) is stream:
+                conn.replay.remove(conn.sessions.pop(session))
             conn.touched = time.monotonic()
 

@@ -7,7 +7,19 @@ has the methods).
   proxies and clients do not give up on a person who takes minutes to answer) and the response.
   Notifications and responses from the client get 202.
 * `DELETE /mcp` ends the `Mcp-Session-Id` it names: its calls in flight are cancelled and the id
-  is answered 404 from then on. `GET /mcp` is 405: uibus sends nothing unasked.
+  is answered 404 from then on. `GET /mcp` without `Last-Event-ID` is 405: uibus sends nothing
+  unasked.
+* Resumability (the MCP spec's "Resumability and Redelivery"): a call's event stream starts with
+  a priming event (an `id:`, no data) and every event has an id, `<stream>.<n>`, unique across
+  streams. A client whose stream broke sends `GET /mcp` with `Last-Event-ID` (and the POST's
+  `Mcp-Session-Id` and `Authorization`) and gets exactly the events after it, once, in order, then
+  the rest of the call live. A broken stream is not a cancellation: the call goes on for
+  `RESUME_S` without a reader (then it is cancelled, as a client that left), and a finished
+  stream is kept as long for a client that lost its last events. The events come from the
+  stream's replay log (uibus.transports.sse, bounded in bytes): an id older than it keeps gets
+  the call's JSON-RPC error (`DATA_LOSS`) as the resumed stream's one event and the call is
+  cancelled; an id of no stream kept here (ended longer ago, another replica, before a restart)
+  is 404 — never a silent hole.
 
 Every message runs through the handler pipeline as `/mcp/<method>`, so the token, the session
 binding (`x-uibus-session`), limits, metrics (transport `mcp`) and error policy are the ones of
@@ -21,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
+import time
 from typing import Any
 
 import grpc
@@ -52,6 +66,10 @@ from uibus.transports.grpcweb import metadata_of, peer_of
 
 PATH = "/mcp"
 KEEPALIVE_S = 15.0
+RESUME_S = 30.0  # a call whose stream broke waits this long for a resume; an ended stream is kept as long
+MAX_STREAMS = 1024  # ended streams kept for a late resume (the oldest go first past it)
+MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # events of one call waiting for a reader; more and the call is cut
+MAX_REPLAY_BYTES = 64 * 1024 * 1024  # sent events all calls' streams keep for a resume (each at most 1 MiB)
 _AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
 
 
@@ -60,16 +78,28 @@ def _json(obj: Any) -> bytes:
     return dump_json_bytes(obj)
 
 
-def _sse(obj: Any, ids: sse.Ids) -> bytes:
-    """One event of a POST's stream (uibus.transports.sse: the one SSE framing), with its id."""
-    return sse.frame(_json(obj), ids.next(), "message")
-
-
 class McpHttp:
     def __init__(self, server: McpServer, max_body: int = 4 * 1024 * 1024, keepalive_s: float = KEEPALIVE_S) -> None:
         self.server = server
         self.max_body = max_body
         self.keepalive_s = keepalive_s
+        self.resume_s = RESUME_S
+        self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
+        self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
+        self.replay = sse.Replay(MAX_REPLAY_BYTES)  # their replay logs, together: the oldest streams' go first
+
+    def _sweep(self) -> None:
+        """Forgets the streams of calls that ended more than `resume_s` ago (and the oldest ended
+        ones past MAX_STREAMS), and those of ended sessions."""
+        now = time.monotonic()
+        ended = [k for k, x in self.streams.items() if x.ended_at is not None]
+        for key in ended:
+            x = self.streams[key]
+            if (now - x.ended_at > self.resume_s or len(self.streams) > MAX_STREAMS  # type: ignore[operator]
+                    or (x.session_id is not None and self.server.ended(x.session_id))):
+                del self.streams[key]
+                if x.stream is not None:
+                    self.replay.remove(x.stream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,15 +109,19 @@ class McpHttp:
             await respond(send, 404, f"not found: {scope['path']} (the MCP endpoint is {PATH})\n")
             return
         method = scope["method"]
+        self._sweep()
         if method == "POST":
             await self._post(scope, receive, send)
         elif method == "DELETE":
             await self._delete(scope, receive, send)
+        elif method == "GET" and header(scope, b"last-event-id").strip():
+            await self._resume(scope, receive, send)
         else:
             await respond(send, 405, _json(protocol.error(None, "UNIMPLEMENTED", f"{method} {PATH} is not served: "
-                                                          "POST a JSON-RPC message, or DELETE to end a session",
+                                                          "POST a JSON-RPC message, DELETE to end a session, or GET "
+                                                          "with Last-Event-ID to resume a call's event stream",
                                                           protocol.INVALID_REQUEST)),
-                          "application/json", [(b"allow", b"POST, DELETE")])
+                          "application/json", [(b"allow", b"GET, POST, DELETE")])
 
     # ---- POST: one JSON-RPC message ------------------------------------------------------------
 
@@ -152,17 +186,71 @@ class McpHttp:
         streamable = (message is not None and message.method == "tools/call" and message.is_request
                       and "text/event-stream" in header(scope, b"accept"))
         call = Call(message or Message(None), session_id, streamable)
+        posted_gone = asyncio.ensure_future(wait_disconnect(receive))
         exchange = _Exchange(send, ident, streamable, self.keepalive_s, call,
-                             request.error if isinstance(request, Rejected) else None)
+                             request.error if isinstance(request, Rejected) else None, posted_gone)
+        exchange.authorization = header(scope, b"authorization")
+        exchange.registry = self.streams
+        exchange.replay_bytes, exchange.replay = self.replay_bytes, self.replay
+
+        async def gone() -> None:
+            """The client went away: at once when no event stream was open; else once no reader has
+            resumed the stream for `resume_s` (a broken stream is not a cancellation). At once
+            when the stream was cut."""
+            cut = asyncio.ensure_future(exchange.was_cut.wait())
+            try:
+                await asyncio.wait((posted_gone, cut), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait(cut)
+            if exchange.streaming:
+                await exchange.abandoned(self.resume_s)
+
         ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
         try:
-            outcome = await drive(handler, request if message is None else call, ctx, exchange,
-                                  gone=lambda: wait_disconnect(receive),
+            outcome = await drive(handler, request if message is None else call, ctx, exchange, gone=gone,
                                   within=lambda: self.server.tracking(session_id, ident))
             if outcome is Outcome.CANCELLED and not exchange.done:  # by the client's notifications/cancelled
                 await exchange.cancelled()
         finally:
             await exchange.close()
+            await cancel_and_wait(posted_gone)
+
+    # ---- GET with Last-Event-ID: resume a call's event stream ----------------------------------
+
+    async def _resume(self, scope: Scope, receive: Receive, send: Send) -> None:
+        last = header(scope, b"last-event-id").strip()
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        found = self.streams.get(last.rpartition(".")[0])
+        if (found is None or found.stream is None or found.session_id != session_id
+                or found.authorization != header(scope, b"authorization")):
+            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", f"no event stream of this session has "
+                          f"event {last[:80]!r}: its call ended more than {self.resume_s:g} s ago, its session was "
+                          "deleted, or it was served by another uibus replica or before a restart",
+                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        stream = found.stream
+        if not await stream.take_over():  # the reader it lost, if the server has not seen it go yet
+            await respond(send, 409, _json(protocol.error(None, "ABORTED", "this event stream already has a reader",
+                                                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        try:
+            stream.resume(last)
+        except sse.TooOld as exc:  # said, and the call ends: its client can no longer have all it sent
+            await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+            error = protocol.error(found.ident, "DATA_LOSS", f"{exc}; the call was cancelled")
+            await send({"type": "http.response.body", "body": sse.frame(_json(error), None, "message")})
+            found.cut()
+            return
+        except sse.ResumeError as exc:
+            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", str(exc), protocol.INVALID_REQUEST)),
+                          "application/json")
+            return
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+            await found.read(send, gone)
+        finally:
+            await cancel_and_wait(gone)
 
     # ---- DELETE: end a session -----------------------------------------------------------------
 
@@ -184,45 +272,86 @@ class McpHttp:
 
 class _Exchange:
     """The answer to one POST (the call's `Sink`): a JSON body, or an event stream opened when the
-    call is admitted (the handler sends its initial metadata then)."""
+    call is admitted (the handler sends its initial metadata then). The stream's events go through
+    a uibus.transports.sse queue, so a client that loses the POST's stream resumes it with a GET."""
 
     encode = None
     headers_after = None
 
     def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float, call: Call,
-                 rejection: UibusError | None) -> None:
+                 rejection: UibusError | None, posted_gone: asyncio.Future[Any]) -> None:
         self.send = send
         self.ident = ident
         self.streamable = streamable
         self.keepalive_s = keepalive_s
         self.call = call
+        self.session_id = call.session_id
         self.rejection = rejection  # why the transport could not read the input, if it could not
+        self.posted_gone = posted_gone  # the POST's client went away
+        self.authorization = ""  # the POST's, which a resuming GET must carry too
+        self.registry: dict[str, _Exchange] = {}
+        self.replay_bytes = sse.REPLAY_BYTES
+        self.replay: sse.Replay | None = None
         self.reply: Reply | None = None
         self.streaming = False
         self.done = False
-        self._lock = asyncio.Lock()
-        self._keepalive: asyncio.Task[None] | None = None
-        self.ids = sse.Ids()  # the stream's event ids (1, 2, …), for resumption
+        self.stream: sse.Queue | None = None
+        self.ended_at: float | None = None  # when the call's last event was queued
+        self._readers = asyncio.Event()  # a reader came or went, or the stream was cut
+        self.was_cut = asyncio.Event()
+        self._pumping: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """The call was admitted and is about to wait: start the event stream (when the client takes one)."""
+        """The call was admitted and is about to wait: start the event stream (when the client takes
+        one), with its priming event (an id and no data: resumable from the first moment)."""
         if not self.streamable or self.streaming:
             return
         self.streaming = True
-        async with self._lock:
-            await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-        self._keepalive = asyncio.create_task(self._ping(), name="uibus-mcp-keepalive")
+        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes,
+                                self.replay)
+        self.registry[self.stream.name] = self
+        self.stream.push(b"")
+        await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+        self._pumping = asyncio.create_task(self.read(self.send, self.posted_gone), name="uibus-mcp-stream")
 
-    async def _ping(self) -> None:
-        while True:
-            await asyncio.sleep(self.keepalive_s)
-            async with self._lock:
-                if self.done:
-                    return
-                try:
-                    await self.send({"type": "http.response.body", "body": sse.KEEPALIVE, "more_body": True})
-                except Exception:  # the client went away: the call's own task learns it and ends
-                    return
+    async def read(self, send: Send, gone: asyncio.Future[Any]) -> None:
+        """One reader of the stream (the POST, or a GET resuming it) until it ends or its client goes."""
+        assert self.stream is not None
+        stop = self.stream.begin_reading()
+        self._readers.set()
+        try:
+            await sse.pump(self.stream, send, gone, self.keepalive_s, stop)
+        finally:
+            self.stream.end_reading()
+            self._readers.set()
+
+    async def abandoned(self, patience: float) -> None:
+        """Returns once the stream has had no reader for `patience` seconds (or was cut)."""
+        while not self.was_cut.is_set():
+            self._readers.clear()
+            if self.stream is not None and self.stream.reading:
+                await self._readers.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._readers.wait(), patience)
+            except TimeoutError:
+                return
+
+    def cut(self) -> None:
+        """The stream cannot go on (its client stopped reading, or asked for events no longer
+        kept): it ends, and the call with it."""
+        self.was_cut.set()
+        self._readers.set()
+        if self.stream is not None:
+            self.stream.drop()
+            self.stream.close()
+
+    def _push(self, message: dict[str, Any]) -> None:
+        assert self.stream is not None
+        try:
+            self.stream.push(_json(message), "message")
+        except sse.Overflow:
+            self.cut()
 
     async def message(self, item: Reply | dict[str, Any]) -> None:
         """The method's result, or a notification for the client on the way to it."""
@@ -234,8 +363,15 @@ class _Exchange:
     async def event(self, message: dict[str, Any]) -> None:
         """A notification for the client: sent on the stream; without one there is no way to send it."""
         if self.streaming:
-            async with self._lock:
-                await self.send({"type": "http.response.body", "body": _sse(message, self.ids), "more_body": True})
+            self._push(message)
+
+    def _end(self, message: dict[str, Any] | None) -> None:
+        self.done = True
+        if message is not None:
+            self._push(message)
+        if self.stream is not None:
+            self.stream.close()
+        self.ended_at = time.monotonic()
 
     async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
         """The response: the result, 202 for a notification, or the error (`rejection`: why the
@@ -257,9 +393,7 @@ class _Exchange:
             body = protocol.error(self.ident, code.name, details)
             extra = []
         if self.streaming:
-            async with self._lock:
-                self.done = True
-                await self.send({"type": "http.response.body", "body": _sse(body, self.ids), "more_body": False})
+            self._end(body)
         else:
             await self._whole(200, _json(body), extra)
 
@@ -267,9 +401,7 @@ class _Exchange:
         """The client cancelled the request: it waits for no answer (the spec says to send none), but
         the HTTP exchange must still end, so a stream just ends and a plain POST gets the error."""
         if self.streaming:
-            async with self._lock:
-                self.done = True
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+            self._end(None)
         else:
             await self._whole(200, _json(protocol.error(self.ident, "CANCELLED", "cancelled by the client")), ())
 
@@ -278,8 +410,20 @@ class _Exchange:
         await respond(self.send, status, data, "application/json", list(extra))
 
     async def close(self) -> None:
-        self.done = True
-        await cancel_and_wait(self._keepalive)
+        """The call is over: the POST's reader gets what is left (while its client stays), the
+        stream stays registered for a late resume (`McpHttp._sweep` forgets it)."""
+        if self.stream is not None and not self.stream.closed:  # abandoned: a late resume learns it
+            self._end(protocol.error(self.ident, "CANCELLED", "the call's event stream broke and no reader resumed "
+                                     "it in time: the call was cancelled"))
+        if self.ended_at is None:  # (a stream that was cut): forgotten like any other
+            self.ended_at = time.monotonic()
+        if self._pumping is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._pumping), self.keepalive_s)
+            except TimeoutError:  # a client that does not read: what it did not take stays for a resume
+                pass
+            finally:
+                await cancel_and_wait(self._pumping)
 
 
 async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, rejection: UibusError | None) -> None:
