@@ -8,9 +8,10 @@ does, so the count per operation compares two builds to a fraction of a percent.
     python -m bench.instructions                       # this checkout
     python -m bench.instructions --with old=/tmp/old   # and another one (its own .venv), side by side
 
-Each server runs under `valgrind --tool=callgrind --instr-atstart=no` (slow: ~50x), is warmed up,
-then counting is switched on (`callgrind_control -i on`) for exactly N operations and off again,
-and the total instruction count (every thread: Python, grpc core, the kernel interface) is divided
+Each server runs under `valgrind --tool=callgrind --instr-atstart=no` (slow: ~50x), is warmed up
+(1,500 unary calls first, past CPython's first full garbage collection, then each scenario), then
+counting is switched on (`callgrind_control -i on`) for exactly N operations and off again, and the
+total instruction count (every thread: Python, grpc core, the kernel interface) is divided
 by N. Operations: a unary `scrollToSettings`; a `PublishPartialMessage` delivered to 10
 `subscribeToPartialMessage` streams (per delivery, the publish included); a MAXIMAL `StreamingChat`
 of 200 chunks from the local agent (per chunk received); subscribe/cancel cycles (per cycle), as
@@ -47,6 +48,11 @@ from uibus.pb.uibus.v1 import host_pb2_grpc
 CHAT_CHUNKS = 200
 SUBSCRIBERS = 10
 CYCLE_BATCH = 50
+# Uncounted unary calls before any scenario. CPython's first full garbage collection walks every
+# object startup made (~50,000: ~20 million instructions) and comes due within about the first
+# thousand calls (until it has run once, 10 middle-generation collections are enough to start it),
+# so without this it lands in whichever build's counted window it happens to reach first.
+WARM_CALLS = 1500
 SCENARIOS = ("unary", "fanout", "chat", "cycles")
 
 
@@ -158,6 +164,7 @@ async def scenarios(server: Counted, n: int, only: tuple[str, ...] = SCENARIOS) 
                 await ui.scrollToSettings(common_pb2.StringRequest(value="x"))
             return k
 
+        await unary(WARM_CALLS)
         streams = [ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=md) for _ in range(SUBSCRIBERS)]
         for _ in range(300):  # the streams open in the background: wait until all are subscribed
             if await subscriptions(host) >= SUBSCRIBERS:
