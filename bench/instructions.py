@@ -8,12 +8,17 @@ does, so the count per operation compares two builds to a fraction of a percent.
     python -m bench.instructions                       # this checkout
     python -m bench.instructions --with old=/tmp/old   # and another one (its own .venv), side by side
 
-Each server runs under `valgrind --tool=callgrind --instr-atstart=no` (slow: ~50x), is warmed up,
-then counting is switched on (`callgrind_control -i on`) for exactly N operations and off again,
-and the total instruction count (every thread: Python, grpc core, the kernel interface) is divided
+Each server runs under `valgrind --tool=callgrind --instr-atstart=no` (slow: ~50x), is warmed up
+(1,500 unary calls first, past CPython's first full garbage collection, then each scenario), then
+counting is switched on (`callgrind_control -i on`) for exactly N operations and off again, and the
+total instruction count (every thread: Python, grpc core, the kernel interface) is divided
 by N. Operations: a unary `scrollToSettings`; a `PublishPartialMessage` delivered to 10
 `subscribeToPartialMessage` streams (per delivery, the publish included); a MAXIMAL `StreamingChat`
-of 200 chunks from the local agent (per chunk received).
+of 200 chunks from the local agent (per chunk received); subscribe/cancel cycles (per cycle), as
+`python -m bench`'s memory scenario runs them: a batch of 50 `subscribeToPartialMessage` streams
+opened, each awaited until subscribed (its response headers: raw runs with `--headers` to send them
+as uibus does, so no polling is counted while they open), all cancelled, then `GetBusStats` asked
+every 0.5 s until the server counts none (a poll or two per batch, both servers alike).
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ from uibus.pb.uibus.v1 import host_pb2_grpc
 
 CHAT_CHUNKS = 200
 SUBSCRIBERS = 10
+CYCLE_BATCH = 50
+# Uncounted unary calls before any scenario. CPython's first full garbage collection walks every
+# object startup made (~50,000: ~20 million instructions) and comes due within about the first
+# thousand calls (until it has run once, 10 middle-generation collections are enough to start it),
+# so without this it lands in whichever build's counted window it happens to reach first.
+WARM_CALLS = 1500
+SCENARIOS = ("unary", "fanout", "chat", "cycles")
 
 
 def free_port() -> int:
@@ -60,7 +72,7 @@ class Counted:
         python = str(root / ".venv" / "bin" / "python")
         if self.raw:  # the bench's minimal grpc.aio server, serving the same three operations
             server = [python, "-m", "bench.raw_server", "--port", str(self.port), "--chat-chunks",
-                      str(CHAT_CHUNKS)]
+                      str(CHAT_CHUNKS), "--headers"]
         else:
             server = [*uibus_command(python, root), "--host", "127.0.0.1", "--port", str(self.port),
                       "--http-port", "0", "--store", str(tmp / f"{label}.db"), "--log-level", "WARNING"]
@@ -128,7 +140,20 @@ async def measure(server: Counted, n: int, op: Callable[[int], Awaitable[int]]) 
     return server.off_and_count() / done
 
 
-async def scenarios(server: Counted, n: int) -> dict[str, float]:
+async def subscriptions(host: host_pb2_grpc.HostServiceStub) -> int:
+    return (await host.GetBusStats(common_pb2.Empty())).subscriptions
+
+
+async def drained(host: host_pb2_grpc.HostServiceStub, every: float) -> None:
+    """Returns once the server counts no subscription, asking every `every` seconds."""
+    for _ in range(int(120 / every)):
+        if not await subscriptions(host):
+            return
+        await asyncio.sleep(every)
+    raise SystemExit("the cancelled streams did not end")
+
+
+async def scenarios(server: Counted, n: int, only: tuple[str, ...] = SCENARIOS) -> dict[str, float]:
     async with grpc.aio.insecure_channel(server.target) as ch:
         ui = ui_pb2_grpc.UiServiceStub(ch)
         host = host_pb2_grpc.HostServiceStub(ch)
@@ -139,9 +164,10 @@ async def scenarios(server: Counted, n: int) -> dict[str, float]:
                 await ui.scrollToSettings(common_pb2.StringRequest(value="x"))
             return k
 
+        await unary(WARM_CALLS)
         streams = [ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=md) for _ in range(SUBSCRIBERS)]
         for _ in range(300):  # the streams open in the background: wait until all are subscribed
-            if (await host.GetBusStats(common_pb2.Empty())).subscriptions >= SUBSCRIBERS:
+            if await subscriptions(host) >= SUBSCRIBERS:
                 break
             await asyncio.sleep(0.2)
         else:
@@ -168,15 +194,35 @@ async def scenarios(server: Counted, n: int) -> dict[str, float]:
                 chunks += sum([1 async for _ in chat_call(request)])
             return chunks
 
-        out = {"unary scrollToSettings (per call)": await measure(server, n, unary),
-               f"fan-out to {SUBSCRIBERS} (per delivery)": await measure(server, n // SUBSCRIBERS, fanout),
-               f"chat, {CHAT_CHUNKS} chunks (per chunk)": await measure(server, n * 2, chat)}
+        async def cycles(k: int) -> int:
+            done = 0
+            while done < k:
+                calls = [ui.subscribeToPartialMessage(common_pb2.EmptyRequest(), metadata=md)
+                         for _ in range(min(CYCLE_BATCH, k - done))]
+                await asyncio.gather(*(c.initial_metadata() for c in calls))  # each one subscribed
+                for c in calls:
+                    c.cancel()
+                await drained(host, 0.5)
+                done += len(calls)
+            return done
+
+        out = {}
+        if "unary" in only:
+            out["unary scrollToSettings (per call)"] = await measure(server, n, unary)
+        if "fanout" in only:
+            out[f"fan-out to {SUBSCRIBERS} (per delivery)"] = await measure(server, n // SUBSCRIBERS, fanout)
+        if "chat" in only:
+            out[f"chat, {CHAT_CHUNKS} chunks (per chunk)"] = await measure(server, n * 2, chat)
         for s in streams:
             s.cancel()
+        if "cycles" in only:
+            await drained(host, 0.2)
+            out[f"subscribe+cancel, {CYCLE_BATCH} at a time (per cycle)"] = await measure(
+                server, max(CYCLE_BATCH, n // 2 // CYCLE_BATCH * CYCLE_BATCH), cycles)
         return out
 
 
-async def run(roots: dict[str, Path], n: int) -> dict[str, dict[str, float]]:
+async def run(roots: dict[str, Path], n: int, only: tuple[str, ...] = SCENARIOS) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="uibus-instr-") as tmp:
         for label, root in roots.items():
@@ -184,7 +230,7 @@ async def run(roots: dict[str, Path], n: int) -> dict[str, dict[str, float]]:
             server = Counted(root, Path(tmp), label)
             try:
                 await server.ready()
-                results[label] = await scenarios(server, n)
+                results[label] = await scenarios(server, n, only)
             finally:
                 server.stop()
     return results
@@ -196,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with", dest="alt", action="append", default=[], metavar="LABEL=DIR",
                    help="also count the checkout DIR (with its own DIR/.venv); repeatable")
     p.add_argument("--no-raw", action="store_true", help="leave out the raw grpc.aio baseline")
+    p.add_argument("--only", default=",".join(SCENARIOS),
+                   help=f"comma-separated scenarios to count (default: all of {','.join(SCENARIOS)})")
     ns = p.parse_args(argv)
+    only = tuple(x.strip() for x in ns.only.split(",") if x.strip())
+    if not only or set(only) - set(SCENARIOS):
+        p.error(f"--only takes some of {','.join(SCENARIOS)}")
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("valgrind is not installed here (Debian package valgrind)", file=sys.stderr)
         return 2
@@ -206,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         roots[f"uibus@{label}"] = Path(folder).resolve()
     if not ns.no_raw:
         roots["raw"] = ROOT
-    results = asyncio.run(run(roots, ns.n))
+    results = asyncio.run(run(roots, ns.n, only))
     labels = [label for label in results if label != "raw"]
     ratios = [(f"{label.split('@')[1]}/main", label, labels[0]) for label in labels[1:]]
     if "raw" in results:

@@ -48,9 +48,10 @@ class Fanout:
 
 
 class RawUi(ui_pb2_grpc.UiServiceServicer):
-    def __init__(self, fanout: Fanout, swallow_cancel: bool = False) -> None:
+    def __init__(self, fanout: Fanout, swallow_cancel: bool = False, headers: bool = False) -> None:
         self.fanout = fanout
         self.swallow_cancel = swallow_cancel
+        self.headers = headers
 
     async def scrollToSettings(self, request: common_pb2.StringRequest, context: Any) -> common_pb2.KeyValuePair:
         return common_pb2.KeyValuePair(key="scrollToSettings", value=request.value)
@@ -60,6 +61,8 @@ class RawUi(ui_pb2_grpc.UiServiceServicer):
         q: asyncio.Queue[Any] = asyncio.Queue(QUEUE_SIZE)
         self.fanout.queues.add(q)
         try:
+            if self.headers:  # as uibus's streams do once subscribed: a client can wait for them
+                await context.send_initial_metadata(())
             while True:
                 yield await q.get()
         except asyncio.CancelledError:
@@ -126,13 +129,13 @@ class GenericOnly:
 
 
 async def serve(port: int, chunks: int, swallow_cancel: bool, extra_methods: int = 0,
-                generic_only: bool = False) -> None:
+                generic_only: bool = False, headers: bool = False) -> None:
     real = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     server: Any = GenericOnly(real) if generic_only else real
     if extra_methods:
         _extra_methods(server, extra_methods)
     fanout = Fanout()
-    ui_pb2_grpc.add_UiServiceServicer_to_server(RawUi(fanout, swallow_cancel), server)
+    ui_pb2_grpc.add_UiServiceServicer_to_server(RawUi(fanout, swallow_cancel, headers), server)
     host_pb2_grpc.add_HostServiceServicer_to_server(RawHost(fanout), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(RawAgent(chunks), server)
     server = real
@@ -154,6 +157,8 @@ def main() -> None:
                    help="subscription handlers swallow CancelledError (to check the memory scenario)")
     p.add_argument("--extra-methods", type=int, default=0, help="register this many unused methods")
     p.add_argument("--generic-only", action="store_true", help="serve every method through generic handlers")
+    p.add_argument("--headers", action="store_true",
+                   help="subscription streams send their response headers once subscribed, as uibus's do")
     p.add_argument("--uvloop", action="store_true", help="run on uvloop instead of asyncio's own loop")
     ns = p.parse_args()
     factory = None
@@ -162,7 +167,8 @@ def main() -> None:
 
         factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
-        runner.run(serve(ns.port, ns.chat_chunks, ns.swallow_cancel, ns.extra_methods, ns.generic_only))
+        runner.run(serve(ns.port, ns.chat_chunks, ns.swallow_cancel, ns.extra_methods, ns.generic_only,
+                         ns.headers))
 
 
 if __name__ == "__main__":

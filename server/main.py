@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import socket
 import sys
@@ -30,6 +31,11 @@ async def serve(config: Config, worker: Worker | None = None) -> None:
         loop.add_signal_handler(signal.SIGHUP, app.reload_tokens)  # --tokens-file edited: reload it
         if worker is not None:  # blocked since the fork (uibus.workers): one sent meanwhile is handled now
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        # One full collection now, while nothing is served: until CPython's first full collection its
+        # long-lived count is 0, so the first one comes after just 10 middle-generation collections
+        # and walks every object startup made (~50,000) under the first requests. After this one, a
+        # full collection waits until the survivors since grow by a quarter of that.
+        gc.collect()
         await stop.wait()
 
 

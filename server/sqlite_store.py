@@ -347,8 +347,9 @@ class SqliteStore(Store):
             floor, count, size = meta if meta is not None else (0, 0, 0)
             newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
             by_kind: dict[str, list[str]] = {}
-            for kind, key in newest:
-                by_kind.setdefault(kind, []).append(key)
+            for (kind, key), e in newest.items():
+                if not e.new:  # a key just made (a host request's id) has no row to replace
+                    by_kind.setdefault(kind, []).append(key)
             old: list[tuple[str, int]] = []
             for kind, keys in by_kind.items():  # the rows these entries replace, a few statements per batch
                 for start in range(0, len(keys), 500):

@@ -92,7 +92,9 @@ class LogEntry:
     """One entry of a session's ordered log (uibus.domain.session_log): its position `seq`, what it
     is (`kind`) and which thing it is a state of (`key`: a ClineMessage's ts), the conversation
     (`epoch`), when it was written (Unix ms) and its bytes. The log keeps one entry per (kind,
-    key): a newer state replaces the older one (it gets a new, higher seq)."""
+    key): a newer state replaces the older one (it gets a new, higher seq). `new`: the writer
+    knows its (kind, key) has no entry yet (a key it has just made, as a host request's id), so
+    a store need not look for one to replace."""
 
     seq: int
     kind: str
@@ -100,6 +102,7 @@ class LogEntry:
     epoch: int
     at: float
     data: bytes
+    new: bool = False
 
 
 @dataclass(frozen=True, slots=True)

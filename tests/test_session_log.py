@@ -16,7 +16,7 @@ from tests.conftest import Reader, running, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from uibus.clients.connection import Connection
 from uibus.config import Config
-from uibus.domain.session_log import MESSAGE, SessionLog
+from uibus.domain.session_log import MESSAGE, SessionLog, new_key
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
 from uibus.sqlite_store import SqliteStore
@@ -75,6 +75,28 @@ async def test_sqlite_log_coalesces_and_keeps_within_count_bytes_and_age(tmp_pat
         assert await store.log_head("s") == (12, 1)
         assert await store.drop_session("s")
         assert (await store.log_read("s")).entries == [] and await store.log_head("s") == (0, 0)
+    finally:
+        await store.close()
+
+
+async def test_sqlite_log_keeps_count_and_bytes_of_new_key_entries(tmp_path: Path) -> None:
+    """Entries whose key was just made (`new`: host requests) skip SQLite's look-up of an older row
+    of their key; the count and bytes retention keeps by stay exact beside replaced entries."""
+    store = SqliteStore(str(tmp_path / "log.db"))
+    try:
+        keep = LogRetention(max_entries=4, max_bytes=0, max_age_s=0)
+        fresh = [LogEntry(s, "host_request", new_key(), 1, 0.0, b"x" * 10, new=True) for s in (1, 2, 3)]
+        await store.log_append("s", [*fresh, _entry(4, "a")], keep)
+        await store.log_append("s", [_entry(5, "a")], keep)  # replaces seq 4: still four entries
+        read = await store.log_read("s")
+        assert [e.seq for e in read.entries] == [1, 2, 3, 5] and read.floor == 0
+        await store.log_append("s", [LogEntry(6, "host_request", new_key(), 1, 0.0, b"y" * 10, new=True)], keep)
+        read = await store.log_read("s")
+        assert [e.seq for e in read.entries] == [2, 3, 5, 6] and read.floor == 1  # counted: the oldest went
+        assert [e.key for e in read.entries[:2]] == [fresh[1].key, fresh[2].key]
+        assert len({e.key for e in fresh}) == 3 and all(len(e.key) == 32 for e in fresh)
+        await store.log_append("s", [_entry(7, "big", 100)], LogRetention(max_entries=0, max_bytes=125, max_age_s=0))
+        assert [e.seq for e in (await store.log_read("s")).entries] == [5, 6, 7]  # bytes: 10 + 10 + 100
     finally:
         await store.close()
 

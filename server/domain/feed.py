@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,7 +26,7 @@ from uibus import kinds
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.domain.recent import RecentMessages
-from uibus.domain.session_log import MESSAGE, SessionLog
+from uibus.domain.session_log import MESSAGE, SessionLog, new_key
 from uibus.errors import FailedPrecondition, InvalidArgument
 from uibus.json_input import load_json
 from uibus.kinds import Kind
@@ -140,7 +139,7 @@ def check_cline_message(msg: ui_pb2.ClineMessage) -> str | None:
 
 
 def _host_request(**what: Any) -> host_pb2.HostRequest:
-    return host_pb2.HostRequest(id=uuid.uuid4().hex, ts=int(time.time() * 1000), **what)
+    return host_pb2.HostRequest(id=new_key(), ts=int(time.time() * 1000), **what)
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +320,7 @@ class UiFeed:
 
     def _to_host(self, session: str, request: host_pb2.HostRequest) -> int:
         """Logs a request of the host (its seq) and publishes it; how many hosts got it."""
-        self.log.stamp_event(session, HOST_REQUESTS, request.id, request)
+        self.log.stamp_event(session, HOST_REQUESTS, request.id, request, new=True)  # a new_key()
         return self.bus.publish(session, kinds.HOST_REQUEST, request)
 
     def _resnapshot(self, session: str, recent: dict[int, ui_pb2.ClineMessage]) -> dict[int, ui_pb2.ClineMessage]:
@@ -420,7 +419,9 @@ class UiFeed:
     # ---- webviews: requests of the host ----
 
     def scroll_to_settings(self, session: str, section: str) -> int:
-        return self._to_host(session, _host_request(scroll_to_settings=host_pb2.ScrollToSettings(section=section)))
+        request = _host_request()
+        request.scroll_to_settings.section = section  # in place: no ScrollToSettings built and copied in
+        return self._to_host(session, request)
 
     async def initialize_webview(self, session: str) -> None:
         """Tells the host, and replays the current theme so every stream of the session is fresh."""

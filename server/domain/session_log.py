@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,16 @@ MAX_PENDING = 4096  # unwritten states kept per session (oldest dropped first) w
 
 # A session's states waiting to be written: (kind, key) -> (entry, the message whose bytes it gets).
 _Batch = dict[tuple[str, str], tuple[LogEntry, "Message | None"]]
+
+
+def new_key() -> str:
+    """A key no entry has yet, for an event that is a thing of its own (a host request's id):
+    random, in `uuid.uuid4().hex`'s form, made without building a `uuid.UUID` (that was half of
+    what making a host request cost). `stamp_event(..., new=True)` is for keys made here."""
+    b = bytearray(os.urandom(16))
+    b[6] = b[6] & 0x0F | 0x40  # version 4
+    b[8] = b[8] & 0x3F | 0x80  # the RFC 4122 variant
+    return b.hex()
 
 
 @dataclass(slots=True)
@@ -84,6 +95,11 @@ class SessionLog:
         if head is None:
             head = self._heads[session] = _Head()
         return head
+
+    def prepared(self, session: str) -> bool:
+        """Whether `prepare` has learnt the session's epoch on this process (then it has nothing to do)."""
+        head = self._heads.get(session)
+        return head is not None and head.prepared
 
     async def prepare(self, session: str) -> None:
         """Learns the session's current epoch (and last seq) from the store, once per process. A
@@ -137,16 +153,21 @@ class SessionLog:
         self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, seq / 1000, b""), message)
         return message
 
-    def stamp_event(self, session: str, kind: str, key: str, message: Message) -> int:
+    def stamp_event(self, session: str, kind: str, key: str, message: Message, *, new: bool = False) -> int:
         """Gives an event of another kind (a host request, an extension-UI event) the session's next
         seq (its `seq` field) and queues it for the store under (kind, key): a newer event of the
-        same key replaces the older one. Returns the seq."""
-        seq = self.next_seq(session)
-        head = self._heads[session]
+        same key replaces the older one; `new`: the key is a `new_key()`, so the store need not look
+        for an older entry of it. Returns the seq."""
+        head = self._heads.get(session) or self._head(session)
+        seq = head.seq + 1  # next_seq, inline: this runs on every unary call that reaches the host
+        now = time.time_ns() // 1000
+        if now > seq:
+            seq = now
+        head.seq = seq
         if not head.epoch:
             head.epoch = seq
         message.seq = seq  # type: ignore[attr-defined]
-        self._note(session, LogEntry(seq, kind, key, head.epoch, seq / 1000, b""), message)
+        self._note(session, LogEntry(seq, kind, key, head.epoch, seq / 1000, b"", new), message)
         return seq
 
     def retract(self, session: str, kind: str, key: str) -> None:

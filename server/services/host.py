@@ -41,7 +41,8 @@ class HostService(host_pb2_grpc.HostServiceServicer):
     async def PublishPartialMessage(self, request: ui_pb2.ClineMessage,
                                     context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
         session = session_of(context)
-        await self.feed.prepare(session)
+        if not self.feed.log.prepared(session):  # once per session and process: no await on every publish
+            await self.feed.prepare(session)
         return reply(self.feed.publish_message(session, request), self.bus)
 
     async def SetTheme(self, request: host_pb2.TextEvent,
