@@ -279,12 +279,11 @@ class App:
         core = self.core = Core.build(cfg, bus, store, agents)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
-        if core.agent_states is not None:  # closed after the agent sessions: their removals are written
-            await res.enter("agent state sharing", core.agent_states)
+        # The placement's sharing is closed after the agent sessions (their removals are written), its
+        # hosting (leases, forwarded turns) before them (uibus.replicas.placement).
+        await res.enter("agent state sharing", core.placement.sharing())
         await res.enter("agent sessions", core.agent_sessions)
-        if core.ownership is not None and core.forwarding is not None:  # closed before the agent sessions
-            await res.enter("agent ownership", core.ownership)
-            await res.enter("agent turn forwarding", core.forwarding)
+        await res.enter("agent ownership and turn forwarding", core.placement.hosting())
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("session log", self._flush_recent)
         gauges: Gauges = {

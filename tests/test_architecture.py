@@ -26,6 +26,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain
     # that drives them (the domain imports the agents' interface, not the other way round).
     ("agents", ("uibus.agents",)),
+    # The replicas wing: where hosted agents run and what other replicas hear of (leases, forwarding,
+    # sharing). The domain asks its placement; the wing uses the bus and the store, never the domain
+    # (what it runs for other replicas, the domain objects hand it as they are built).
+    ("replicas", ("uibus.replicas",)),
     ("domain", ("uibus.domain",)),
     ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
                   "uibus.reflection", "uibus.wiring")),

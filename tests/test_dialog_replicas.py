@@ -25,10 +25,10 @@ from tests.test_redis_replicas import two_replicas
 from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.config import Config
-from uibus.domain.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
 from uibus.redis import RedisStore, ReplicatedBus, shard_of
+from uibus.replicas.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 

@@ -1,6 +1,6 @@
 """A hosted agent's turn that arrives at a replica which does not own the agent, carried to the owner.
 
-The owner of a (session, agent) is the replica holding its lease (uibus.domain.ownership). A turn
+The owner of a (session, agent) is the replica holding its lease (uibus.replicas.ownership). A turn
 arriving anywhere else goes to it over the bus and is streamed back, so one agent process holds
 one conversation whatever replica or worker a client's connection landed on:
 
@@ -44,9 +44,10 @@ from google.protobuf import wrappers_pb2
 
 from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.domain.ownership import Interrupted, Ownership, interrupted
 from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
 from uibus.pb.neuro_san.api.grpc import agent_pb2
+from uibus.replicas.ownership import LEASE_S, HostedAgents, Interrupted, Ownership, interrupted
+from uibus.store import Store
 from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
@@ -136,13 +137,19 @@ def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
 class TurnForwarding:
     """Routes each hosted agent turn to its owner; serves the turns forwarded to this replica."""
 
-    def __init__(self, bus: Bus, ownership: Ownership, run_here: RunHere,
-                 say_error: Callable[[str, str], object] = lambda session, text: None) -> None:
-        """`say_error(session, text)`: tells the session's webviews (a Cline ERROR message) that a
-        turn was interrupted by the loss of its host."""
+    def __init__(self, bus: Bus, store: Store, agents: HostedAgents, run_here: RunHere, steer_here: SteerHere,
+                 say_error: Callable[[str, str], object] = lambda session, text: None, *,
+                 lease_s: float = LEASE_S) -> None:
+        """`run_here` runs a turn of an agent this replica owns (Chat.turn_here), `steer_here` a
+        steering call (Steering.here); `say_error(session, text)` tells the session's webviews (a
+        Cline ERROR message) that a turn was interrupted by the loss of its host. The leases are
+        this replica's (its bus's replica id) in `store`."""
         self.bus = bus
-        self.ownership = ownership
+        # the leases held here: this replica listens to a session's forwarded turns while it holds one
+        self.ownership = ownership = Ownership(store, agents, bus.replica_id, lease_s=lease_s,
+                                               on_session=self._on_session)
         self.run_here = run_here
+        self.steer_here = steer_here
         self.say_error = say_error
         self.lease_s = ownership.lease_s
         # A slow "accepted" is re-sent as a new turn (the first one cancelled): long enough that a
@@ -156,8 +163,6 @@ class TurnForwarding:
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
         self.served = 0  # turns other replicas carried here
         self.interrupted = 0  # forwarded turns whose owner went silent
-        self.steer_here: SteerHere | None = None  # set by the core: runs a steering call carried here
-        ownership.on_session = self._on_session
 
     # ---- the forwarder's side ----
 
@@ -204,7 +209,7 @@ class TurnForwarding:
         turn_id = uuid.uuid4().hex
         bus = self.bus
         await bus.ready(session)  # every replica's presence for the session known
-        if getattr(bus, "announced", lambda *a: None)(owner, session, kinds.AGENT_TURN) is False:
+        if bus.announced(owner, session, kinds.AGENT_TURN) is False:
             raise _Moved  # the owner does not listen (yet, or any more)
         try:
             sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, turn_id, maxsize=REPLY_QUEUE)
@@ -411,7 +416,7 @@ class TurnForwarding:
             self.bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=item["id"])
 
         agent, args = item.get("agent"), item.get("args")
-        if type(agent) is not str or self.steer_here is None or not self.ownership.holds(session, agent):
+        if type(agent) is not str or not self.ownership.holds(session, agent):
             reply({"op": "moved"})
             return
         reply({"op": "accepted"})
