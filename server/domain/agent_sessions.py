@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +49,7 @@ from uibus.domain.feed import UiFeed
 from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement
 from uibus.store import Store
 from uibus.tasks import Tasks
@@ -100,7 +101,7 @@ class SessionBound:
 
     def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
         owner = self._owner
-        if owner is None or not owner.mcp_url:
+        if owner is None or not (url := owner.mcp_url()):
             return None
         headers = {"x-uibus-session": self.session}
         if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
@@ -109,7 +110,7 @@ class SessionBound:
             token = owner.tokens.mint(self.session, agent or self._agent)
             self._minted.append(token)
             headers["authorization"] = f"Bearer {token}"
-        return owner.mcp_url, headers
+        return url, headers
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
         return await self._dialogs.ask(self.session, request)
@@ -159,11 +160,13 @@ class AgentSessions(MakesRoom):
     """Every live agent session of this process, by (uibus session, agent name)."""
 
     def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, placement: Placement, *,
-                 changes: Changes | None = None, workspaces: Workspaces | None = None,
-                 sweep_s: float = SWEEP_S) -> None:
+                 changes: Changes | None = None, workspaces: Workspaces | None = None, tokens: Tokens | None = None,
+                 quotas: Quotas | None = None, mcp_url: Callable[[], str] = str, sweep_s: float = SWEEP_S) -> None:
         """`placement` hears when an agent's state may have changed (a turn, a steering call, it closed)
         and closes an agent whose lease was lost; `changes` is poked when a turn starts or ends (watches
-        re-list at once); `workspaces`: where agents with option `workspace = "worktree"` get theirs."""
+        re-list at once); `workspaces`: where agents with option `workspace = "worktree"` get theirs;
+        `tokens`: agents' /mcp tokens are minted there, tenants named by it; `quotas`: each tenant's
+        share of processes; `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens ("": none)."""
         self.dialogs = dialogs
         self.feed = feed
         self.store = store
@@ -180,10 +183,7 @@ class AgentSessions(MakesRoom):
         self.changes = changes or Changes()
         self.placement = placement
         placement.host(self)
-        # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
-        self.mcp_url = ""
-        # The tokens in force (the app's): agents' /mcp tokens are minted there, tenants named by it.
-        self.tokens: Tokens | None = None
+        self.mcp_url, self.tokens, self.quotas = mcp_url, tokens, quotas
         self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
         self.workspaces = workspaces
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from uibus.agents.config import AgentTable
 from uibus.agents.workspaces import Workspaces, default_workspaces_dir
+from uibus.auth import Tokens
 from uibus.bus import Bus
 from uibus.config import Config
 from uibus.domain.agent_sessions import AgentSessions
@@ -20,6 +21,7 @@ from uibus.domain.history import ChatHistory
 from uibus.domain.session_log import SessionLog
 from uibus.domain.sessions import Sessions
 from uibus.pb.cline import ui_pb2
+from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement, placement_for
 from uibus.store import LogRetention, Store
 
@@ -41,9 +43,12 @@ class Core:
     placement: Placement
 
     @classmethod
-    def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable, *,
+    def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable, *, tokens: Tokens | None = None,
+              quotas: Quotas | None = None, mcp_url: Callable[[], str] = str,
               observe_wait: Callable[[str, str, float], None] | None = None) -> Core:
         """Every domain object built once, each handed what it uses (no hook is set afterwards).
+        `tokens`, `quotas`: the app's (agents' /mcp tokens, tenants' shares of processes);
+        `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens, offered to ACP agents;
         `observe_wait(kind, outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
         clock = TsClock()
         # the session log's retention: --log-max-events, --log-max-bytes, --log-max-age-seconds
@@ -64,7 +69,8 @@ class Core:
         workspaces = Workspaces(str(Path(root).expanduser()),
                                 enabled=any(getattr(b, "workspace_repo", None) is not None
                                             for b in agents.backends.values()))
-        sessions = AgentSessions(dialogs, feed, store, placement, changes=changes, workspaces=workspaces)
+        sessions = AgentSessions(dialogs, feed, store, placement, changes=changes, workspaces=workspaces,
+                                 tokens=tokens, quotas=quotas, mcp_url=mcp_url)
         chat = Chat(agents, history, feed, sessions, placement, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
         # steering concerns hosted agents only: any other name is answered here
