@@ -9,6 +9,7 @@ the store, answers are forwarded to the dialog's holder). The parts of the lease
 * ownership: the agent leases held here, renewed and fenced;
 * turn_forwarding: turns and steering calls carried to the owner and served there;
 * dialog_forwarding: extension-UI answers carried to the replica holding the dialog;
+* asking: request and reply over the bus, the one way the three above carry work to a replica;
 * dialog_sharing: waiting dialogs written to the store for UIs on other replicas;
 * agent_state_sharing: hosted agents' states written to the store for the other replicas' listings.
 

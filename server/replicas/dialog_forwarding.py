@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.errors import STATUS_NUMBERS, UibusError, error_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.replicas.asking import Exchange, replier
 from uibus.tasks import Tasks
 from uibus.telemetry import as_caller
 
@@ -116,14 +116,13 @@ class AnswerForwarding:
             async for fwd in sub:
                 with as_caller(fwd.answered_via, fwd.answered_by):  # whose answer (tracing on)
                     verdict = self._answer(session, fwd.answer)
+                reply = replier(self.bus, session, kinds.EXT_UI_ANSWER_RESULT, fwd.answer_id)
                 if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
-                    self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
-                        answer_id=fwd.answer_id, code=_NOT_HERE), target=fwd.answer_id)
+                    reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=_NOT_HERE))
                     continue
                 error = verdict.error
-                self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
-                    answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
-                    details=str(error) if error else ""), target=fwd.answer_id)
+                reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
+                                               details=str(error) if error else ""))
         except UibusError:  # the mailbox overflowed: stop listening, so forwarders learn it at once
             pass
         finally:
@@ -134,24 +133,24 @@ class AnswerForwarding:
 
     async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict) -> Verdict:
         """Asks the other replicas to apply `request`; `not_found` when none holds the dialog."""
-        answer_id = uuid.uuid4().hex
-        await self.bus.ready(session)  # every replica's listeners of the session known (presence)
+        ask = Exchange(self.bus, session, kinds.EXT_UI_ANSWER, kinds.EXT_UI_ANSWER_RESULT)  # to every listener
         try:
-            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER_RESULT, answer_id)
+            await ask.open()
         except (SubscriptionLimit, BusClosed):
             return not_found
         try:
             # Every listener replies once, this replica's own included (it hears its own forward).
-            forwarded = pb.ForwardedAnswer(answer_id=answer_id, answer=request)
+            forwarded = pb.ForwardedAnswer(answer_id=ask.id, answer=request)
             caller = telemetry.caller() if telemetry.tracer is not None else None
             if caller is not None:  # the holder's dialog span says which UI answered
                 forwarded.answered_via, forwarded.answered_by = caller
-            reached = self.bus.publish(session, kinds.EXT_UI_ANSWER, forwarded)
+            reached = ask.send(forwarded)
             if reached <= self.bus.count(kinds.EXT_UI_ANSWER, session):
                 return not_found  # only this replica's own listener (if any): no other replica can know it
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, StopAsyncIteration):
                 async with asyncio.timeout(WAIT_S):
-                    async for result in sub:
+                    while True:
+                        result = await ask.reply(None)
                         if result.code == _NOT_HERE and not result.details:
                             reached -= 1
                             if reached <= 0:
@@ -159,5 +158,5 @@ class AnswerForwarding:
                             continue
                         return Verdict(error_of(result.code, result.details) if result.code else None)
         finally:
-            self.bus.unsubscribe(sub)
+            ask.close()
         return not_found
