@@ -132,6 +132,18 @@ class SharedDialogs:
                 self._retry.pop((session, dialog_id), None)
                 backoff = _RETRY_MIN_S
 
+    async def holder_of(self, session: str, dialog_id: str) -> str | None:
+        """The replica its entry names as holding `dialog_id` (an answer given here goes to it
+        alone); None when there is no entry (closed, or never shared) or the store does not answer."""
+        try:
+            async with asyncio.timeout(STORE_WAIT_S):
+                entry = await self.store.get(session, KEY + dialog_id)
+        except Exception as exc:  # an outage or a stall: the answer goes to every listener instead
+            log.debug("shared dialog entry not read", extra={"fields": {"session": session, "error": repr(exc)}})
+            return None
+        holder = entry.get("holder") if isinstance(entry, dict) else None
+        return holder if isinstance(holder, str) and holder else None
+
     def others(self, session: str, kept: dict[str, Any]) -> list[pb.ExtensionUiRequest]:
         """The requests of the dialogs other replicas hold and still wait on, oldest first, read from
         `kept` (the session's store entries under extui/); entries found dead are deleted in the

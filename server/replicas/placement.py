@@ -327,7 +327,8 @@ class LeasedPlacement:
         return self.shared_dialogs.others(session, await self.store.scan(session, dialog_sharing.KEY))
 
     async def forward_answer(self, session: str, request: ext_pb.RespondRequest, not_found: Verdict) -> Verdict:
-        return await self.answers.forward(session, request, not_found)
+        holder = await self.shared_dialogs.holder_of(session, request.id)  # to it alone when it listens
+        return await self.answers.forward(session, request, not_found, holder)
 
     def close_dialogs(self) -> None:
         self.answers.close()
