@@ -39,8 +39,7 @@ from uibus.bus import LIVE, Bus, Live
 from uibus.domain.session_log import SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.replicas.dialog_forwarding import Verdict
-from uibus.replicas.placement import Placement
+from uibus.replicas.placement import Placement, Verdict
 from uibus.store import Store
 from uibus.telemetry import spans
 

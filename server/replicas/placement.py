@@ -37,6 +37,8 @@ from uibus.replicas.ownership import LEASE_S, HostedAgents
 from uibus.replicas.turn_forwarding import RunHere, SteerHere, TurnForwarding
 from uibus.store import Store
 
+__all__ = ["Answer", "LeasedPlacement", "LocalPlacement", "Placement", "Verdict", "placement_for"]
+
 # (session, answer) -> what became of it, applied to a dialog held here (Dialogs' own check)
 Answer = Callable[[str, ext_pb.RespondRequest], Verdict]
 Turn = AsyncIterator[agent_pb2.ChatResponse]
