@@ -9,9 +9,9 @@ and removes it when the agent closes. The writes stamp the session's last activi
 listing's per-session cache (uibus.domain.sessions) reads them again exactly when one changed.
 
 When the state changes: a turn starts or ends (an agent's modes, commands and title arrive in
-turns), a steering call changed it, the agent opened or closed (AgentSessions.on_agent). Writes are
-coalesced per agent (the latest state wins) and never fail a turn: a write that fails is logged,
-and the next change writes again.
+turns), a steering call changed it, the agent opened or closed (Placement.agent_changed, told by
+AgentSessions and Steering). Writes are coalesced per agent (the latest state wins) and never fail
+a turn: a write that fails is logged, and the next change writes again.
 
 A crashed owner leaves its entries behind: an entry is listed only while its holder is announced
 on the session's AGENT_TURN (it listens there while it holds a lease in the session) or is younger
