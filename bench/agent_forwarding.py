@@ -9,7 +9,7 @@ sessions and agent processes:
 
 * `local`: the callers talk to A, the owner: each turn runs where it arrived;
 * `forwarded`: the callers talk to B, which carries each turn to A over the bus
-  (uibus.domain.turn_forwarding) and streams A's replies back.
+  (uibus.replicas.turn_forwarding) and streams A's replies back.
 
 The figure is uibus CPU per AI piece received, both replicas' processes counted (not the agents',
 not Redis's, which is printed apart), and the ratio forwarded / local per pair and its median

@@ -173,6 +173,7 @@ class App:
         self.service_names: list[str] = []
         self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
+        self.mcp_url = ""  # uibus's own MCP endpoint once the HTTP port listens (ACP agents are offered it)
         self._server: grpc.aio.Server | None = None
         self._http: HttpServer | None = None
         self._setup: Setup | None = None
@@ -189,6 +190,11 @@ class App:
     def stopping(self) -> bool:
         """True from the moment shutdown begins (readiness probes fail from then on)."""
         return self._stopping
+
+    def _dialog_wait(self, kind: str, outcome: str, seconds: float) -> None:
+        """The human wait of a dialog, by kind and outcome, on /metrics (built after the core)."""
+        if self.metrics is not None:
+            self.metrics.dialog_wait(kind, outcome, seconds)
 
     def not_ready(self) -> str | None:
         """Why stateful calls would fail now, None when the app is ready: /readyz answers 503 with
@@ -276,15 +282,18 @@ class App:
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths(),
                                                        workspaces_dir=cfg.workspaces_dir))
-        core = self.core = Core.build(cfg, bus, store, agents)
+        # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
+        tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
+        quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
+        core = self.core = Core.build(cfg, bus, store, agents, tokens=tokens, quotas=quotas,
+                                      mcp_url=lambda: self.mcp_url, observe_wait=self._dialog_wait)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
-        if core.agent_states is not None:  # closed after the agent sessions: their removals are written
-            await res.enter("agent state sharing", core.agent_states)
+        # The placement's sharing is closed after the agent sessions (their removals are written), its
+        # hosting (leases, forwarded turns) before them (uibus.replicas.placement).
+        await res.enter("agent state sharing", core.placement.sharing())
         await res.enter("agent sessions", core.agent_sessions)
-        if core.ownership is not None and core.forwarding is not None:  # closed before the agent sessions
-            await res.enter("agent ownership", core.ownership)
-            await res.enter("agent turn forwarding", core.forwarding)
+        await res.enter("agent ownership and turn forwarding", core.placement.hosting())
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("session log", self._flush_recent)
         gauges: Gauges = {
@@ -301,12 +310,7 @@ class App:
         metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,
                                          worker=None if worker is None else {
                                              "index": str(worker.index), "pid": str(worker.pid)})
-        core.dialogs.observe_wait = metrics.dialog_wait  # the human wait, by dialog kind and outcome
-        tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
-        quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
         metrics.registry.register(quotas)  # uibus_quota_refused_total / uibus_quota_in_use, by tenant
-        # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
-        core.agent_sessions.tokens, core.agent_sessions.quotas = tokens, quotas
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -348,7 +352,7 @@ class App:
                 host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::", "localhost") else cfg.host
                 host = f"[{host}]" if ":" in host else host
                 scheme = "https" if cfg.tls_cert else "http"
-                core.agent_sessions.mcp_url = f"{scheme}://{host}:{self.http_port}{MCP_PATH}"
+                self.mcp_url = f"{scheme}://{host}:{self.http_port}{MCP_PATH}"
         serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)

@@ -239,6 +239,9 @@ class Bus:
     # Whether the last `publish` handed its event to replication (PublishReply.replicated): read it
     # right after the call, before any await (publish is synchronous).
     last_replicated = False
+    # This replica's id on the replicated bus (the origin of what it publishes, the holder of what
+    # it shares); "" alone: there are no other replicas to tell apart.
+    replica_id = ""
 
     def __init__(self, queue_size: int = 256, max_per_session: int = 10_000, *,
                  mailbox_bytes: int = 16 * 1024 * 1024, mailboxes_bytes: int = 256 * 1024 * 1024) -> None:
@@ -361,6 +364,11 @@ class Bus:
                          f"(--mailboxes-bytes) and this {sub.kind} subscriber of session {sub.session!r} had the "
                          f"most queued ({sub.bytes} bytes); subscribe again and read faster")
             self.unsubscribe(sub)
+
+    def announced(self, origin: str, session: str, kind: Kind) -> bool | None:
+        """Whether replica `origin` has announced a subscriber of (session, kind) that has not
+        expired; None: this bus does not know (alone there is no other replica to hear of)."""
+        return None
 
     def count(self, kind: Kind | str | None = None, session: str | None = None) -> int:
         """Live subscriptions, optionally of one kind (a record or its name) and/or one session."""

@@ -68,7 +68,7 @@ EXT_UI_ANSWER_RESULT = Kind("ext_ui_answer_result", extension_ui_pb2.ForwardedAn
 # Every entry appended to a session's chat history (a JSON dict), so a side waiting for "the next
 # user message" (CodeBolt's waitforReply) subscribes instead of polling.
 CHAT_MESSAGE = Kind("chat_message", dict)
-# A chat turn of a hosted agent carried to the replica that owns the agent (uibus.domain.turn_forwarding),
+# A chat turn of a hosted agent carried to the replica that owns the agent (uibus.replicas.turn_forwarding),
 # targeted at the owner's id, and its cancel (JSON dicts). Presence: a forwarder knows whether the
 # owner listens at all. The replies go back targeted at the turn's id: each ChatResponse as it is,
 # and JSON dicts for accepted, heartbeat, moved and the end (status and message).

@@ -26,6 +26,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain
     # that drives them (the domain imports the agents' interface, not the other way round).
     ("agents", ("uibus.agents",)),
+    # The replicas wing: where hosted agents run and what other replicas hear of (leases, forwarding,
+    # sharing). The domain asks its placement; the wing uses the bus and the store, never the domain
+    # (what it runs for other replicas, the domain objects hand it as they are built).
+    ("replicas", ("uibus.replicas",)),
     ("domain", ("uibus.domain",)),
     ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
                   "uibus.reflection", "uibus.wiring")),
@@ -118,6 +122,23 @@ def test_the_domain_knows_no_transport() -> None:
             names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
             assert not names & {"grpc", "uvicorn", "websockets", "httpx"}, (module, names)
+
+
+def test_the_domain_asks_its_placement_not_whether_it_is_replicated() -> None:
+    """Replication is the replicas wing's business: the domain imports the wing's one interface
+    (uibus.replicas.placement) and nothing else of it, reads no bus's `replicated` or `replica_id`,
+    duck-types no bus (`getattr(bus, …)`) and names no particular placement: it asks the
+    `Placement` it was built with. The wing duck-types no bus either (the bus answers)."""
+    for module, path in modules().items():
+        if module.startswith("uibus.domain"):
+            wing = {dep for dep in GRAPH[module] if dep.startswith("uibus.replicas")}
+            assert wing <= {"uibus.replicas.placement"}, (module, wing)
+            source = path.read_text()
+            for asked in (".replicated", "replica_id", "getattr(bus", "getattr(self.bus", "LocalPlacement",
+                          "LeasedPlacement"):
+                assert asked not in source, (module, asked)
+        if module.startswith("uibus.replicas"):
+            assert "getattr(bus" not in path.read_text() and "getattr(self.bus" not in path.read_text(), module
 
 
 def test_services_call_each_other_by_no_path() -> None:

@@ -25,10 +25,10 @@ from tests.test_redis_replicas import two_replicas
 from uibus import kinds
 from uibus.clients.connection import Connection
 from uibus.config import Config
-from uibus.domain.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
 from uibus.redis import RedisStore, ReplicatedBus, shard_of
+from uibus.replicas.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
@@ -115,6 +115,33 @@ async def test_race_across_replicas_has_one_winner_and_the_loser_is_told_at_once
     # (B follows that session's shard for the first time: a SUBSCRIBE and a presence read, no wait.)
     code, seconds = await timed_respond(b.ext("nobody"), pb.RespondRequest(id="x", cancelled=True))
     assert code == grpc.StatusCode.NOT_FOUND and seconds < 0.5
+
+
+async def test_an_answer_goes_to_the_dialogs_holder_alone(replicas: tuple[Replica, Replica]) -> None:
+    """Both replicas hold a dialog of the session (both listen for answers); an answer given on B to
+    A's dialog reaches A's listener only, not B's own, and A's verdict is the caller's."""
+    a, b = replicas
+    ui_a, ui_b = await a.ui("holder"), await b.ui("holder")
+    on_a = asyncio.ensure_future(a.ext("holder").Confirm(pb.ConfirmRequest(title="A's", timeout_ms=10_000)))
+    a_id = (await ui_b.next()).request.id
+    assert (await ui_a.next()).request.id == a_id
+    on_b = asyncio.ensure_future(b.ext("holder").Confirm(pb.ConfirmRequest(title="B's", timeout_ms=10_000)))
+    b_id = (await ui_a.next()).request.id
+    assert (await ui_b.next()).request.id == b_id
+    await wait_for(lambda: a.bus.announced(b.bus.replica_id, "holder", kinds.EXT_UI_ANSWER) is True
+                   and b.bus.announced(a.bus.replica_id, "holder", kinds.EXT_UI_ANSWER) is True,
+                   what="each replica heard the other listen")
+    heard_a, heard_b = (r.bus.counters["ext_ui_answer"].delivered for r in (a, b))
+    code, _ = await timed_respond(b.ext("holder"), pb.RespondRequest(id=a_id, confirmed=True))
+    assert code == grpc.StatusCode.OK
+    assert (await asyncio.wait_for(on_a, 5)).confirmed is True
+    assert a.bus.counters["ext_ui_answer"].delivered == heard_a + 1
+    assert b.bus.counters["ext_ui_answer"].delivered == heard_b  # B's own listener never heard it
+    # answered already: the holder says so, whichever way the second answer goes
+    code, seconds = await timed_respond(b.ext("holder"), pb.RespondRequest(id=a_id, cancelled=True))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and seconds < 0.5
+    code, _ = await timed_respond(a.ext("holder"), pb.RespondRequest(id=b_id, confirmed=False))
+    assert code == grpc.StatusCode.OK and (await asyncio.wait_for(on_b, 5)).confirmed is False
 
 
 async def read_until_marker(ui: Reader, marker: str) -> list[pb.ExtensionUiEvent]:

@@ -18,8 +18,7 @@ Family = dict[str, tuple[str, Callable[[], float]]]  # metric name -> (help, rea
 
 def agent_metrics(core: Core, agents: Any) -> tuple[Family, Family]:
     """(gauges, counters) of the hosted agents. `agents`: the loaded agents (their backends count the
-    processes they started); core.forwarding and core.ownership are None without a shared store,
-    and their counters read 0 then."""
+    processes they started); the placement's counters read 0 alone (no replicas)."""
     sessions = core.agent_sessions
     gauges: Family = {"uibus_agent_sessions": (
         "agent sessions open now: hosted agents (backend rpc) that live across turns, one per (session, agent), "
@@ -39,20 +38,20 @@ def agent_metrics(core: Core, agents: Any) -> tuple[Family, Family]:
                                                    lambda: float(sessions.closed_dead)),
         "uibus_agent_turns_forwarded_total": (
             "hosted agent turns carried from this replica to the replica owning the agent",
-            lambda: float(getattr(core.forwarding, "forwarded", 0))),
+            lambda: float(core.placement.forwarded)),
         "uibus_agent_turns_served_total": (
             "hosted agent turns other replicas carried here, to the agent this replica owns",
-            lambda: float(getattr(core.forwarding, "served", 0))),
+            lambda: float(core.placement.served)),
         "uibus_agent_turns_interrupted_total": (
             "forwarded turns ended UNAVAILABLE because the owning replica went silent",
-            lambda: float(getattr(core.forwarding, "interrupted", 0))),
+            lambda: float(core.placement.interrupted)),
         "uibus_agent_leases_taken_over_total": (
             "agent ownership leases this replica took over from a replica whose lease had expired",
-            lambda: float(getattr(core.ownership, "taken_over", 0))),
+            lambda: float(core.placement.taken_over)),
         "uibus_agent_leases_fenced_total": (
             "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
             "their turns cut, their agent closed",
-            lambda: float(getattr(core.ownership, "fenced", 0))),
+            lambda: float(core.placement.fenced)),
         "uibus_agent_conversations_resumed_total": (
             "hosted agents' conversations picked up again by a new process (option resume)",
             lambda: float(sessions.handles.resumed)),

@@ -43,11 +43,14 @@ from uibus.agents.workspaces import GitError, Workspaces
 from uibus.auth import OPERATOR, Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.agent_room import MakesRoom
+from uibus.domain.changes import Changes
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.quotas import Quotas
+from uibus.replicas.placement import Placement
 from uibus.store import Store
 from uibus.tasks import Tasks
 
@@ -55,10 +58,6 @@ log = logging.getLogger("uibus.agents")
 
 MARKER = "agent/live/"  # + agent name: the store key a live agent session keeps in its uibus session
 SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at most; idle/2 when shorter)
-
-
-def _nothing() -> None:
-    return None
 
 
 class SessionBound:
@@ -102,7 +101,7 @@ class SessionBound:
 
     def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
         owner = self._owner
-        if owner is None or not owner.mcp_url:
+        if owner is None or not (url := owner.mcp_url()):
             return None
         headers = {"x-uibus-session": self.session}
         if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
@@ -111,7 +110,7 @@ class SessionBound:
             token = owner.tokens.mint(self.session, agent or self._agent)
             self._minted.append(token)
             headers["authorization"] = f"Bearer {token}"
-        return owner.mcp_url, headers
+        return url, headers
 
     async def ask(self, request: Dialog) -> ext_pb.DialogResult:
         return await self._dialogs.ask(self.session, request)
@@ -160,7 +159,14 @@ def cut_by_shutdown(agent: str) -> str:
 class AgentSessions(MakesRoom):
     """Every live agent session of this process, by (uibus session, agent name)."""
 
-    def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, *, sweep_s: float = SWEEP_S) -> None:
+    def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, placement: Placement, *,
+                 changes: Changes | None = None, workspaces: Workspaces | None = None, tokens: Tokens | None = None,
+                 quotas: Quotas | None = None, mcp_url: Callable[[], str] = str, sweep_s: float = SWEEP_S) -> None:
+        """`placement` hears when an agent's state may have changed (a turn, a steering call, it closed)
+        and closes an agent whose lease was lost; `changes` is poked when a turn starts or ends (watches
+        re-list at once); `workspaces`: where agents with option `workspace = "worktree"` get theirs;
+        `tokens`: agents' /mcp tokens are minted there, tenants named by it; `quotas`: each tenant's
+        share of processes; `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens ("": none)."""
         self.dialogs = dialogs
         self.feed = feed
         self.store = store
@@ -174,18 +180,12 @@ class AgentSessions(MakesRoom):
         self._sweeper = Tasks("agent sessions sweep")
         self._closing = False
         self.closed_idle = self.closed_evicted = self.closed_dead = 0
-        # Told when a turn starts or ends (the sessions API's watches re-list at once: Sessions.poke).
-        self.on_change: Callable[[], None] = _nothing
-        # Told (session, agent) when an agent's state may have changed: a turn started or ended, it
-        # was steered, it closed (uibus.domain.agent_state_sharing writes it for other replicas).
-        self.on_agent: Callable[[str, str], None] = lambda session, name: None
-        # uibus's own MCP endpoint, set by the app once its HTTP port listens (ACP agents are offered it)
-        self.mcp_url = ""
-        # The tokens in force (the app's): agents' /mcp tokens are minted there, tenants named by it.
-        self.tokens: Tokens | None = None
+        self.changes = changes or Changes()
+        self.placement = placement
+        placement.host(self)
+        self.mcp_url, self.tokens, self.quotas = mcp_url, tokens, quotas
         self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
-        # Where agents with option `workspace = "worktree"` get theirs (set by the core); None: none made
-        self.workspaces: Workspaces | None = None
+        self.workspaces = workspaces
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -256,7 +256,7 @@ class AgentSessions(MakesRoom):
                 if marker:
                     await self.store.put(key[0], MARKER + key[1], None)
             if marker and key not in self._live:  # not another replica's now, nor replaced here
-                self.on_agent(*key)
+                self.placement.agent_changed(*key)
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
@@ -299,12 +299,12 @@ class AgentSessions(MakesRoom):
                         "session": key[0], "agent": key[1], "error": str(exc)}})
 
     def is_live(self, session: str, name: str) -> bool:
-        """Whether an agent session of (`session`, `name`) is open here (uibus.domain.ownership)."""
+        """Whether an agent session of (`session`, `name`) is open here (uibus.replicas.ownership)."""
         return (session, name) in self._live or (session, name) in self._opening
 
     async def drop(self, session: str, name: str, why: str) -> None:
         """Closes the agent session of (`session`, `name`) now, if open here: its owner lost the
-        right to host it (uibus.domain.ownership fences it); its turns were cut first."""
+        right to host it (uibus.replicas.ownership fences it); its turns were cut first."""
         entry = self._live.pop((session, name), None)
         if entry is not None:
             await self._close((session, name), entry.agent, why, marker=False)
@@ -468,14 +468,14 @@ class AgentSessions(MakesRoom):
                     entry.agent = await self._open_reclaiming(session, backend)
                 task = asyncio.current_task()
                 entry.task = task
-                self.on_change()
-                self.on_agent(session, name)
+                self.changes.poke()
+                self.placement.agent_changed(session, name)
                 try:
                     yield entry.agent
                 finally:
                     entry.task = None
-                    self.on_change()
-                    self.on_agent(session, name)
+                    self.changes.poke()
+                    self.placement.agent_changed(session, name)
                     stopped = entry.stopping is task
                     if stopped:
                         entry.stopping = None

@@ -36,11 +36,11 @@ from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
-from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
 from uibus.proto_check import undefined_enum
+from uibus.replicas.placement import Placement
 from uibus.telemetry.spans import traced_turn
 
 log = logging.getLogger("uibus.chat")
@@ -174,10 +174,11 @@ def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Chat:
-    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, sessions: AgentSessions, *,
-                 context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
-        """`context_bytes` bounds each (session, agent) ChatContext, stored and returned;
-        `send_limit` is the largest message the transports send (the final reply is fitted to it)."""
+    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, sessions: AgentSessions,
+                 placement: Placement, *, context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
+        """`placement`: where each hosted agent's turns run (here, or at its one owner among the
+        replicas: uibus.replicas); `context_bytes` bounds each (session, agent) ChatContext, stored and
+        returned; `send_limit` is the largest message the transports send (the final reply is fitted to it)."""
         self.agents = agents
         self.history = history
         self.feed = feed
@@ -185,8 +186,8 @@ class Chat:
         self.context_bytes = context_bytes
         self.send_limit = send_limit
         self.context_dropped = 0  # ChatContext messages dropped to keep contexts within budget
-        # With replicas: each hosted agent's turns go to its one owner (uibus.domain.turn_forwarding).
-        self.routing: TurnForwarding | None = None
+        self.placement = placement
+        placement.serve_turns(self.turn_here)  # the turns of the agents this replica owns, wherever they arrived
         self.directory = concierge_pb2.ConciergeResponse(agents=[
             concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
             for s in agents.specs.values()])
@@ -242,15 +243,14 @@ class Chat:
 
     def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
              metadata: Mapping[str, str] | None = None, *, keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """The ChatResponses of one turn (see `turn_here`). With replicas, a hosted agent's turn of a
-        named session runs at the one replica owning that agent, wherever it arrived (`routing`);
-        every other turn runs here."""
-        routing = self.routing
+        """The ChatResponses of one turn (see `turn_here`). A hosted agent's turn of a named session
+        runs where the placement puts it (with replicas: at the one replica owning that agent,
+        wherever it arrived); every other turn runs here."""
         backend = self.agents.backends.get(agent)
-        if routing is None or not keep or not request.user_message.text or not isinstance(backend, SessionBackend):
+        if not keep or not request.user_message.text or not isinstance(backend, SessionBackend):
             return self.turn_here(session, agent, request, metadata, keep=keep)
         forwarded = {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
-        return routing.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
+        return self.placement.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
 
     @traced_turn  # a span per turn when tracing is on (uibus.telemetry)
     async def turn_here(self, session: str, agent: str, request: agent_pb2.ChatRequest,

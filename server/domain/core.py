@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from uibus.agents.config import AgentTable
 from uibus.agents.workspaces import Workspaces, default_workspaces_dir
+from uibus.auth import Tokens
 from uibus.bus import Bus
 from uibus.config import Config
 from uibus.domain.agent_sessions import AgentSessions
-from uibus.domain.agent_state_sharing import AgentStateSharing
+from uibus.domain.changes import Changes
 from uibus.domain.chat import Chat
 from uibus.domain.clock import TsClock
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
-from uibus.domain.ownership import Ownership
 from uibus.domain.session_log import SessionLog
 from uibus.domain.sessions import Sessions
-from uibus.domain.turn_forwarding import TurnForwarding
 from uibus.pb.cline import ui_pb2
+from uibus.quotas import Quotas
+from uibus.replicas.placement import Placement, placement_for
 from uibus.store import LogRetention, Store
 
 
@@ -36,48 +38,46 @@ class Core:
     dialogs: Dialogs
     agent_sessions: AgentSessions
     sessions: Sessions
-    # With a replicated bus: the agent leases held here and the turns carried to their owners.
-    ownership: Ownership | None = None
-    forwarding: TurnForwarding | None = None
-    agent_states: AgentStateSharing | None = None  # the state of the agents hosted here, for the others
+    # Where the hosted agents run and what other replicas hear of (uibus.replicas): local alone,
+    # leased on a replicated bus. The domain objects above ask it; none asks whether it is replicated.
+    placement: Placement
 
     @classmethod
-    def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable) -> Core:
+    def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable, *, tokens: Tokens | None = None,
+              quotas: Quotas | None = None, mcp_url: Callable[[], str] = str,
+              observe_wait: Callable[[str, str, float], None] | None = None) -> Core:
+        """Every domain object built once, each handed what it uses (no hook is set afterwards).
+        `tokens`, `quotas`: the app's (agents' /mcp tokens, tenants' shares of processes);
+        `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens, offered to ACP agents;
+        `observe_wait(kind, outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
         clock = TsClock()
         # the session log's retention: --log-max-events, --log-max-bytes, --log-max-age-seconds
         retention = LogRetention(max_entries=config.log_max_events, max_bytes=config.log_max_bytes,
                                  max_age_s=config.log_max_age_seconds)
         feed = UiFeed(bus, store, clock, log=SessionLog(store, retention=retention))
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
-        dialogs = Dialogs(bus, store, config.queue_size, log=feed.log)
-        sessions = AgentSessions(dialogs, feed, store)
+        # one owner per hosted agent across replicas and workers, when there are replicas
+        placement = placement_for(bus, store, lease_s=config.agent_lease_seconds,
+                                  say_error=lambda session, text: feed.say(session, text, ui_pb2.ERROR))
+        # a turn starting or ending, a dialog opening or closing, shows in every sessions watch at once
+        changes = Changes()
+        dialogs = Dialogs(bus, store, placement, config.queue_size, log=feed.log, on_change=changes.poke,
+                          observe_wait=observe_wait)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store
         root = config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir()
-        sessions.workspaces = Workspaces(str(Path(root).expanduser()),
-                                         enabled=any(getattr(b, "workspace_repo", None) is not None
-                                                     for b in agents.backends.values()))
-        listing = Sessions(store, dialogs, sessions, history, recent=feed.recent)
-        sessions.on_change = listing.poke  # a turn starting or ending, a dialog opening or closing,
-        dialogs.pending.on_change = listing.poke  # shows in every watch at once
-        chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
+        workspaces = Workspaces(str(Path(root).expanduser()),
+                                enabled=any(getattr(b, "workspace_repo", None) is not None
+                                            for b in agents.backends.values()))
+        sessions = AgentSessions(dialogs, feed, store, placement, changes=changes, workspaces=workspaces,
+                                 tokens=tokens, quotas=quotas, mcp_url=mcp_url)
+        chat = Chat(agents, history, feed, sessions, placement, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
-        ownership = forwarding = agent_states = None
-        replica_id = getattr(bus, "replica_id", "")
-        if bus.replicated and replica_id:  # one owner per hosted agent across replicas and workers
-            ownership = Ownership(store, sessions, replica_id, lease_s=config.agent_lease_seconds)
-            forwarding = chat.routing = TurnForwarding(
-                bus, ownership, lambda s, a, r, m: chat.turn_here(s, a, r, m, keep=True),
-                lambda session, text: feed.say(session, text, ui_pb2.ERROR))
-            # steering an agent another replica hosts goes to that replica, the same way
-            listing.steering.route, forwarding.steer_here = forwarding.steer, listing.steering.here
-            listing.steering.hosted = chat.hosted
-            # and the listing shows the agents other replicas host
-            agent_states = listing.agent_states = AgentStateSharing(
-                store, sessions, replica_id, getattr(bus, "announced", None))
+        # steering concerns hosted agents only: any other name is answered here
+        listing = Sessions(store, dialogs, sessions, history, placement, changes=changes, recent=feed.recent,
+                           hosted=chat.hosted)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
-                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, ownership=ownership,
-                   forwarding=forwarding, agent_states=agent_states)
+                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, placement=placement)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

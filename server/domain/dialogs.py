@@ -15,12 +15,12 @@ answered" apart from "unknown". Requests and closed events reach the UIs through
 EXTENSION_UI); status, widgets and title are written to the store before they are published, so
 a UI that subscribes later starts from the current state.
 
-With Redis (several replicas) a dialog lives in the replica its agent called: answers given on
-other replicas are forwarded to it (uibus.domain.dialog_forwarding), and it also writes each
-waiting dialog to the shared store, so a UI subscribing on any replica replays every waiting
-dialog of the session, whichever replica holds it (uibus.domain.dialog_sharing). There the
-dialog's entry is written between `prepare` and `open`, and its closed event is published once
-the entry is removed.
+A dialog lives in the replica its agent called; the placement (uibus.replicas) makes it known to
+the others: with Redis, answers given on other replicas are forwarded to it
+(uibus.replicas.dialog_forwarding) and each waiting dialog is written to the shared store, so a UI
+subscribing on any replica replays every waiting dialog of the session, whichever replica holds
+it (uibus.replicas.dialog_sharing). The dialog is shared between `prepare` and `open`, and its
+closed event is published once it is unshared (alone: at once).
 """
 
 from __future__ import annotations
@@ -36,12 +36,11 @@ from typing import Any
 from uibus import dialog_limits as checks
 from uibus import kinds, telemetry
 from uibus.bus import LIVE, Bus, Live
-from uibus.domain.dialog_forwarding import AnswerForwarding, Verdict
-from uibus.domain.dialog_sharing import SharedDialogs
 from uibus.domain.feed import REPLAY_END
 from uibus.domain.session_log import SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.replicas.placement import Placement, Verdict
 from uibus.store import Store
 from uibus.telemetry import spans
 
@@ -58,7 +57,7 @@ MAX_STATE_KEYS = 256  # status entries and widgets per session
 # event replaces its own request and a newer status replaces an older one of the same key.
 UI_QUEUE = 1024
 # Store keys: extui/title, extui/status/<key>, extui/widget/<key>, and with Redis the waiting
-# dialogs, extui/pending/<id> (uibus.domain.dialog_sharing): one scan of PREFIX reads them all.
+# dialogs, extui/pending/<id> (uibus.replicas.dialog_sharing): one scan of PREFIX reads them all.
 PREFIX = "extui/"
 STATUS = PREFIX + "status/"
 WIDGET = PREFIX + "widget/"
@@ -109,19 +108,20 @@ EXT_UI = "ext_ui"  # the kind of extension-UI events in the session log
 class PendingDialogs:
     """The open dialogs of every session, and a bounded memory of closed ones."""
 
-    def __init__(self, bus: Bus, max_per_session: int = MAX_PENDING_PER_SESSION, remember: int = 4096,
-                 shared: SharedDialogs | None = None, log: SessionLog | None = None) -> None:
+    def __init__(self, bus: Bus, placement: Placement, max_per_session: int = MAX_PENDING_PER_SESSION,
+                 remember: int = 4096, log: SessionLog | None = None,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        """`on_change`: told when a dialog opens or closes here (the sessions API's watches re-list)."""
         self.bus = bus
         self.log = log  # the session log: every event a UI gets is stamped and kept there first
-        self.shared = shared  # with Redis: closing removes the dialog's store entry before telling UIs
+        self.placement = placement  # closing unshares the dialog (with Redis: its store entry) before telling UIs
         self.max_per_session = max_per_session
         self._remember = remember
         self._open: dict[str, Dialog] = {}
         self._by_session: dict[str, dict[str, Dialog]] = {}  # insertion order = replay order
         self._closed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, outcome)
         self.closing = False
-        # Told when a dialog opens or closes here (the sessions API's watches re-list at once).
-        self.on_change: Callable[[], None] = lambda: None
+        self.on_change = on_change
 
     def count(self, session: str | None = None) -> int:
         if session is None:
@@ -190,11 +190,9 @@ class PendingDialogs:
         session, event = dialog.session, pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome))
         if self.log is not None:
             self.log.stamp_event(session, EXT_UI, dialog.id, event)  # replaces the dialog's request
-        if self.shared is None:
-            self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id)
-        else:  # the store entry goes first: a UI that subscribes after the event must not replay it
-            self.shared.remove(session, dialog.id,
-                               lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
+        # unshared first: a UI that subscribes after the event must not replay it from another replica
+        self.placement.unshare_dialog(session, dialog.id,
+                                      lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
         self.on_change()
         return True
 
@@ -244,20 +242,21 @@ def state_events(state: dict[str, Any]) -> list[pb.ExtensionUiEvent]:
 
 
 class Dialogs:
-    def __init__(self, bus: Bus, store: Store, queue_size: int = UI_QUEUE, *, log: SessionLog | None = None) -> None:
-        """`log`: the session log the UIs' events are stamped into (resumable streams); without
-        one (a Dialogs of its own, in tests) events carry no seq."""
+    def __init__(self, bus: Bus, store: Store, placement: Placement, queue_size: int = UI_QUEUE, *,
+                 log: SessionLog | None = None, on_change: Callable[[], None] = lambda: None,
+                 observe_wait: Callable[[str, str, float], None] | None = None) -> None:
+        """`placement`: shares waiting dialogs with other replicas and brings their answers here;
+        `log`: the session log the UIs' events are stamped into (resumable streams; without one
+        events carry no seq); `on_change`: told when a dialog opens or closes; `observe_wait(kind,
+        outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
         self.bus = bus
         self.store = store
         self.log = log
-        # With a replicated bus, waiting dialogs are shared through the store, and answers given on
-        # other replicas are forwarded to this one; alone, memory is all there is.
-        self.shared = SharedDialogs(bus, store) if bus.replicated else None
-        self.pending = PendingDialogs(bus, shared=self.shared, log=log)
+        self.placement = placement
+        self.pending = PendingDialogs(bus, placement, log=log, on_change=on_change)
         self.ui_queue = max(UI_QUEUE, queue_size)
-        self.forwarding = AnswerForwarding(bus, self._verdict) if bus.replicated else None
-        # How long each dialog waited for a person: (kind, outcome, seconds); /metrics (uibus.metrics).
-        self.observe_wait: Callable[[str, str, float], None] | None = None
+        placement.serve_answers(self._verdict)  # answers given on other replicas to dialogs held here
+        self.observe_wait = observe_wait
 
     def count(self, session: str | None = None) -> int:
         """Dialogs waiting for an answer (of one session, or of all)."""
@@ -266,16 +265,12 @@ class Dialogs:
     def shutdown(self) -> None:
         """Refuse new dialogs and release every waiting agent (answered "shutdown")."""
         self.pending.shutdown()
-        if self.forwarding is not None:
-            self.forwarding.close()
+        self.placement.close_dialogs()
 
     async def aclose(self) -> None:
         """After `shutdown`, before the bus and the store close: lets the last store writes and
         closed events go out, so other replicas neither replay nor keep showing these dialogs."""
-        if self.forwarding is not None:
-            await self.forwarding.aclose()
-        if self.shared is not None:
-            await self.shared.aclose()
+        await self.placement.aclose_dialogs()
 
     # ---- agents: dialogs ----
 
@@ -293,22 +288,18 @@ class Dialogs:
         traced = telemetry.tracer is not None
         span = spans.dialog_start(method, session, dialog.id, dialog.timeout_ms) if traced else None
         started = time.monotonic()
-        forwarding, shared = self.forwarding, self.shared
-        if forwarding is not None:  # first, so other replicas know an answer can come here before they see it
-            forwarding.hold(session)
+        placement = self.placement
         opened = False
         answer: Answer | None = None
         try:
-            if shared is not None:  # before it is published: a UI subscribing too late for it reads it
-                await shared.put(session, dialog.request)
+            await placement.share_dialog(session, dialog.request)  # before it is published: a late UI reads it
             self.pending.open(dialog)
             opened = True
             answer = await self.pending.wait(dialog)
         finally:
-            if shared is not None and not opened:  # refused or cancelled before it opened
-                shared.remove(session, dialog.id)
-            if forwarding is not None:
-                forwarding.release(session)
+            if not opened:  # refused or cancelled before it opened
+                placement.unshare_dialog(session, dialog.id)
+            placement.dialog_done(session)
             if opened:
                 self._waited(dialog, answer, time.monotonic() - started, span)
             elif span is not None:
@@ -389,7 +380,7 @@ class Dialogs:
         so a dialog opened here at any moment reaches this UI exactly once. With Redis the
         dialogs other replicas hold are read from the store after subscribing (the same scan as
         the state); one published after the subscription may arrive both ways, so a live request
-        already replayed is skipped (see uibus.domain.dialog_sharing).
+        already replayed is skipped (see uibus.replicas.dialog_sharing).
         """
         sub = self.bus.subscribe(session, kinds.EXTENSION_UI, maxsize=self.ui_queue)
         try:
@@ -415,8 +406,9 @@ class Dialogs:
             for event in state_events(kept):
                 yield event
             requests: list[tuple[pb.ExtensionUiRequest, Dialog | None]] = [(d.request, d) for d in waiting]
-            if self.shared is not None:
-                requests += [(request, None) for request in self.shared.others(session, kept)]
+            elsewhere = self.placement.dialogs_elsewhere(session, kept)
+            if elsewhere:
+                requests += [(request, None) for request in elsewhere]
                 requests.sort(key=lambda pair: pair[0].ts)
             replayed: set[str] = set()
             for request, dialog in requests:
@@ -444,8 +436,8 @@ class Dialogs:
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
         """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""
         verdict = self._verdict(session, request)
-        if verdict.unknown and self.forwarding is not None:  # perhaps another replica holds it
-            verdict = await self.forwarding.forward(session, request, verdict)
+        if verdict.unknown:  # perhaps another replica holds it
+            verdict = await self.placement.forward_answer(session, request, verdict)
         if verdict.error is not None:
             raise verdict.error
 

@@ -16,8 +16,8 @@ Where each part comes from, so nothing is stored twice:
 * the agent a UI should open on: the newest history entry that names one, else CreateSession's;
 * running turns, waiting dialogs and hosted agent state: this process's memory (AgentSessions,
   Dialogs), read on every listing; with replicas (Redis), the dialogs other replicas hold and the
-  agents they host come from their shared store entries (uibus.domain.dialog_sharing,
-  uibus.domain.agent_state_sharing), read with the stored parts.
+  agents they host come from their shared store entries (uibus.replicas.dialog_sharing,
+  uibus.replicas.agent_state_sharing), read with the stored parts.
 
 Visibility is the caller's business: `list` takes a predicate (the token's grant), so the domain
 knows nothing of tokens. A watch re-lists every `WATCH_S` and on every local change (`poke`), and
@@ -37,9 +37,7 @@ from typing import Any
 
 from uibus.agents.workspaces import Summary
 from uibus.domain.agent_sessions import AgentSessions
-from uibus.domain.agent_state_sharing import KEY as STATE_KEY
-from uibus.domain.agent_state_sharing import AgentStateSharing
-from uibus.domain.dialog_sharing import KEY as SHARED_KEY
+from uibus.domain.changes import Changes
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.recent import RecentMessages
@@ -48,6 +46,7 @@ from uibus.errors import InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.quotas import Quotas
+from uibus.replicas.placement import Placement
 from uibus.session import check_session
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
@@ -96,25 +95,28 @@ class Sessions:
     """The sessions API over the store, the chat history, the dialogs and the hosted agents."""
 
     def __init__(self, store: Any, dialogs: Dialogs, agents: AgentSessions, history: ChatHistory,
-                 *, watch_s: float = WATCH_S, recent: RecentMessages | None = None) -> None:
-        """`recent`: the feed's write-behind recent messages, dropped first when a session is deleted."""
+                 placement: Placement, *, hosted: Callable[[str], bool] = lambda name: True,
+                 changes: Changes | None = None, watch_s: float = WATCH_S,
+                 recent: RecentMessages | None = None) -> None:
+        """`recent`: the feed's write-behind recent messages, dropped first when a session is deleted;
+        `placement`: where the agents run and what other replicas hold (their dialogs and agents are
+        listed too); `hosted(name)`: whether `name` is a hosted agent (steering is for those);
+        `changes`: poked by whatever changes what is listed (every watch wakes)."""
         self.store = store
         self.recent = recent
         self.dialogs = dialogs
         self.agents = agents
         self.history = history
         self.watch_s = watch_s
-        self.steering = Steering(agents)
-        # With replicas: the state of the agents other replicas host (set by the core)
-        self.agent_states: AgentStateSharing | None = None
+        self.placement = placement
+        self.steering = Steering(agents, placement, hosted=hosted)
         self._static: OrderedDict[str, _Static] = OrderedDict()
-        self._changed = asyncio.Event()  # set (and replaced) by `poke`: every watch waiting wakes
+        self.changes = changes or Changes()
         self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
 
     def poke(self) -> None:
         """Something listed changed here (a turn started or ended, a mode changed): watches re-list."""
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        self.changes.poke()
 
     # ---- reading ----
 
@@ -150,11 +152,9 @@ class Sessions:
 
     def _remote_stale(self, known: _Static) -> bool:
         """Whether other replicas' parts of a cached entry are read again although its stamp did not
-        move: only with replicas, at most every REMOTE_S, and only for an entry that lists some or
-        a session active in the last RECENT_S (the few a person watches), so an idle listing of
-        hundreds of sessions costs no store reads."""
-        if self.dialogs.shared is None and self.agent_states is None:
-            return False
+        move: at most every REMOTE_S, and only for an entry that lists some or a session active in
+        the last RECENT_S (the few a person watches), so an idle listing of hundreds of sessions
+        costs no store reads (alone, the placement reads nothing at all)."""
         if time.monotonic() - known.read_at < REMOTE_S:
             return False
         return bool(known.remote or known.agents) or time.time() * 1000 - known.stamp < RECENT_S * 1000
@@ -162,20 +162,13 @@ class Sessions:
     async def _remote_dialogs(self, session: str) -> tuple[pb.WaitingDialog, ...]:
         """With replicas (Redis), the dialogs other replicas hold: their shared store entries, whose
         writes stamp the session, so they are read again whenever one opens or closes anywhere."""
-        shared = self.dialogs.shared
-        if shared is None:
-            return ()
-        kept = await self.store.scan(session, SHARED_KEY)
         return tuple(pb.WaitingDialog(id=r.id, kind=r.WhichOneof("method") or "",
                                       title=getattr(r, r.WhichOneof("method") or "select").title)
-                     for r in shared.others(session, kept))
+                     for r in await self.placement.read_dialogs_elsewhere(session))
 
     async def _remote_agents(self, session: str) -> tuple[pb.AgentState, ...]:
-        """With replicas, the state of the agents other replicas host (uibus.domain.agent_state_sharing)."""
-        sharing = self.agent_states
-        if sharing is None:
-            return ()
-        return tuple(sharing.others(session, await self.store.scan(session, STATE_KEY)))
+        """With replicas, the state of the agents other replicas host (uibus.replicas.agent_state_sharing)."""
+        return tuple(await self.placement.agents_elsewhere(session))
 
     async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
         entries = recent
@@ -238,10 +231,10 @@ class Sessions:
         SNAPSHOT_S however many watches ask (a poke makes the next read fresh)."""
         now = time.monotonic()
         taken, stamps, changed = self._snapshot
-        if shared and now - taken < SNAPSHOT_S and changed is self._changed:
+        if shared and now - taken < SNAPSHOT_S and changed is self.changes.event:
             return stamps
         stamps = await self.store.sessions()
-        self._snapshot = (now, stamps, self._changed)
+        self._snapshot = (now, stamps, self.changes.event)
         return stamps
 
     async def list(self, visible: Callable[[str], bool], prefix: str = "", *, shared: bool = False) -> pb.SessionList:
@@ -267,7 +260,7 @@ class Sessions:
         """The list now, then again each time it differs (looked at every `watch_s` and on `poke`)."""
         last: pb.SessionList | None = None
         while True:
-            changed = self._changed  # taken before listing: a poke during the listing is not missed
+            changed = self.changes.event  # taken before listing: a poke during the listing is not missed
             current = await self.list(visible, prefix, shared=True)
             if current != last:
                 last = current

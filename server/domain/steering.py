@@ -9,20 +9,22 @@ the control and a script learns why. Stopping needs nothing of the agent: it can
 running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP
 `session/cancel`) exactly as when the turn's caller goes away.
 
-With replicas the agent lives at one replica only (its lease owner, uibus.domain.ownership): a
-steering call arriving anywhere else is carried to the owner (`route`, set by the core to
-TurnForwarding.steer) and answered with the owner's result or error; the owner runs it with `here`.
+With replicas the agent lives at one replica only (its lease owner, uibus.replicas.ownership): a
+steering call of an agent not open here is asked of the placement (`Placement.steer`), which
+carries it to the owner and answers with the owner's result or error (or None: act here); the
+owner runs it with `here`, handed to the placement when the Steering is built.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
+from uibus.replicas.placement import Placement
 
 
 @runtime_checkable
@@ -64,10 +66,6 @@ def state_of(name: str, agent: Any, running: bool) -> pb.AgentState:
     return state
 
 
-# (session, agent, action, args) -> the owner's result, or None when this replica is the owner
-Route = Callable[[str, str, str, dict[str, str]], Awaitable[dict[str, Any] | None]]
-
-
 def _state_from(result: dict[str, Any]) -> pb.AgentState:
     return pb.AgentState.FromString(base64.b64decode(str(result.get("state", ""))))
 
@@ -76,18 +74,25 @@ class Steering:
     """The steering calls of the sessions API, on the hosted agents of this process, or (with
     replicas) of the replica hosting the agent."""
 
-    def __init__(self, agents: AgentSessions) -> None:
+    def __init__(self, agents: AgentSessions, placement: Placement, *,
+                 hosted: Callable[[str], bool] = lambda name: True) -> None:
+        """`hosted(name)`: whether `name` is a hosted agent; any other name is answered here, so a bad
+        name never claims a lease in the shared store."""
         self.agents = agents
-        self.route: Route | None = None
-        # Which names are hosted agents (set with `route`): any other name is answered here, so a
-        # bad name never claims a lease in the shared store.
-        self.hosted: Callable[[str], bool] = lambda name: True
+        self.placement = placement
+        self.hosted = hosted
+        placement.serve_steering(self.here, self._state_or_none)  # the calls other replicas carry here
 
     async def _remote(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
         """The owner's answer when `name` is hosted by another replica; None: act here."""
-        if self.route is None or self.agents.live_agent(session, name) is not None or not self.hosted(name):
+        if self.agents.live_agent(session, name) is not None or not self.hosted(name):
             return None
-        return await self.route(session, name, action, args)
+        return await self.placement.steer(session, name, action, args)
+
+    def _state_or_none(self, session: str, name: str) -> pb.AgentState | None:
+        """The state of (`session`, `name`) open here, None when it is not (shared with other replicas)."""
+        agent = self.agents.live_agent(session, name)
+        return None if agent is None else state_of(name, agent, self.agents.running(session, name))
 
     async def here(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any]:
         """Runs a steering call another replica carried here (this replica hosts the agent)."""
@@ -161,7 +166,7 @@ class Steering:
         if mode_id not in ids:
             raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
         await call(mode_id)
-        self.agents.on_agent(session, name)
+        self.placement.agent_changed(session, name)
         return self.state(session, name)
 
     async def _set_model_here(self, session: str, name: str, model_id: str) -> pb.AgentState:
@@ -173,7 +178,7 @@ class Steering:
         if ids and model_id not in ids:
             raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
         await call(model_id)
-        self.agents.on_agent(session, name)
+        self.placement.agent_changed(session, name)
         return self.state(session, name)
 
     async def _new_conversation_here(self, session: str, name: str) -> pb.AgentState:
@@ -182,5 +187,5 @@ class Steering:
         if self.agents.running(session, name):
             raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
         await call()
-        self.agents.on_agent(session, name)
+        self.placement.agent_changed(session, name)
         return self.state(session, name)

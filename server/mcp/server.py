@@ -174,18 +174,22 @@ class McpServer:
     """The MCP methods over the domain core, and the little per-connection state MCP needs."""
 
     def __init__(self, core: Core, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
-                 version: str) -> None:
+                 version: str, *,
+                 visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True,
+                 quotas: Quotas | None = None,
+                 tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS) -> None:
+        """`visible(metadata)`: which sessions a call may list (the pipeline's visible_sessions:
+        list_sessions); `quotas`: the quotas every door asks (ask_user holds the tenant's `dialogs`);
+        `tenant_of(metadata)`: whose call it is."""
         self.core = core
         self.version = version
         self.chat_schema = standalone(agent_pb2.ChatRequest.DESCRIPTOR, required=("user_message",))
         self.handlers: dict[str, grpc.RpcMethodHandler] = {
             path: wrap(path, grpc.unary_stream_rpc_method_handler(fn)) for path, fn in self._methods().items()}
         self.inflight = Running()  # requests running, by (Mcp-Session-Id, id): notifications/cancelled
-        # Which sessions a call may list (the pipeline's visible_sessions; the app sets it): list_sessions.
-        self.visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True
-        # The quotas every door asks (the app sets them): ask_user holds the tenant's `dialogs`.
-        self.quotas = Quotas()
-        self.tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS
+        self.visible = visible
+        self.quotas = quotas if quotas is not None else Quotas()
+        self.tenant_of = tenant_of
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ---- what the transport asks -----------------------------------------------------------

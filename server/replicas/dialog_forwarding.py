@@ -2,10 +2,17 @@
 
 A dialog lives in the replica its agent called, but with a Redis bus its request reaches UIs on
 every replica, so an answer can arrive anywhere. A replica that does not know the dialog id
-forwards the answer over the bus (kind EXT_UI_ANSWER) and waits briefly for the verdict (kind
-EXT_UI_ANSWER_RESULT, targeted at the answer's id); the replica holding the dialog applies the
-answer exactly as a local answer would be applied, and replies with its verdict. Every other
-listening replica replies "not here", so the forwarder knows when nobody holds it.
+forwards the answer over the bus (kind EXT_UI_ANSWER, uibus.replicas.asking) and waits briefly for
+the verdict (kind EXT_UI_ANSWER_RESULT, targeted at the answer's id); the replica holding the dialog
+applies the answer exactly as a local answer would be applied, and replies with its verdict.
+
+The answer goes to the holder alone when its shared entry (uibus.replicas.dialog_sharing) names it
+and it is heard listening: each replica listens to the answers targeted at its own id (and to
+those sent to every listener). Otherwise (no entry: the dialog just closed, or is unknown; the
+store does not answer) it goes to every listener, and every listening replica that does not hold
+it replies "not here", so the forwarder knows when nobody holds it. A replica of the previous
+release listens to every answer and may say "not here" to one addressed to another: only the
+holder's verdict counts then.
 
 A replica listens to a session's forwarded answers from before its first dialog there is
 published until `LINGER_S` after its last one there closed. The linger is what lets the loser of
@@ -23,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +37,7 @@ from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.errors import STATUS_NUMBERS, UibusError, error_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
+from uibus.replicas.asking import Exchange, replier
 from uibus.tasks import Tasks
 from uibus.telemetry import as_caller
 
@@ -71,8 +78,8 @@ class AnswerForwarding:
             timer.cancel()
         if session in self._listeners or self._serving.closed:
             return
-        try:
-            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER)
+        try:  # targeted at this replica: answers forwarded to it, and those sent to every listener
+            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER, self.bus.replica_id)
         except (SubscriptionLimit, BusClosed):
             return  # local answers still work; remote ones get NOT_FOUND
         self._listeners[session] = (sub, self._serving.spawn(self._serve(session, sub), name="uibus-answer-listener"))
@@ -116,14 +123,13 @@ class AnswerForwarding:
             async for fwd in sub:
                 with as_caller(fwd.answered_via, fwd.answered_by):  # whose answer (tracing on)
                     verdict = self._answer(session, fwd.answer)
+                reply = replier(self.bus, session, kinds.EXT_UI_ANSWER_RESULT, fwd.answer_id)
                 if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
-                    self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
-                        answer_id=fwd.answer_id, code=_NOT_HERE), target=fwd.answer_id)
+                    reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=_NOT_HERE))
                     continue
                 error = verdict.error
-                self.bus.publish(session, kinds.EXT_UI_ANSWER_RESULT, pb.ForwardedAnswerResult(
-                    answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
-                    details=str(error) if error else ""), target=fwd.answer_id)
+                reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
+                                               details=str(error) if error else ""))
         except UibusError:  # the mailbox overflowed: stop listening, so forwarders learn it at once
             pass
         finally:
@@ -132,32 +138,40 @@ class AnswerForwarding:
                 del self._listeners[session]
                 self.bus.unsubscribe(sub)
 
-    async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict) -> Verdict:
-        """Asks the other replicas to apply `request`; `not_found` when none holds the dialog."""
-        answer_id = uuid.uuid4().hex
-        await self.bus.ready(session)  # every replica's listeners of the session known (presence)
+    async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict,
+                      holder: str | None = None) -> Verdict:
+        """Asks the other replicas to apply `request`; `not_found` when none holds the dialog.
+        `holder`: the replica holding the dialog, as its shared entry says: when it listens, the
+        answer goes to it alone and only its verdict counts; else to every listener."""
+        bus = self.bus
+        to = holder if holder and holder != bus.replica_id and \
+            bus.announced(holder, session, kinds.EXT_UI_ANSWER) is True else None
+        ask = Exchange(bus, session, kinds.EXT_UI_ANSWER, kinds.EXT_UI_ANSWER_RESULT, to=to)
         try:
-            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER_RESULT, answer_id)
+            await ask.open()
         except (SubscriptionLimit, BusClosed):
             return not_found
         try:
             # Every listener replies once, this replica's own included (it hears its own forward).
-            forwarded = pb.ForwardedAnswer(answer_id=answer_id, answer=request)
+            forwarded = pb.ForwardedAnswer(answer_id=ask.id, answer=request)
             caller = telemetry.caller() if telemetry.tracer is not None else None
             if caller is not None:  # the holder's dialog span says which UI answered
                 forwarded.answered_via, forwarded.answered_by = caller
-            reached = self.bus.publish(session, kinds.EXT_UI_ANSWER, forwarded)
-            if reached <= self.bus.count(kinds.EXT_UI_ANSWER, session):
+            reached = ask.send(forwarded)
+            if to is None and reached <= bus.count(kinds.EXT_UI_ANSWER, session):
                 return not_found  # only this replica's own listener (if any): no other replica can know it
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError, StopAsyncIteration):
                 async with asyncio.timeout(WAIT_S):
-                    async for result in sub:
+                    while True:
+                        result = await ask.reply(None)
                         if result.code == _NOT_HERE and not result.details:
+                            if to is not None:
+                                continue  # an older replica hears every answer: only the holder's verdict counts
                             reached -= 1
                             if reached <= 0:
                                 break  # every listener said it does not know the dialog
                             continue
                         return Verdict(error_of(result.code, result.details) if result.code else None)
         finally:
-            self.bus.unsubscribe(sub)
+            ask.close()
         return not_found

@@ -1,17 +1,17 @@
 """The state of each hosted agent (running, modes, models, commands), shared through the session
 store so the sessions listing of every replica shows the agents other replicas host.
 
-With Redis a hosted agent lives at one replica, its lease owner (uibus.domain.ownership), and the
+With Redis a hosted agent lives at one replica, its lease owner (uibus.replicas.ownership), and the
 listing reads live agents from memory. Asking the owner on every listing would be a bus round trip
 per session per watch per second; instead the owner writes the state when it changes, key
-`agents/state/<agent>` = {holder, at_ms, state}, like the waiting dialogs (uibus.domain.dialog_sharing),
+`agents/state/<agent>` = {holder, at_ms, state}, like the waiting dialogs (uibus.replicas.dialog_sharing),
 and removes it when the agent closes. The writes stamp the session's last activity, so the
 listing's per-session cache (uibus.domain.sessions) reads them again exactly when one changed.
 
 When the state changes: a turn starts or ends (an agent's modes, commands and title arrive in
-turns), a steering call changed it, the agent opened or closed (AgentSessions.on_agent). Writes are
-coalesced per agent (the latest state wins) and never fail a turn: a write that fails is logged,
-and the next change writes again.
+turns), a steering call changed it, the agent opened or closed (Placement.agent_changed, told by
+AgentSessions and Steering). Writes are coalesced per agent (the latest state wins) and never fail
+a turn: a write that fails is logged, and the next change writes again.
 
 A crashed owner leaves its entries behind: an entry is listed only while its holder is announced
 on the session's AGENT_TURN (it listens there while it holds a lease in the session) or is younger
@@ -30,8 +30,6 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from uibus import kinds
-from uibus.domain.agent_sessions import AgentSessions
-from uibus.domain.steering import state_of
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.store import Store
 from uibus.tasks import Tasks
@@ -40,23 +38,24 @@ log = logging.getLogger("uibus.agents")
 
 KEY = "agents/state/"  # + agent name
 STORE_WAIT_S = 2.0  # the longest one write may take (Redis down: the next change writes again)
-UNHEARD_GRACE_MS = 30_000  # see uibus.domain.dialog_sharing: the same margin for an unannounced holder
+UNHEARD_GRACE_MS = 30_000  # see uibus.replicas.dialog_sharing: the same margin for an unannounced holder
 
 Announced = Callable[[str, str, Any], "bool | None"]
+# (session, agent) -> the state of the agent open here (uibus.domain.steering), None when none is
+StateOf = Callable[[str, str], "pb.AgentState | None"]
 
 
 class AgentStateSharing:
     """Writes the state of the agents hosted here; reads those other replicas host."""
 
-    def __init__(self, store: Store, agents: AgentSessions, replica: str, announced: Announced | None) -> None:
+    def __init__(self, store: Store, state_of: StateOf, replica: str, announced: Announced) -> None:
         self.store = store
-        self.agents = agents
+        self.state_of = state_of
         self.replica = replica
         self._announced = announced
         self._dirty: dict[tuple[str, str], None] = {}
         self._writer: asyncio.Task[None] | None = None
         self._tasks = Tasks("agent state sharing")
-        agents.on_agent = self.changed
 
     def changed(self, session: str, name: str) -> None:
         """The state of (`session`, `name`) here changed: write it (soon, once however many changes)."""
@@ -71,10 +70,9 @@ class AgentStateSharing:
             key = next(iter(self._dirty))
             del self._dirty[key]
             session, name = key
-            agent = self.agents.live_agent(session, name)
+            state = self.state_of(session, name)
             value = None
-            if agent is not None:
-                state = state_of(name, agent, self.agents.running(session, name))
+            if state is not None:
                 value = {"holder": self.replica, "at_ms": int(time.time() * 1000),
                          "state": base64.b64encode(state.SerializeToString()).decode()}
             try:
@@ -97,7 +95,7 @@ class AgentStateSharing:
                 continue  # not an entry this version can read
             if holder == self.replica:
                 continue  # this replica's memory is exact
-            if self._announced is not None and now_ms - at_ms >= UNHEARD_GRACE_MS \
+            if now_ms - at_ms >= UNHEARD_GRACE_MS \
                     and self._announced(holder, session, kinds.AGENT_TURN) is False:
                 if not self._tasks.closed:
                     self._tasks.spawn(self._remove(session, key, entry), name="dead agent state removal")

@@ -4,7 +4,7 @@ A hosted agent (a SessionBackend: pi, ACP agents) is a process holding a convers
 for one (session, agent) would be two conversations, each forgetting the other's turns. So the
 right to host one is a lease in the shared store (Store.take_lease) with a fencing token, and the
 replica holding it is the owner: its turns run here, everyone else's are carried to it
-(uibus.domain.turn_forwarding).
+(uibus.replicas.turn_forwarding).
 
 * The lease is taken at a turn's start when it is free or expired (a takeover: counted), renewed
   every `lease_s / 4` while this replica holds it, and given up when its agent session closed
@@ -26,8 +26,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from uibus.domain.agent_sessions import AgentSessions
 from uibus.errors import Unavailable
 from uibus.store import Store
 from uibus.tasks import Tasks
@@ -62,10 +62,26 @@ class _Held:
     idle_since: float = field(default_factory=time.monotonic)
 
 
+class HostedAgents(Protocol):
+    """The agent sessions open here, as ownership sees them (uibus.domain.agent_sessions)."""
+
+    def is_live(self, session: str, name: str) -> bool:
+        """Whether an agent session of (`session`, `name`) is open here."""
+        ...
+
+    async def drop(self, session: str, name: str, why: str) -> None:
+        """Closes the agent session of (`session`, `name`): this replica lost the right to host it."""
+        ...
+
+
 class Ownership:
     """The leases this replica holds, their renewal, fencing and release."""
 
-    def __init__(self, store: Store, sessions: AgentSessions, owner_id: str, *, lease_s: float = LEASE_S) -> None:
+    def __init__(self, store: Store, sessions: HostedAgents, owner_id: str, *, lease_s: float = LEASE_S,
+                 on_session: Callable[[str, bool], None] = lambda session, holding: None) -> None:
+        """`on_session(session, holding)`: told (session, True) when the first lease of a session is
+        held here, (session, False) after the last one went: the forwarding listens to a session's
+        forwarded turns exactly then."""
         self.store = store
         self.sessions = sessions
         self.owner_id = owner_id
@@ -74,9 +90,7 @@ class Ownership:
         self._tasks = Tasks("agent ownership")
         self._renewer: asyncio.Task[None] | None = None
         self._closing = False
-        # Told (session, True) when the first lease of a session is held here, (session, False) after
-        # the last one went: the forwarding listens to a session's forwarded turns exactly then.
-        self.on_session: Callable[[str, bool], None] = lambda session, holding: None
+        self.on_session = on_session
         self.taken_over = 0  # leases taken from an owner whose lease had expired
         self.fenced = 0  # leases lost while held (refused renewal, or none for longer than the lease)
         self.released = 0

@@ -77,9 +77,9 @@ class SharedDialogs:
     def __init__(self, bus: Bus, store: Store) -> None:
         self.bus = bus
         self.store = store
-        self.replica: str = getattr(bus, "replica_id", "")
-        # bus.announced(origin, session, kind) -> bool | None (uibus.redis.ReplicatedBus)
-        self._announced: Callable[[str, str, kinds.Kind], bool | None] | None = getattr(bus, "announced", None)
+        self.replica = bus.replica_id
+        # bus.announced(origin, session, kind) -> bool | None (None: the bus cannot tell)
+        self._announced = bus.announced
         self._tasks = Tasks("shared dialog writes")
         self._retry: dict[tuple[str, str], None] = {}  # (session, dialog id) whose delete failed, in order
         self._retrying: asyncio.Task[None] | None = None
@@ -132,6 +132,18 @@ class SharedDialogs:
                 self._retry.pop((session, dialog_id), None)
                 backoff = _RETRY_MIN_S
 
+    async def holder_of(self, session: str, dialog_id: str) -> str | None:
+        """The replica its entry names as holding `dialog_id` (an answer given here goes to it
+        alone); None when there is no entry (closed, or never shared) or the store does not answer."""
+        try:
+            async with asyncio.timeout(STORE_WAIT_S):
+                entry = await self.store.get(session, KEY + dialog_id)
+        except Exception as exc:  # an outage or a stall: the answer goes to every listener instead
+            log.debug("shared dialog entry not read", extra={"fields": {"session": session, "error": repr(exc)}})
+            return None
+        holder = entry.get("holder") if isinstance(entry, dict) else None
+        return holder if isinstance(holder, str) and holder else None
+
     def others(self, session: str, kept: dict[str, Any]) -> list[pb.ExtensionUiRequest]:
         """The requests of the dialogs other replicas hold and still wait on, oldest first, read from
         `kept` (the session's store entries under extui/); entries found dead are deleted in the
@@ -156,7 +168,7 @@ class SharedDialogs:
             if self._dead(holder, session, request.ts, deadline, now_ms):
                 self.remove(session, key[len(KEY):])
                 continue
-            if self._announced is not None and self._announced(holder, session, kinds.EXT_UI_ANSWER) is False:
+            if self._announced(holder, session, kinds.EXT_UI_ANSWER) is False:
                 continue  # its holder is not heard yet: an answer could not be forwarded (see above)
             if deadline and now_ms >= deadline:
                 continue  # its holder's timer is closing it
@@ -167,7 +179,7 @@ class SharedDialogs:
     def _dead(self, holder: str, session: str, ts: int, deadline: int, now_ms: int) -> bool:
         if deadline and now_ms > deadline + PAST_DEADLINE_MS:
             return True
-        if self._announced is None or now_ms - ts < UNHEARD_GRACE_MS:
+        if now_ms - ts < UNHEARD_GRACE_MS:
             return False
         return self._announced(holder, session, kinds.EXT_UI_ANSWER) is False
 

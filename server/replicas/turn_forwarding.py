@@ -1,6 +1,6 @@
 """A hosted agent's turn that arrives at a replica which does not own the agent, carried to the owner.
 
-The owner of a (session, agent) is the replica holding its lease (uibus.domain.ownership). A turn
+The owner of a (session, agent) is the replica holding its lease (uibus.replicas.ownership). A turn
 arriving anywhere else goes to it over the bus and is streamed back, so one agent process holds
 one conversation whatever replica or worker a client's connection landed on:
 
@@ -35,7 +35,6 @@ import asyncio
 import base64
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any
@@ -44,9 +43,11 @@ from google.protobuf import wrappers_pb2
 
 from uibus import kinds, telemetry
 from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.domain.ownership import Interrupted, Ownership, interrupted
-from uibus.errors import STATUS_NUMBERS, UibusError, Unavailable, error_of
+from uibus.errors import UibusError, Unavailable
 from uibus.pb.neuro_san.api.grpc import agent_pb2
+from uibus.replicas.asking import Exchange, beat, end_of, raise_end, replier
+from uibus.replicas.ownership import LEASE_S, HostedAgents, Interrupted, Ownership, interrupted
+from uibus.store import Store
 from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
@@ -56,7 +57,6 @@ RETRY_S = 0.2  # between claims while the owner does not answer
 SEEN_MAX = 4096  # turn ids remembered against a redelivery
 REPLY_QUEUE = 1 << 20  # a forwarded turn's mailbox, in events: bounded by the mailbox's bytes instead
 STEER_S = 45.0  # how long an accepted steering call may take at the owner (pi answers each state read within 10 s)
-_UNAVAILABLE = STATUS_NUMBERS["UNAVAILABLE"]
 
 RunHere = Callable[[str, str, agent_pb2.ChatRequest, Mapping[str, str]], AsyncIterator[agent_pb2.ChatResponse]]
 # (session, agent, action, args) -> the result (uibus.domain.steering.Steering.here)
@@ -136,13 +136,19 @@ def _unframe(batch: bytes) -> list[agent_pb2.ChatResponse]:
 class TurnForwarding:
     """Routes each hosted agent turn to its owner; serves the turns forwarded to this replica."""
 
-    def __init__(self, bus: Bus, ownership: Ownership, run_here: RunHere,
-                 say_error: Callable[[str, str], object] = lambda session, text: None) -> None:
-        """`say_error(session, text)`: tells the session's webviews (a Cline ERROR message) that a
-        turn was interrupted by the loss of its host."""
+    def __init__(self, bus: Bus, store: Store, agents: HostedAgents, run_here: RunHere, steer_here: SteerHere,
+                 say_error: Callable[[str, str], object] = lambda session, text: None, *,
+                 lease_s: float = LEASE_S) -> None:
+        """`run_here` runs a turn of an agent this replica owns (Chat.turn_here), `steer_here` a
+        steering call (Steering.here); `say_error(session, text)` tells the session's webviews (a
+        Cline ERROR message) that a turn was interrupted by the loss of its host. The leases are
+        this replica's (its bus's replica id) in `store`."""
         self.bus = bus
-        self.ownership = ownership
+        # the leases held here: this replica listens to a session's forwarded turns while it holds one
+        self.ownership = ownership = Ownership(store, agents, bus.replica_id, lease_s=lease_s,
+                                               on_session=self._on_session)
         self.run_here = run_here
+        self.steer_here = steer_here
         self.say_error = say_error
         self.lease_s = ownership.lease_s
         # A slow "accepted" is re-sent as a new turn (the first one cancelled): long enough that a
@@ -156,8 +162,6 @@ class TurnForwarding:
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
         self.served = 0  # turns other replicas carried here
         self.interrupted = 0  # forwarded turns whose owner went silent
-        self.steer_here: SteerHere | None = None  # set by the core: runs a steering call carried here
-        ownership.on_session = self._on_session
 
     # ---- the forwarder's side ----
 
@@ -201,34 +205,31 @@ class TurnForwarding:
     async def _forward(self, session: str, agent: str, owner: str, request: agent_pb2.ChatRequest,
                        metadata: Mapping[str, str]) -> AsyncIterator[list[agent_pb2.ChatResponse]]:
         """The owner's replies to one turn carried to it, batch by batch (see _Replies)."""
-        turn_id = uuid.uuid4().hex
         bus = self.bus
-        await bus.ready(session)  # every replica's presence for the session known
-        if getattr(bus, "announced", lambda *a: None)(owner, session, kinds.AGENT_TURN) is False:
-            raise _Moved  # the owner does not listen (yet, or any more)
+        ask = Exchange(bus, session, kinds.AGENT_TURN, kinds.AGENT_TURN_REPLY, to=owner, maxsize=REPLY_QUEUE)
         try:
-            sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, turn_id, maxsize=REPLY_QUEUE)
+            await ask.open()
         except (SubscriptionLimit, BusClosed) as exc:
             raise Unavailable(f"cannot carry the turn to the replica hosting agent {agent!r}: {exc}") from exc
         sent = ended = False
         alive: asyncio.Task[None] | None = None
-        turn: dict[str, Any] = {"op": "turn", "id": turn_id, "agent": agent, "metadata": dict(metadata),
+        turn: dict[str, Any] = {"op": "turn", "id": ask.id, "agent": agent, "metadata": dict(metadata),
                                 "request": base64.b64encode(request.SerializeToString()).decode()}
         if telemetry.tracer is not None and telemetry.recording():  # the owner's turn span joins the call's trace
             turn["trace"] = telemetry.inject({})
         try:
-            sent = bus.publish(session, kinds.AGENT_TURN, turn, target=owner) > 0
+            if bus.announced(owner, session, kinds.AGENT_TURN) is False:
+                raise _Moved  # the owner does not listen (yet, or any more)
+            sent = ask.send(turn) > 0
             if not sent:
                 raise _Moved
-            alive = self._serving.spawn(self._beat(lambda: bus.publish(
-                session, kinds.AGENT_TURN, {"op": "alive", "id": turn_id}, target=owner)), name="forwarded turn alive")
-            replies = aiter(sub)
+            alive = self._serving.spawn(beat(self.lease_s / 4, lambda: ask.send({"op": "alive", "id": ask.id})),
+                                        name="forwarded turn alive")
             wait = self.accept_s
             last = -1  # the last batch read (a batch redelivered after a Redis outage is skipped)
             while True:
                 try:
-                    async with asyncio.timeout(wait):
-                        item = await anext(replies)
+                    item = await ask.reply(wait)
                 except TimeoutError:
                     if wait == self.accept_s:
                         raise _Moved from None
@@ -251,11 +252,9 @@ class TurnForwarding:
                     wait = self.lease_s * 1.25  # the owner beats every lease_s / 4
                 elif op == "end":
                     ended = True
-                    code = item.get("code")
                     if item.get("interrupted"):
                         raise Interrupted(str(item.get("message", "")))
-                    if code:
-                        raise error_of(int(code), str(item.get("message", "")))
+                    raise_end(item)
                     return
                 elif op == "moved":
                     ended = True
@@ -264,8 +263,8 @@ class TurnForwarding:
             if alive is not None:
                 alive.cancel()  # joined with the other serving tasks
             if sent and not ended:  # cancelled, timed out or closed by the caller: stop it at the owner
-                bus.publish(session, kinds.AGENT_TURN, {"op": "cancel", "id": turn_id}, target=owner)
-            bus.unsubscribe(sub)
+                ask.send({"op": "cancel", "id": ask.id})
+            ask.close()
 
     async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
         """A steering call of (`session`, `agent`) run by its owner: None when that is this replica
@@ -277,23 +276,19 @@ class TurnForwarding:
             return None
         unanswered = (f"the uibus replica hosting agent {agent!r} for this session did not answer the {action} "
                       "request; try again shortly")
-        ask_id = uuid.uuid4().hex
-        bus = self.bus
-        await bus.ready(session)
+        ask = Exchange(self.bus, session, kinds.AGENT_TURN, kinds.AGENT_TURN_REPLY, to=owner, maxsize=16)
         try:
-            sub = bus.subscribe(session, kinds.AGENT_TURN_REPLY, ask_id, maxsize=16)
+            await ask.open()
         except (SubscriptionLimit, BusClosed) as exc:
             raise Unavailable(f"cannot carry the {action} request to the replica hosting agent {agent!r}: {exc}") \
                 from exc
         try:
-            if bus.publish(session, kinds.AGENT_TURN, {"op": "steer", "id": ask_id, "agent": agent, "action": action,
-                                                       "args": args}, target=owner) == 0:
+            if ask.send({"op": "steer", "id": ask.id, "agent": agent, "action": action, "args": args}) == 0:
                 raise Unavailable(unanswered)
-            replies, wait = aiter(sub), self.accept_s
+            wait = self.accept_s
             while True:
                 try:
-                    async with asyncio.timeout(wait):
-                        item = await anext(replies)
+                    item = await ask.reply(wait)
                 except (TimeoutError, StopAsyncIteration):
                     raise Unavailable(unanswered) from None
                 op = item.get("op") if type(item) is dict else None
@@ -302,12 +297,11 @@ class TurnForwarding:
                 elif op == "moved":
                     raise Unavailable(f"agent {agent!r} of this session is changing replicas; try again shortly")
                 elif op == "end":
-                    if item.get("code"):
-                        raise error_of(int(item["code"]), str(item.get("message", "")))
+                    raise_end(item)
                     result = item.get("result")
                     return result if isinstance(result, dict) else {}
         finally:
-            bus.unsubscribe(sub)
+            ask.close()
 
     # ---- the owner's side ----
 
@@ -359,9 +353,9 @@ class TurnForwarding:
         turn_id, agent = item["id"], item.get("agent")
         bus = self.bus
 
-        replies = _Replies(lambda value: bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=turn_id))
+        replies = _Replies(replier(bus, session, kinds.AGENT_TURN_REPLY, turn_id))
         reply = replies.control
-        beat: asyncio.Task[None] | None = None
+        beating: asyncio.Task[None] | None = None
         try:
             if type(agent) is not str or not self.ownership.holds(session, agent):
                 reply({"op": "moved"})
@@ -382,59 +376,49 @@ class TurnForwarding:
                                 extra={"fields": {"session": session, "agent": agent}})
                     run.cancel()  # its forwarder's replica died: nobody reads the turn any more
 
-            beat = self._serving.spawn(self._beat(beat_once), name="forwarded agent turn heartbeat")
+            beating = self._serving.spawn(beat(self.lease_s / 4, beat_once), name="forwarded agent turn heartbeat")
             async with self.ownership.running(session, agent), \
                     aclosing(self.run_here(session, agent, request, metadata)) as responses:
                 piece = replies.piece
                 async for response in responses:
                     piece(response)
-            reply({"op": "end", "code": 0})
+            reply(end_of())
         except asyncio.CancelledError:  # the forwarder's cancel, or shutdown: it hears why, if it still listens
-            reply({"op": "end", "code": _UNAVAILABLE, "message": interrupted(str(agent)), "interrupted": True})
+            reply(end_of(Interrupted(interrupted(str(agent))), interrupted=True))
             raise
         except Interrupted as exc:  # fenced here: the forwarder tells the webviews
-            reply({"op": "end", "code": _UNAVAILABLE, "message": str(exc), "interrupted": True})
+            reply(end_of(exc, interrupted=True))
         except UibusError as exc:
-            reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
+            reply(end_of(exc))
         except Exception as exc:  # a bug of ours: the caller gets INTERNAL, the log the traceback
             log.error("forwarded agent turn failed", exc_info=exc)
-            reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
+            reply(end_of(exc))
         finally:
             self._turns.pop(turn_id, None)
             self._alive.pop(turn_id, None)
-            if beat is not None:
-                beat.cancel()  # joined with the other serving tasks
+            if beating is not None:
+                beating.cancel()  # joined with the other serving tasks
 
     async def _steer(self, session: str, item: dict[str, Any]) -> None:
         """Runs a steering call carried here and answers it (see `steer`)."""
-        def reply(value: dict[str, Any]) -> None:
-            self.bus.publish(session, kinds.AGENT_TURN_REPLY, value, target=item["id"])
-
+        reply = replier(self.bus, session, kinds.AGENT_TURN_REPLY, item["id"])
         agent, args = item.get("agent"), item.get("args")
-        if type(agent) is not str or self.steer_here is None or not self.ownership.holds(session, agent):
+        if type(agent) is not str or not self.ownership.holds(session, agent):
             reply({"op": "moved"})
             return
         reply({"op": "accepted"})
         try:
             result = await self.steer_here(session, agent, str(item.get("action", "")),
                                            {str(k): str(v) for k, v in args.items()} if isinstance(args, dict) else {})
-            reply({"op": "end", "code": 0, "result": result})
+            reply(end_of(result=result))
         except asyncio.CancelledError:
-            reply({"op": "end", "code": _UNAVAILABLE,
-                   "message": "the uibus replica hosting the agent is shutting down"})
+            reply(end_of(Unavailable("the uibus replica hosting the agent is shutting down")))
             raise
         except UibusError as exc:
-            reply({"op": "end", "code": STATUS_NUMBERS[exc.code], "message": str(exc)})
+            reply(end_of(exc))
         except Exception as exc:  # a bug of ours (or the agent's reply): the caller gets INTERNAL
             log.error("forwarded steering failed", exc_info=exc)
-            reply({"op": "end", "code": STATUS_NUMBERS["INTERNAL"], "message": f"{type(exc).__name__}: {exc}"})
-
-    async def _beat(self, once: Callable[[], object]) -> None:
-        """`once()` every lease_s / 4: the owner's heartbeat to a forwarder, and the forwarder's
-        "still listening" to the owner (a turn whose forwarder died is cancelled at the owner)."""
-        while True:
-            await asyncio.sleep(self.lease_s / 4)
-            once()
+            reply(end_of(exc))
 
     # ---- lifecycle ----
 
