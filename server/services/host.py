@@ -43,7 +43,10 @@ class HostService(host_pb2_grpc.HostServiceServicer):
         session = session_of(context)
         if not self.feed.log.prepared(session):  # once per session and process: no await on every publish
             await self.feed.prepare(session)
-        return reply(self.feed.publish_message(session, request), self.bus)
+        answer = reply(self.feed.publish_message(session, request), self.bus)
+        if not request.partial:  # acknowledged is durable: a final state is in the log before its host has the reply,
+            await self.feed.durable(session)  # so a UI resuming on another replica right after misses nothing
+        return answer
 
     async def SetTheme(self, request: host_pb2.TextEvent,
                        context: grpc.aio.ServicerContext) -> host_pb2.PublishReply:
