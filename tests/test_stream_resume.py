@@ -23,20 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REPO, free_port, require, running, wait_for
-from tests.test_acp_serve import CWD, EditorProc, editor
+from tests.acpkit import need, prompt, seqs_of
+from tests.conftest import REPO, free_port, running, wait_for
+from tests.test_acp_serve import CWD, editor
 from uibus.app import App
 from uibus.config import Config
 from uibus.installers import MCP
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO / "tests" / "acp" / "mcp-resume.mjs"
-SDKS = REPO / "tests" / "acp" / "node_modules"
-
-
-def need(sdk: str) -> None:
-    require(f"node and the pinned {sdk} (npm ci --prefix tests/acp)",
-            shutil.which("node") is not None and (SDKS / sdk / "package.json").exists(), "node")
 
 
 @pytest.fixture
@@ -301,15 +296,6 @@ async def test_acp_over_http_resumes_a_stream_from_last_event_id(app: App) -> No
         assert gone.status_code == 410 and "no longer kept" in gone.text and "uibus/since" in gone.text
 
 
-def _seqs(ed: EditorProc, session: str, start: int = 0) -> list[int | None]:
-    return [e["params"].get("_meta", {}).get("uibus/seq") for e in ed.events[start:]
-            if e["ev"] == "update" and e["params"]["sessionId"] == session]
-
-
-def _prompt(session: str, text: str) -> dict[str, Any]:
-    return {"sessionId": session, "prompt": [{"type": "text", "text": text}]}
-
-
 @pytest.mark.node
 async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_then_live(config: Config) -> None:
     need("@agentclientprotocol/sdk")
@@ -322,14 +308,14 @@ async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_th
                 await ed.call("initialize", {"protocolVersion": 1, "clientCapabilities": {}})
             session = (await one.call("session/new", {"cwd": CWD, "mcpServers": []}))["sessionId"]
             assert await other.call("session/resume", {"sessionId": session, "cwd": CWD, "mcpServers": []}) == {}
-            answered = await one.answer_of(one.start("session/prompt", _prompt(session, "first")))
+            answered = await one.answer_of(one.start("session/prompt", prompt(session, "first")))
             cursor = answered["meta"]["uibus/seq"]  # how far the log came with the editor's own turn
             await other.until(lambda _: "first" in other.text(session), 10, "the turn at the other editor")
-            seen = [s for s in _seqs(other, session) if s is not None]  # another UI's turn: from the log, stamped
+            seen = [s for s in seqs_of(other, session) if s is not None]  # another UI's turn: from the log, stamped
             assert seen and seen == sorted(seen) and max(seen) <= cursor
             await one.close()  # the editor goes away; the session goes on without it
             mark = len(other.events)
-            await other.call("session/prompt", _prompt(session, "second"))
+            await other.call("session/prompt", prompt(session, "second"))
             missed = other.text(session, start=mark)
             assert 'You said: "second"' in missed
 
@@ -339,18 +325,18 @@ async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_th
             answer = await later.answer_of(later.start("session/resume", resume))
             assert answer["ev"] == "response" and "uibus/gap" not in answer.get("meta", {}), answer
             assert later.text(session) == missed  # exactly what followed the cursor, once: nothing of "first"
-            seqs = _seqs(later, session)
+            seqs = seqs_of(later, session)
             assert seqs and None not in seqs and seqs == sorted(seqs) and min(seqs) > cursor  # type: ignore
             assert answer["meta"]["uibus/seq"] == max(seqs)  # type: ignore[type-var]
             mark = len(later.events)
-            await other.call("session/prompt", _prompt(session, "third"))  # then live, on the same subscription
+            await other.call("session/prompt", prompt(session, "third"))  # then live, on the same subscription
             await later.until(lambda _: 'You said: "third"' in later.text(session, start=mark), 10, "live")
-            live = _seqs(later, session, mark)
+            live = seqs_of(later, session, mark)
             assert None not in live and min(live) > max(seqs)  # type: ignore
 
             # a cursor below the log's floor (6 entries kept): the gap said, and the recent history whole
             for text in ("fourth", "fifth", "sixth"):
-                await other.call("session/prompt", _prompt(session, text))
+                await other.call("session/prompt", prompt(session, text))
             await later.call("session/close", {"sessionId": session})
             mark = len(later.events)
             answer = await later.answer_of(later.start("session/resume", resume))
