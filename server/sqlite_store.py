@@ -335,7 +335,12 @@ class SqliteStore(Store):
 
     # ---- the session log: one row per (session, kind, key), ordered by seq ------------------------
 
+    log_inline = True  # every operation runs inline on the loop's thread anyway
+
     async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
+        self.log_append_now(session, entries, keep)
+
+    def log_append_now(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
         """One transaction for the whole batch (one commit, never one per event): each entry
         replaces its (kind, key)'s row; `log_meta` keeps the session's count, bytes and floor, so
         retention trims from the oldest seq without counting the log."""
@@ -343,44 +348,60 @@ class SqliteStore(Store):
         now = now_ms()
         with self._faults, db:
             db.execute("BEGIN IMMEDIATE")
-            meta = db.execute("SELECT floor, count, bytes FROM log_meta WHERE session=?", (session,)).fetchone()
-            floor, count, size = meta if meta is not None else (0, 0, 0)
+            # the totals and the oldest entry's time in one statement (a host's final message commits alone)
+            meta = db.execute(_LOG_META, (session,)).fetchone()
+            floor, count, size, oldest = meta if meta is not None else (0, 0, 0, None)
             newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
             by_kind: dict[str, list[str]] = {}
+            rows = []
+            first = float("inf")
+            last = float("-inf")
             for (kind, key), e in newest.items():
                 if not e.new:  # a key just made (a host request's id) has no row to replace
                     by_kind.setdefault(kind, []).append(key)
+                # a bytearray binds as the same BLOB, without sqlite3's failed look-up of an adapter for bytes
+                rows.append((session, e.seq, kind, key, e.epoch, e.at, bytearray(e.data)))
+                size += len(e.data)
+                first = min(first, e.at)
+                last = max(last, e.at)
             old: list[tuple[str, int]] = []
             for kind, keys in by_kind.items():  # the rows these entries replace, a few statements per batch
+                if len(keys) == 1:
+                    old += db.execute(_LOG_OLD_ONE, (session, kind, keys[0])).fetchall()
+                    continue
                 for start in range(0, len(keys), 500):
                     chunk = keys[start:start + 500]
                     # INDEXED BY: without statistics SQLite would scan the session's rows by seq
                     old += db.execute("SELECT seq, length(data) FROM log INDEXED BY log_by_key WHERE session=? "
                                       f"AND kind=? AND key IN ({','.join('?' * len(chunk))})",
                                       (session, kind, *chunk)).fetchall()
-            if old:
-                db.executemany("DELETE FROM log WHERE session=? AND seq=?", [(session, seq) for seq, _ in old])
+            if old:  # the INSERT OR REPLACE below deletes them (log_by_key is unique): only the totals change here
                 count -= len(old)
                 size -= sum(n for _, n in old)
-            db.executemany("INSERT OR REPLACE INTO log(session, seq, kind, key, epoch, at, data) "
-                           "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                           [(session, e.seq, e.kind, e.key, e.epoch, e.at, e.data) for e in newest.values()])
-            count += len(newest)
-            size += sum(len(e.data) for e in newest.values())
+            if len(rows) == 1:
+                db.execute(_LOG_INSERT, rows[0])
+            else:
+                db.executemany(_LOG_INSERT, rows)
+            count += len(rows)
             cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
             over = (count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
-            oldest = db.execute("SELECT at FROM log WHERE session=? ORDER BY seq LIMIT 1", (session,)).fetchone()
-            if count > 1 and (over or (oldest is not None and oldest[0] < cutoff)):
+            if meta is None:  # no totals yet (the session's first write): read the oldest now
+                found = db.execute("SELECT at FROM log WHERE session=? ORDER BY seq LIMIT 1", (session,)).fetchone()
+                oldest = found[0] if found is not None else None
+            # `oldest` was read before this batch: the oldest now is no older (rows only went, or came newer)
+            # unless an entry of the batch is older still, so this over-approximates what is too old
+            aged = first < cutoff or (oldest is not None and oldest < cutoff)
+            if count > 1 and (over or aged):
                 cut = None
-                rows = db.execute("SELECT seq, at, length(data) FROM log WHERE session=? ORDER BY seq", (session,))
+                trim = db.execute("SELECT seq, at, length(data) FROM log WHERE session=? ORDER BY seq", (session,))
                 try:
-                    for seq, at, n in rows:
+                    for seq, at, n in trim:
                         if count <= 1 or not ((count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
                                               or at < cutoff):
                             break
                         cut, count, size = seq, count - 1, size - n
                 finally:
-                    rows.close()
+                    trim.close()
                 if cut is not None:
                     db.execute("DELETE FROM log WHERE session=? AND seq<=?", (session, cut))
                     floor = max(floor, cut)
@@ -388,11 +409,10 @@ class SqliteStore(Store):
                        (session, floor, count, size))
             # The session was active when its events happened, not when the write-behind wrote them:
             # a later write of an earlier event must not make the session look newer than it is.
-            at = max(e.at for e in newest.values())
             created = False
-            touched = db.execute("UPDATE sessions SET last_used=MAX(last_used, ?) WHERE session=?", (at, session))
+            touched = db.execute("UPDATE sessions SET last_used=MAX(last_used, ?) WHERE session=?", (last, session))
             if not touched.rowcount:
-                db.execute("INSERT INTO sessions(session, last_used) VALUES (?, ?)", (session, at))
+                db.execute("INSERT INTO sessions(session, last_used) VALUES (?, ?)", (session, last))
                 created = True
         if created:
             self._created(session)
@@ -429,6 +449,13 @@ class SqliteStore(Store):
             except sqlite3.Error as exc:
                 log.warning("session store not closed cleanly; the next start replays its journal",
                             extra={"fields": {"step": step, "path": self.path, "error": str(exc)}})
+
+
+_LOG_META = ("SELECT floor, count, bytes, (SELECT at FROM log WHERE session=?1 ORDER BY seq LIMIT 1) "
+             "FROM log_meta WHERE session=?1")
+# INDEXED BY: without statistics SQLite would scan the session's rows by seq
+_LOG_OLD_ONE = "SELECT seq, length(data) FROM log INDEXED BY log_by_key WHERE session=? AND kind=? AND key=?"
+_LOG_INSERT = "INSERT OR REPLACE INTO log(session, seq, kind, key, epoch, at, data) VALUES (?, ?, ?, ?, ?, ?, ?)"
 
 
 class _Faults:

@@ -244,6 +244,15 @@ class Store(abc.ABC):
     # A generic implementation over `update` (one document per session, atomic on every backend);
     # SqliteStore overrides all three with indexed rows.
 
+    # A store that commits without waiting (an embedded file written on the loop's thread) sets this
+    # and implements `log_append_now`: a caller waiting for a commit (a host's final message) then
+    # writes at once, with no task, event or turn of the loop between its publish and its reply.
+    log_inline = False
+
+    def log_append_now(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
+        """`log_append`, committed before it returns, without awaiting (only where `log_inline`)."""
+        raise NotImplementedError
+
     async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
         """Appends `entries` (ascending seq), each replacing the entry of its (kind, key), then
         applies `keep` (oldest first; what goes raises the floor). Stamps the session's activity."""

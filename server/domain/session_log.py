@@ -251,6 +251,30 @@ class SessionLog:
                 done.set()
         self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
 
+    def _write_now(self, session: str) -> None:
+        """`_write` without a task, for `flush` on a store that commits inline: the batch is
+        written before this returns (nothing can be noted meanwhile, so it leaves `_pending` only
+        once committed). The cooling timer already running is kept (the write-behind's next write
+        finds less to do); one starts when none runs, as after every write."""
+        batch = self._pending[session]
+        try:
+            entries = []
+            for entry, message in batch.values():
+                if message is not None:
+                    entry.data = message.SerializeToString()
+                entries.append(entry)
+            self.store.log_append_now(session, entries, self.retention)
+            self.appended += len(entries)
+            del self._pending[session]
+        except (StoreUnavailable, StoreFull):  # kept queued: the write-behind tries again after `write_s`
+            self.write_failures += 1
+        except Exception as exc:  # a bug of ours must not stop the session's writes
+            self.write_failures += 1
+            log.error("session log not written", exc_info=exc, extra={"fields": {"session": session}})
+            del self._pending[session]
+        if session not in self._cooling:
+            self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
+
     def _requeue(self, session: str, batch: _Batch) -> None:
         """A failed batch goes back before what was noted since (newer states of a key win)."""
         newer = self._pending.get(session, {})
@@ -272,6 +296,11 @@ class SessionLog:
                     busy = True
                     await self._done[s].wait() if s in self._done else asyncio.sleep(0)
                 elif s in self._pending:
+                    if self.store.log_inline and not self._tasks.closed:
+                        self._write_now(s)
+                        if s in self._pending:  # the store failed: the states stay queued for the write-behind
+                            return
+                        continue
                     timer = self._cooling.pop(s, None)
                     if timer is not None:
                         timer.cancel()
