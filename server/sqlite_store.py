@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.errors import ConfigError, StoreFull, StoreUnavailable
-from uibus.store import EVICT_BATCH, LogEntry, LogRead, LogRetention, Store, now_ms
+from uibus.store import EVICT_BATCH, NO_KEY, LogEntry, LogRead, LogRetention, Store, now_ms
 
 __all__ = ["SqliteStore"]
 
@@ -354,8 +354,7 @@ class SqliteStore(Store):
             newest = {(e.kind, e.key): e for e in entries}  # within the batch too, the last state wins
             by_kind: dict[str, list[str]] = {}
             rows = []
-            first = float("inf")
-            last = float("-inf")
+            first, last = float("inf"), float("-inf")  # the batch's earliest and latest event
             for (kind, key), e in newest.items():
                 if not e.new:  # a key just made (a host request's id) has no row to replace
                     by_kind.setdefault(kind, []).append(key)
@@ -386,8 +385,7 @@ class SqliteStore(Store):
             cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
             over = (count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
             if meta is None:  # no totals yet (the session's first write): read the oldest now
-                found = db.execute("SELECT at FROM log WHERE session=? ORDER BY seq LIMIT 1", (session,)).fetchone()
-                oldest = found[0] if found is not None else None
+                oldest = db.execute("SELECT min(at) FROM log WHERE session=?", (session,)).fetchone()[0]
             # `oldest` was read before this batch: the oldest now is no older (rows only went, or came newer)
             # unless an entry of the batch is older still, so this over-approximates what is too old
             aged = first < cutoff or (oldest is not None and oldest < cutoff)
@@ -416,6 +414,12 @@ class SqliteStore(Store):
                 created = True
         if created:
             self._created(session)
+
+    async def log_top_key(self, session: str, kind: str) -> int | None:
+        with self._faults:  # the keys of one kind of one session, on log_by_key: once per session and process
+            row = self._db.execute("SELECT max(CAST(key AS INTEGER)) FROM log INDEXED BY log_by_key "
+                                   "WHERE session=? AND kind=?", (session, kind)).fetchone()
+        return int(row[0]) if row[0] is not None else NO_KEY
 
     async def log_read(self, session: str, after: int = 0, *, kind: str = "", last: int = 0) -> LogRead:
         db = self._db

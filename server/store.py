@@ -124,6 +124,7 @@ class LogRetention:
     max_age_s: float = 7 * 24 * 3600.0
 
 
+NO_KEY = -(2**63) - 1  # below every int64 key: what `log_top_key` says of a log without that kind
 LOG_KEY = "log/entries"  # the generic log (Store's own implementation): one JSON document per session
 LOG_HEAD_KEY = "log/head"  # a store whose log lives beside its values stamps the session with its head here
 
@@ -283,6 +284,12 @@ class Store(abc.ABC):
         if last > 0:
             entries = entries[-last:]
         return LogRead(entries, doc["floor"])
+
+    async def log_top_key(self, session: str, kind: str) -> int | None:
+        """The highest key of `kind` in the session's log read as a number (a ClineMessage's ts;
+        NO_KEY when it holds none): a key above it has no entry, so its first state is `new`.
+        None: this store does not say (it has no use for `LogEntry.new`)."""
+        return None
 
     async def log_head(self, session: str) -> tuple[int, int]:
         """(the highest seq, its epoch) of the session's log; (floor, 0) when it holds nothing."""

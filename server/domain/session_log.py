@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError, Message
 
 from uibus.errors import StoreFull, StoreUnavailable
 from uibus.pb.cline import ui_pb2
-from uibus.store import LogEntry, LogRetention, Store
+from uibus.store import NO_KEY, LogEntry, LogRetention, Store
 from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.log")
@@ -61,6 +61,8 @@ class _Head:
     seq: int = 0
     epoch: int = 0
     prepared: bool = False
+    top: int = NO_KEY  # no ClineMessage ts above this in the log (the store's, and every one stamped here)
+    top_known: bool = False  # the store said its highest one (`prepare`): a ts above `top` is `new`
     loading: asyncio.Future[None] | None = None
 
 
@@ -114,6 +116,10 @@ class SessionLog:
         head.loading = asyncio.get_running_loop().create_future()
         try:
             seq, epoch = await self.store.log_head(session)
+            top = await self.store.log_top_key(session, MESSAGE)
+            if top is not None:
+                head.top = max(head.top, top)
+                head.top_known = True
             if seq > head.seq:
                 head.seq = seq
             if not head.epoch:
@@ -149,8 +155,14 @@ class SessionLog:
             head.epoch = seq
         message.seq = seq
         message.epoch = head.epoch
+        # A ts above every one in the log has no entry to replace there (a host's new message): the
+        # store need not look for one. (Stamped before `prepare` learnt the store's, none is new.)
+        ts = message.ts
+        new = head.top_known and ts > head.top
+        if ts > head.top:
+            head.top = ts
         # `at`: when it happened (the seq is the wall clock in µs, or just above), not when written
-        self._note(session, LogEntry(seq, MESSAGE, str(message.ts), head.epoch, seq / 1000, b""), message)
+        self._note(session, LogEntry(seq, MESSAGE, str(ts), head.epoch, seq / 1000, b"", new), message)
         return message
 
     def stamp_event(self, session: str, kind: str, key: str, message: Message, *, new: bool = False) -> int:
