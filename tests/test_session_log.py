@@ -79,6 +79,48 @@ async def test_sqlite_log_coalesces_and_keeps_within_count_bytes_and_age(tmp_pat
         await store.close()
 
 
+def _news(log: SessionLog) -> list[bool]:
+    """`new` of the session's stamped entries not yet committed (the first goes to a write at once)."""
+    return [e.new for batch in (log._writing.get("s", {}), log._pending.get("s", {})) for e, _ in batch.values()]
+
+
+async def test_a_message_ts_above_the_log_is_new_and_one_it_holds_replaces_across_a_restart(tmp_path: Path) -> None:
+    """A ClineMessage whose ts is above every one the session's log holds (the store says its highest
+    at `prepare`, across a restart too) is stamped `new` (SQLite skips the look-up of a row to
+    replace); one the log holds is not, and its final state replaces the stored row. `flush` commits
+    inline on SQLite (no write task left running) and the count retention keeps by stays exact."""
+    path = str(tmp_path / "log.db")
+    keep = LogRetention(max_entries=3, max_bytes=0, max_age_s=0)
+    store = SqliteStore(path)
+    try:
+        log = SessionLog(store, retention=keep)
+        await log.prepare("s")
+        assert not log._pending.get("s") and log._heads["s"].top_known
+        for ts in (10, 20):
+            log.stamp("s", _say(ts, "first"))
+        assert _news(log) == [True, True]
+        await log.flush("s")
+        assert not log._writing and not log._pending.get("s") and log.appended == 2
+        await log.aclose()
+    finally:
+        await store.close()
+    store = SqliteStore(path)
+    try:
+        log = SessionLog(store, retention=keep)
+        await log.prepare("s")
+        log.stamp("s", _say(10, "final"))  # held by the log: replaces its row
+        log.stamp("s", _say(15, "between"))  # below the highest held, unknown: looked up
+        log.stamp("s", _say(30, "new"))
+        assert _news(log) == [False, False, True]
+        await log.flush("s")
+        read = await store.log_read("s")
+        assert [(e.key, ui_pb2.ClineMessage.FromString(e.data).text) for e in read.entries] == [
+            ("10", "final"), ("15", "between"), ("30", "new")] and read.floor > 0  # 20 went: four kept three
+        await log.aclose()
+    finally:
+        await store.close()
+
+
 async def test_sqlite_log_keeps_count_and_bytes_of_new_key_entries(tmp_path: Path) -> None:
     """Entries whose key was just made (`new`: host requests) skip SQLite's look-up of an older row
     of their key; the count and bytes retention keeps by stay exact beside replaced entries."""
