@@ -76,6 +76,17 @@ class Replay:
     head: int = 0  # the highest seq known when read (the cursor of a reader that got everything)
 
 
+def _entries(batch: _Batch) -> list[LogEntry]:
+    """A batch's entries as the store takes them: a message is serialized only now, when written,
+    so a state replaced before its write was never encoded (a growing reply's many pieces)."""
+    entries = []
+    for entry, message in batch.values():
+        if message is not None:
+            entry.data = message.SerializeToString()
+        entries.append(entry)
+    return entries
+
+
 class SessionLog:
     def __init__(self, store: Store, *, retention: LogRetention | None = None, write_s: float = LOG_WRITE_S) -> None:
         self.store = store
@@ -243,11 +254,7 @@ class SessionLog:
 
     async def _write(self, session: str, batch: _Batch) -> None:
         try:
-            entries = []
-            for entry, message in batch.values():
-                if message is not None:
-                    entry.data = message.SerializeToString()
-                entries.append(entry)
+            entries = _entries(batch)
             await self.store.log_append(session, entries, self.retention)
             self.appended += len(entries)
         except (StoreUnavailable, StoreFull):
@@ -270,11 +277,7 @@ class SessionLog:
         finds less to do); one starts when none runs, as after every write."""
         batch = self._pending[session]
         try:
-            entries = []
-            for entry, message in batch.values():
-                if message is not None:
-                    entry.data = message.SerializeToString()
-                entries.append(entry)
+            entries = _entries(batch)
             self.store.log_append_now(session, entries, self.retention)
             self.appended += len(entries)
             del self._pending[session]
