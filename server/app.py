@@ -305,6 +305,15 @@ class App:
         }
         agent_gauges, counters = agent_metrics(core, agents)
         gauges.update(agent_gauges)
+        session_log = core.feed.log
+        counters.update({
+            "uibus_log_entries": ("Session log entries committed (after coalescing: one per growing message)",
+                                  lambda: session_log.appended),
+            "uibus_log_commits": ("Session log transactions; fewer than acknowledged events when callers waiting "
+                                  "at once share one (group commit)", lambda: session_log.commits),
+            "uibus_log_write_failures": ("Session log writes that failed (kept queued and retried while the store "
+                                         "fails)", lambda: session_log.write_failures),
+        })
         worker = self.worker
         labelled: Labelled = {}
         metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,

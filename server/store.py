@@ -246,12 +246,13 @@ class Store(abc.ABC):
     # SqliteStore overrides all three with indexed rows.
 
     # A store that commits without waiting (an embedded file written on the loop's thread) sets this
-    # and implements `log_append_now`: a caller waiting for a commit (a host's final message) then
-    # writes at once, with no task, event or turn of the loop between its publish and its reply.
+    # and implements `log_append_many`: callers waiting for a commit (a host's final message, an
+    # acknowledged event) then share one transaction made at the loop's next turn, with no task.
     log_inline = False
 
-    def log_append_now(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
-        """`log_append`, committed before it returns, without awaiting (only where `log_inline`)."""
+    def log_append_many(self, batches: dict[str, list[LogEntry]], keep: LogRetention) -> None:
+        """`log_append` of several sessions in one transaction, committed before it returns,
+        without awaiting (only where `log_inline`)."""
         raise NotImplementedError
 
     async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:

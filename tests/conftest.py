@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -96,10 +97,37 @@ def require_binary(name: str) -> str:
     return path  # type: ignore[return-value]
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_EPHEMERAL_FLOOR = _ephemeral_floor()
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server the test starts next. A port the kernel handed out
+    (bind to port 0) is in its ephemeral range, where any outgoing connection or other `port 0`
+    server can take it before ours binds it (CI saw "address already in use" that way); so the
+    port is picked at random *below* that range, where only an explicit bind takes a port, and
+    never twice in one test process."""
+    low = 20000 if _EPHEMERAL_FLOOR > 21000 else 1024
+    for _ in range(1000):
+        port = _ports.randrange(low, min(_EPHEMERAL_FLOOR, 65536))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {low}..{_EPHEMERAL_FLOOR}")
 
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -1,20 +1,27 @@
 """Acknowledged is durable: a chat reply its caller received is in the session's log, so a
 SIGKILL of `uibus serve` right after the turn loses nothing any caller saw (20 tries, each a
 real process killed with no goodbye, the next one reading the same SQLite file; and with two
-replicas on Redis, the killed one's replies read on the other)."""
+replicas on Redis, the killed one's replies read on the other). The same for every other call
+whose reply acknowledges an event: a webview's request of the host, an agent's notice, a UI's
+answer to a dialog."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
+from typing import Any
 
+import grpc
 import pytest
 
 from tests.chatkit import answer
-from tests.conftest import ServerProcess
+from tests.conftest import Reader, ServerProcess
 from tests.redisproc import RedisProcess, redis_server
+from tests.support import ext
 from uibus.clients.connection import Connection
-from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
+from uibus.pb.cline import common_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2, webview_pb2, webview_pb2_grpc
 
 __all__ = ["redis_server"]  # the fixture, imported to be used here
 pytestmark = pytest.mark.timeout(300)
@@ -75,3 +82,73 @@ async def test_sigkill_of_a_replica_right_after_a_turn_loses_nothing_on_redis(
     shown = await _replayed(b.target, "kill-r")
     missing = [text for text in acknowledged if text not in shown]
     assert not missing, f"{len(missing)} of {TRIES} acknowledged replies lost: {missing[:3]}"
+
+
+def _since_start(session: str) -> tuple[tuple[str, str], ...]:
+    return (("x-uibus-session", session), ("x-uibus-since", "0"))
+
+
+async def _acknowledge_events(target: str, session: str, i: int) -> str:
+    """Makes three acknowledged events on the server at `target` and returns the answered dialog's
+    id once the last one is acknowledged: a webview's request of the host, an agent's notice, and a
+    UI's answer to an agent's dialog (the agent's call is left waiting for its result)."""
+    async with Connection(target, session=session) as conn:
+        await conn.ui.scrollToSettings(common_pb2.StringRequest(value=f"s{i}"))
+        await ext(conn).Notify(extension_ui_pb2.NotifyRequest(message=f"n{i}"))
+        ui = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest()))
+        asking = asyncio.ensure_future(ext(conn).Select(extension_ui_pb2.SelectRequest(title=f"d{i}",
+                                                                                       options=["a", "b"])))
+        while True:
+            event = await ui.next(10)
+            if event.HasField("request") and event.request.HasField("select"):
+                break
+        await ext(conn).Respond(extension_ui_pb2.RespondRequest(id=event.request.id, value="b"))
+        asking.cancel()
+        ui.call.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await asking
+        return event.request.id
+
+
+async def _next(reader: Reader, lost: str) -> Any:
+    try:
+        return await reader.next(5)
+    except TimeoutError:
+        raise AssertionError(lost) from None
+
+
+async def test_sigkill_right_after_an_acknowledged_event_loses_none(spawn: Callable[..., ServerProcess]) -> None:
+    """Each try: a request of the host, a notice and a dialog's answer acknowledged, then SIGKILL at
+    once. A host and a UI resuming from the start of the log on the next process get every one."""
+    tries = TRIES // 2
+    answered: list[str] = []
+    server = spawn()
+    for i in range(tries):
+        await server.wait_ready()
+        answered.append(await _acknowledge_events(server.target, "acked", i))
+        server.proc.kill()  # SIGKILL the moment the last acknowledgement arrived
+        server.proc.wait(10)
+        server = spawn()
+    await server.wait_ready()
+    async with Connection(server.target, session="acked") as conn:
+        host = Reader(conn.host.SubscribeHostRequests(common_pb2.Empty(), metadata=_since_start("acked")))
+        scrolled: list[str] = []
+        while len(scrolled) < tries:
+            request = await _next(host, f"requests of the host lost: replayed only {scrolled}")
+            if request.HasField("scroll_to_settings"):
+                scrolled.append(request.scroll_to_settings.section)
+        assert scrolled == [f"s{i}" for i in range(tries)]
+        ui = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest(), metadata=_since_start("acked")))
+        notices: list[str] = []
+        closed: list[str] = []
+        while len(notices) < tries or len(closed) < tries:
+            event = await _next(ui, f"extension-UI events lost: replayed notices {notices}, closes {closed}")
+            if event.HasField("request") and event.request.HasField("notify"):
+                notices.append(event.request.notify.message)
+            elif event.HasField("closed"):
+                closed.append(event.closed.id)
+            assert not (event.HasField("request") and event.request.HasField("select")), \
+                "a dialog answered before the crash was replayed as waiting"
+        assert notices == [f"n{i}" for i in range(tries)] and closed == answered
+        host.call.cancel()
+        ui.call.cancel()

@@ -124,10 +124,6 @@ def place(scenario: str, s: Servers) -> Place:
     async def restart(session: str) -> None:
         await s.solo.restart()
 
-    async def retained(session: str) -> None:
-        # What is written behind is committed (as LOG_WRITE_S later): retention has trimmed the log.
-        await small().core.feed.log.flush(session)
-
     def solo() -> App:
         assert s.solo.app is not None
         return s.solo.app
@@ -140,7 +136,7 @@ def place(scenario: str, s: Servers) -> Place:
         "same": Place(solo, nothing, solo, solo, 2),
         "restart": Place(solo, restart, solo, solo, 2),
         "replicas": Place(lambda: s.a, nothing, lambda: s.b, lambda: s.a, 2),
-        "gap": Place(small, retained, small, small, SMALL_LOG + 3),
+        "gap": Place(small, nothing, small, small, SMALL_LOG + 3),
     }[scenario]
 
 
@@ -201,10 +197,6 @@ class Kind:
     # Reads the answer to a too-old cursor (after the cell's first event, `first`, and the events
     # 2..last published meanwhile) and asserts it is the kind's explicit gap.
     gap: Callable[[Reader, Any, int], Awaitable[None]]
-    # Its publish returns once the event is committed to the session's log (a final ClineMessage);
-    # else the event is written behind, committed within LOG_WRITE_S (fire-and-forget extension-UI
-    # events, host requests: docs/streams/resume.md "Not yet"), and a replica reads it after that.
-    durable: bool = True
 
 
 async def _cline_gap(reader: Reader, first: Any, last: int) -> None:
@@ -257,14 +249,14 @@ KINDS = [
          lambda e: e.partial_message.seq, _webview_gap),
     Kind("webview_extension_ui", lambda conn, session, since: _webview(conn, session, since, True), _publish_status,
          lambda e: _status_n(e.extension_ui) if e.HasField("extension_ui") else None,
-         lambda e: e.extension_ui.seq, _webview_extension_ui_gap, durable=False),
+         lambda e: e.extension_ui.seq, _webview_extension_ui_gap),
     Kind("extension_ui", lambda conn, session, since: ext(conn).Subscribe(
              extension_ui_pb2.SubscribeRequest(), metadata=_since(session, since)),
-         _publish_status, _status_n, lambda e: e.seq, _extension_ui_gap, durable=False),
+         _publish_status, _status_n, lambda e: e.seq, _extension_ui_gap),
     Kind("host_requests", lambda conn, session, since: conn.host.SubscribeHostRequests(
              common_pb2.Empty(), metadata=_since(session, since)),
          _publish_host_request, lambda r: int(r.scroll_to_settings.section[1:] or 0) or None, lambda r: r.seq,
-         _host_gap, durable=False),
+         _host_gap),
 ]
 
 
@@ -323,8 +315,6 @@ async def test_grpc_stream_resumes_from_its_cursor(servers: Servers, kind: Kind,
         last = 1 + where.meanwhile
         await conn.close()
         await where.between(session)
-        if scenario == "replicas" and not kind.durable:
-            await where.first().core.feed.log.flush(session)  # as LOG_WRITE_S later: committed to Redis
 
         back = Reader(kind.open(connect(where.resumed()), session, cursor))
         if scenario == "gap":

@@ -18,7 +18,7 @@ from uibus.clients.connection import Connection
 from uibus.config import Config
 from uibus.domain.session_log import MESSAGE, SessionLog, new_key
 from uibus.pb.cline import common_pb2, ui_pb2
-from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
+from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
 from uibus.sqlite_store import SqliteStore
 from uibus.store import LogEntry, LogRetention
 
@@ -530,3 +530,45 @@ async def test_the_extension_ui_stream_resumes_after_its_cursor(app: Any, connec
     status = await old.next()  # the snapshot: kept state (the status), replayed
     assert status.request.set_status.text == "v2" and status.request.replayed
     old.cancel()
+
+
+async def test_callers_waiting_at_once_share_one_commit_and_a_lone_caller_waits_for_no_loop_turn(
+        tmp_path: Path) -> None:
+    """Group commit on the embedded store: 100 callers of 100 sessions, each stamping an event and
+    waiting for its commit in the same turn of the loop, cost two transactions (the first caller's,
+    made at once, and one for the 99 others at the next turn), not 100; every event is then in the
+    file, as a second connection to it reads. A lone caller commits before its await returns with
+    no turn of the loop between (nothing else runs meanwhile)."""
+    path = str(tmp_path / "group.db")
+    store = SqliteStore(path)
+    try:
+        log = SessionLog(store)
+        for i in range(100):
+            await log.prepare(f"g{i}")
+
+        async def acknowledge(i: int) -> None:
+            log.stamp_event(f"g{i}", "host_request", new_key(), host_pb2.HostRequest(id=f"e{i}"), new=True)
+            await log.flush(f"g{i}")
+
+        before = log.commits
+        await asyncio.gather(*(acknowledge(i) for i in range(100)))
+        assert log.commits - before == 2 and log.appended == 100
+        other = SqliteStore(path)  # what a process reading the file after a crash would find
+        try:
+            for i in range(100):
+                entries = (await other.log_read(f"g{i}")).entries
+                assert [host_pb2.HostRequest.FromString(e.data).id for e in entries] == [f"e{i}"]
+        finally:
+            await other.close()
+
+        ran: list[str] = []
+        asyncio.get_running_loop().call_soon(ran.append, "other callback")
+        await asyncio.sleep(0)  # a new turn: the flag of the burst above is over
+        ran.clear()
+        asyncio.get_running_loop().call_soon(ran.append, "other callback")
+        before = log.commits
+        await acknowledge(7)
+        assert log.commits - before == 1 and ran == []  # committed inline: the loop did not turn
+        await log.aclose()
+    finally:
+        await store.close()

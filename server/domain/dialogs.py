@@ -255,7 +255,7 @@ class Dialogs:
         self.placement = placement
         self.pending = PendingDialogs(bus, placement, log=log, on_change=on_change)
         self.ui_queue = max(UI_QUEUE, queue_size)
-        placement.serve_answers(self._verdict)  # answers given on other replicas to dialogs held here
+        placement.serve_answers(self._verdict, self.settled)  # answers given on other replicas to dialogs held here
         self.observe_wait = observe_wait
 
     def count(self, session: str | None = None) -> int:
@@ -323,12 +323,21 @@ class Dialogs:
 
     # ---- agents: fire-and-forget ----
 
-    def _fire(self, session: str, key: Any, **method: Any) -> pb.FireReply:
+    async def _fire(self, session: str, key: Any, **method: Any) -> pb.FireReply:
+        """Publishes a fire-and-forget event; the reply acknowledges it, so it is committed to the
+        session's log first (a UI resuming later, anywhere, gets it)."""
         event = _event(**method)
         if self.log is not None:  # a status or widget replaces its key's older state; a notice is its own
             self.log.stamp_event(session, EXT_UI, "/".join(key) if key else event.request.id, event)
         n = self.bus.publish(session, kinds.EXTENSION_UI, event, key=key)
+        await self.settled(session)
         return pb.FireReply(id=event.request.id, subscribers=n)
+
+    async def settled(self, session: str) -> None:
+        """Returns once the session's extension-UI events so far are in its log (group commit):
+        awaited before a reply acknowledges one (a notice fired, a dialog answered)."""
+        if self.log is not None:
+            await self.log.flush(session)
 
     async def _keep(self, session: str, prefix: str, key: str, value: Any | None) -> None:
         """Stores one status/widget entry, refusing a new key beyond the per-session bound."""
@@ -347,27 +356,27 @@ class Dialogs:
 
     async def notify(self, session: str, request: pb.NotifyRequest) -> pb.FireReply:
         self._check("notify", checks.check_notify(request))
-        return self._fire(session, None, notify=request)
+        return await self._fire(session, None, notify=request)
 
     async def set_status(self, session: str, request: pb.SetStatusRequest) -> pb.FireReply:
         self._check("setStatus", checks.check_status(request))
         await self._keep(session, STATUS, request.key, request.text if request.HasField("text") else None)
-        return self._fire(session, ("status", request.key), set_status=request)
+        return await self._fire(session, ("status", request.key), set_status=request)
 
     async def set_widget(self, session: str, request: pb.SetWidgetRequest) -> pb.FireReply:
         self._check("setWidget", checks.check_widget(request))
         value = {"lines": list(request.lines), "placement": request.placement} if request.lines else None
         await self._keep(session, WIDGET, request.key, value)
-        return self._fire(session, ("widget", request.key), set_widget=request)
+        return await self._fire(session, ("widget", request.key), set_widget=request)
 
     async def set_title(self, session: str, request: pb.SetTitleRequest) -> pb.FireReply:
         self._check("setTitle", checks.check_title(request))
         await self.store.put(session, TITLE, request.title or None)
-        return self._fire(session, ("title",), set_title=request)
+        return await self._fire(session, ("title",), set_title=request)
 
     async def set_editor_text(self, session: str, request: pb.SetEditorTextRequest) -> pb.FireReply:
         self._check("set_editor_text", checks.check_editor_text(request))
-        return self._fire(session, None, set_editor_text=request)
+        return await self._fire(session, None, set_editor_text=request)
 
     # ---- UIs ----
 
@@ -436,8 +445,10 @@ class Dialogs:
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
         """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""
         verdict = self._verdict(session, request)
-        if verdict.unknown:  # perhaps another replica holds it
+        if verdict.unknown:  # perhaps another replica holds it (which commits its close before it replies)
             verdict = await self.placement.forward_answer(session, request, verdict)
+        elif verdict.error is None:
+            await self.settled(session)  # the dialog's close is in the log before the answer is acknowledged
         if verdict.error is not None:
             raise verdict.error
 

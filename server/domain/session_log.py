@@ -9,8 +9,11 @@ was not written in the last `write_s`, else at the end of that interval: one com
 per `write_s` at most, never one per token. Only the latest state of a growing message is kept
 (its (kind, key) row is replaced, with the new seq), so a 10,000-piece reply is one entry. `read`
 merges the store with what is still in memory, so on this process an event can be replayed the
-moment it is stamped; `flush(session)` waits until the session's states are committed (a chat
-turn calls it before its final reply: acknowledged is durable).
+moment it is stamped; `flush(session)` waits until the session's states are committed: a call
+that acknowledges an event (a chat turn's final reply, a host's final message, a request of the
+host, an extension-UI notice or answer) awaits it before its reply, so acknowledged is durable.
+On the embedded store those waits are a group commit: every caller waiting in one turn of the
+loop shares one transaction, so concurrent acknowledgements cost one commit, not one each.
 
 The seq is the session's position: it grows by at least one per event and never goes back,
 across restarts too, because it is max(last + 1, wall-clock microseconds); so no read of the
@@ -94,11 +97,15 @@ class SessionLog:
         self.write_s = write_s
         self.write_failures = 0
         self.appended = 0  # entries committed (after coalescing), for /metrics and the bench
+        self.commits = 0  # transactions that committed them (group commit: fewer than acknowledgements)
         self._heads: dict[str, _Head] = {}
         self._pending: dict[str, _Batch] = {}  # stamped, not yet being written: by (kind, key), in seq order
         self._writing: dict[str, _Batch] = {}  # the batch whose write is in flight
         self._done: dict[str, asyncio.Event] = {}  # set when the session's write in flight ends
         self._cooling: dict[str, asyncio.TimerHandle] = {}
+        self._group: set[str] = set()  # sessions in the group commit at the loop's next turn
+        self._group_done: asyncio.Future[set[str]] | None = None
+        self._committed_this_turn = False  # a commit for a waiting caller ran in this turn of the loop
         self._tasks = Tasks("uibus-log")
 
     # ---- stamping ----------------------------------------------------------------------------
@@ -236,18 +243,26 @@ class SessionLog:
     # ---- writing -----------------------------------------------------------------------------
 
     def _start(self, session: str) -> None:
+        """The write-behind of the session's queued states: at once when it was idle, else when
+        its `write_s` is over. Where the store commits inline it joins the group commit of the
+        loop's next turn (one transaction for every session written then), else a task writes it."""
         self._cooling.pop(session, None)
-        batch = self._pending.pop(session, None)
-        if not batch:
+        if not self._pending.get(session):
             return
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # no event loop (a synchronous caller): nothing can write
+            self._pending.pop(session)
             self.write_failures += 1
             return
         if self._tasks.closed:  # stamped after shutdown wrote the log: live delivery goes on, unkept
+            self._pending.pop(session)
             self.write_failures += 1
             return
+        if self.store.log_inline:
+            self._together([session])
+            return
+        batch = self._pending.pop(session)
         self._writing[session] = batch
         self._done[session] = asyncio.Event()
         self._tasks.spawn(self._write(session, batch), name="uibus-log-write")
@@ -257,6 +272,7 @@ class SessionLog:
             entries = _entries(batch)
             await self.store.log_append(session, entries, self.retention)
             self.appended += len(entries)
+            self.commits += 1
         except (StoreUnavailable, StoreFull):
             self.write_failures += 1
             self._requeue(session, batch)
@@ -270,25 +286,64 @@ class SessionLog:
                 done.set()
         self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
 
-    def _write_now(self, session: str) -> None:
-        """`_write` without a task, for `flush` on a store that commits inline: the batch is
-        written before this returns (nothing can be noted meanwhile, so it leaves `_pending` only
-        once committed). The cooling timer already running is kept (the write-behind's next write
-        finds less to do); one starts when none runs, as after every write."""
-        batch = self._pending[session]
+    def _together(self, sessions: list[str]) -> asyncio.Future[set[str]]:
+        """Group commit, where the store commits inline: the sessions join the transaction made
+        at the loop's next turn, which every caller that asks during this turn shares (100
+        concurrent acknowledgements cost two commits, not 100). The future's result: the sessions
+        whose states could not be committed (still queued for the write-behind)."""
+        self._group.update(sessions)
+        done = self._group_done
+        if done is None:
+            loop = asyncio.get_running_loop()
+            done = self._group_done = loop.create_future()
+            loop.call_soon(self._commit_group)
+        return done
+
+    def _commit_group(self) -> None:
+        done, self._group_done = self._group_done, None
+        group, self._group = self._group, set()
+        failed = self._commit_sessions(group)
+        if done is not None and not done.done():
+            done.set_result(failed)
+
+    def _turn_over(self) -> None:
+        self._committed_this_turn = False
+
+    def _commit_sessions(self, sessions: set[str] | list[str]) -> set[str]:
+        """Commits the sessions' queued states in one transaction, now; the sessions that failed
+        (their states queued again for the write-behind, which tries after `write_s`)."""
+        batches = {s: self._pending.pop(s) for s in sessions if self._pending.get(s)}
+        if not batches:
+            return set()
+        failed = self._commit(batches)
+        loop = asyncio.get_running_loop()
+        for session in batches:
+            if session not in self._cooling:  # as after every write: the write-behind waits `write_s`
+                self._cooling[session] = loop.call_later(self.write_s, self._start, session)
+        return failed
+
+    def _commit(self, batches: dict[str, _Batch]) -> set[str]:
+        """Writes the sessions' batches in one transaction; the sessions that failed (requeued)."""
         try:
-            entries = _entries(batch)
-            self.store.log_append_now(session, entries, self.retention)
-            self.appended += len(entries)
-            del self._pending[session]
+            written = {session: _entries(batch) for session, batch in batches.items()}
+            self.store.log_append_many(written, self.retention)
+            self.appended += sum(len(entries) for entries in written.values())
+            self.commits += 1
+            return set()
         except (StoreUnavailable, StoreFull):  # kept queued: the write-behind tries again after `write_s`
             self.write_failures += 1
-        except Exception as exc:  # a bug of ours must not stop the session's writes
+            for session, batch in batches.items():
+                self._requeue(session, batch)
+            return set(batches)
+        except Exception as exc:  # a bug of ours must not stop the session's writes, nor other sessions'
+            if len(batches) > 1:
+                failed: set[str] = set()
+                for session, batch in batches.items():
+                    failed |= self._commit({session: batch})
+                return failed
             self.write_failures += 1
-            log.error("session log not written", exc_info=exc, extra={"fields": {"session": session}})
-            del self._pending[session]
-        if session not in self._cooling:
-            self._cooling[session] = asyncio.get_running_loop().call_later(self.write_s, self._start, session)
+            log.error("session log not written", exc_info=exc, extra={"fields": {"session": next(iter(batches))}})
+            return set(batches)
 
     def _requeue(self, session: str, batch: _Batch) -> None:
         """A failed batch goes back before what was noted since (newer states of a key win)."""
@@ -301,8 +356,12 @@ class SessionLog:
 
     async def flush(self, session: str | None = None) -> None:
         """Waits until what was stamped (for `session`, or every session) is committed, writing
-        it now instead of at the end of the interval. Raises nothing: a store that fails keeps
-        the states queued (and says so on its health)."""
+        it now instead of at the end of the interval (with every other caller waiting at once,
+        where the store commits inline). Raises nothing: a store that fails keeps the states
+        queued (and says so on its health)."""
+        if self.store.log_inline and not self._tasks.closed:
+            await self._flush_inline([session] if session is not None else list({*self._pending, *self._writing}))
+            return
         while True:
             sessions = [session] if session is not None else list({*self._pending, *self._writing})
             busy = False
@@ -311,11 +370,6 @@ class SessionLog:
                     busy = True
                     await self._done[s].wait() if s in self._done else asyncio.sleep(0)
                 elif s in self._pending:
-                    if self.store.log_inline and not self._tasks.closed:
-                        self._write_now(s)
-                        if s in self._pending:  # the store failed: the states stay queued for the write-behind
-                            return
-                        continue
                     timer = self._cooling.pop(s, None)
                     if timer is not None:
                         timer.cancel()
@@ -327,6 +381,20 @@ class SessionLog:
                         return
             if not busy:
                 return
+
+    async def _flush_inline(self, sessions: list[str]) -> None:
+        """`flush` on a store that commits inline (its write-behind never runs as a task: see
+        `_start`): the first acknowledgement of a turn of the loop commits at once, so a lone
+        caller waits for no loop turn; any other in the same turn joins the next turn's group."""
+        waiting = [s for s in sessions if self._pending.get(s)]
+        if not waiting:
+            return
+        if not self._committed_this_turn:
+            self._committed_this_turn = True
+            asyncio.get_running_loop().call_soon(self._turn_over)
+            self._commit_sessions(waiting)
+        else:
+            await asyncio.shield(self._together(waiting))
 
     async def aclose(self) -> None:
         """Writes what is pending, then stops (the store closes after this)."""

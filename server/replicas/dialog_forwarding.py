@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from uibus import kinds, telemetry
@@ -60,9 +60,12 @@ class AnswerForwarding:
     given here to dialogs held elsewhere."""
 
     def __init__(self, bus: Bus, answer: Callable[[str, pb.RespondRequest], Verdict],
-                 linger_s: float = LINGER_S) -> None:
+                 settled: Callable[[str], Awaitable[None]], linger_s: float = LINGER_S) -> None:
+        """`answer`: applies an answer to a dialog held here; `settled(session)`: returns once
+        what it changed is committed, awaited before the answering replica is told it was taken."""
         self.bus = bus
         self._answer = answer
+        self._settled = settled
         self.linger_s = linger_s
         self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._holds: dict[str, int] = {}  # session -> dialogs being asked here (from hold to release)
@@ -128,6 +131,8 @@ class AnswerForwarding:
                     reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=_NOT_HERE))
                     continue
                 error = verdict.error
+                if error is None:
+                    await self._settled(session)  # acknowledged is durable, on the holder's side too
                 reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
                                                details=str(error) if error else ""))
         except UibusError:  # the mailbox overflowed: stop listening, so forwarders learn it at once

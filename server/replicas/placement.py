@@ -21,7 +21,7 @@ wiring is one pass through the constructors and the placement never imports the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -41,6 +41,8 @@ __all__ = ["Answer", "LeasedPlacement", "LocalPlacement", "Placement", "Verdict"
 
 # (session, answer) -> what became of it, applied to a dialog held here (Dialogs' own check)
 Answer = Callable[[str, ext_pb.RespondRequest], Verdict]
+# (session) -> returns once what an answer changed is committed (the session log's group commit)
+Settled = Callable[[str], Awaitable[None]]
 Turn = AsyncIterator[agent_pb2.ChatResponse]
 
 
@@ -58,8 +60,9 @@ class Placement(Protocol):
         an agent open here (None: not open here)."""
         ...
 
-    def serve_answers(self, answer: Answer) -> None:
-        """`answer(session, request)`: an answer applied to a dialog held here (or why not)."""
+    def serve_answers(self, answer: Answer, settled: Settled) -> None:
+        """`answer(session, request)`: an answer applied to a dialog held here (or why not);
+        `settled(session)`: awaited before a taken answer is acknowledged to its replica."""
         ...
 
     def host(self, agents: HostedAgents) -> None:
@@ -173,7 +176,7 @@ class LocalPlacement:
     def serve_steering(self, steer_here: SteerHere, state_of: StateOf) -> None:
         pass
 
-    def serve_answers(self, answer: Answer) -> None:
+    def serve_answers(self, answer: Answer, settled: Settled) -> None:
         pass
 
     def host(self, agents: HostedAgents) -> None:
@@ -225,6 +228,10 @@ class LocalPlacement:
         return nullcontext()
 
 
+async def _nothing_to_settle(session: str) -> None:
+    """Before Dialogs serves answers here, there is nothing of theirs to commit."""
+
+
 def _unserved(*args: Any) -> Any:
     raise RuntimeError("no domain object serves this here")
 
@@ -241,9 +248,11 @@ class LeasedPlacement:
         self._steer_here: SteerHere = _unserved
         self._state_of: StateOf = lambda session, agent: None
         self._answer: Answer = lambda session, request: Verdict(unknown=True)
+        self._settled: Settled = _nothing_to_settle
         self._agents: HostedAgents | None = None
         self.shared_dialogs = SharedDialogs(bus, store)
-        self.answers = AnswerForwarding(bus, lambda session, request: self._answer(session, request))
+        self.answers = AnswerForwarding(bus, lambda session, request: self._answer(session, request),
+                                        lambda session: self._settled(session))
         self.forwarding = TurnForwarding(
             bus, store, self, lambda s, a, r, m: self._run_here(s, a, r, m),
             lambda s, a, action, args: self._steer_here(s, a, action, args), say_error, lease_s=lease_s)
@@ -259,8 +268,8 @@ class LeasedPlacement:
     def serve_steering(self, steer_here: SteerHere, state_of: StateOf) -> None:
         self._steer_here, self._state_of = steer_here, state_of
 
-    def serve_answers(self, answer: Answer) -> None:
-        self._answer = answer
+    def serve_answers(self, answer: Answer, settled: Settled) -> None:
+        self._answer, self._settled = answer, settled
 
     def host(self, agents: HostedAgents) -> None:
         self._agents = agents
