@@ -152,3 +152,50 @@ async def test_sigkill_right_after_an_acknowledged_event_loses_none(spawn: Calla
         assert notices == [f"n{i}" for i in range(tries)] and closed == answered
         host.call.cancel()
         ui.call.cancel()
+
+
+async def test_a_dialog_waiting_when_its_server_was_killed_is_closed_for_resuming_uis(
+        spawn: Callable[..., ServerProcess]) -> None:
+    """A dialog still waiting at a SIGKILL is in the log as waiting and no process holds it. A UI that
+    saw it and resumes from its cursor on the next process is told it closed (SHUTDOWN), and one
+    resuming from the start is never shown it as waiting; a dialog open on the new process stays
+    open for them, and the dead one's answer is refused NOT_FOUND."""
+    server = spawn()
+    await server.wait_ready()
+    async with Connection(server.target, session="orphan") as conn:
+        ui = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest()))
+        asking = asyncio.ensure_future(ext(conn).Select(extension_ui_pb2.SelectRequest(title="old", options=["a"])))
+        seen = await _next(ui, "the dialog never reached the UI")
+        assert seen.request.HasField("select")
+        server.proc.kill()  # with the dialog waiting
+        server.proc.wait(10)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await asking
+    server = spawn()
+    await server.wait_ready()
+    async with Connection(server.target, session="orphan") as conn:
+        asking = asyncio.ensure_future(ext(conn).Select(extension_ui_pb2.SelectRequest(title="new", options=["b"])))
+        live = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest()))
+        new = await _next(live, "the new dialog never reached a UI")
+        assert new.request.select.title == "new"
+
+        resumed = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest(), metadata=(
+            ("x-uibus-session", "orphan"), ("x-uibus-since", str(seen.seq)))))
+        events = [await _next(resumed, "nothing replayed"), await _next(resumed, "one event replayed")]
+        by_kind = {e.WhichOneof("event"): e for e in events}
+        assert by_kind["closed"].closed.id == seen.request.id
+        assert by_kind["closed"].closed.reason == extension_ui_pb2.DIALOG_OUTCOME_SHUTDOWN
+        assert by_kind["request"].request.id == new.request.id  # the new one: still waiting
+
+        fresh = Reader(ext(conn).Subscribe(extension_ui_pb2.SubscribeRequest(), metadata=_since_start("orphan")))
+        replayed = [await _next(fresh, "nothing replayed from the start") for _ in range(2)]
+        waiting = [e.request.id for e in replayed if e.HasField("request")]
+        assert waiting == [new.request.id], replayed
+        assert live.queue.qsize() <= 1  # the live UI got the close of the dead one, at most
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await ext(conn).Respond(extension_ui_pb2.RespondRequest(id=seen.request.id, value="a"))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        await ext(conn).Respond(extension_ui_pb2.RespondRequest(id=new.request.id, value="b"))
+        assert (await asyncio.wait_for(asking, 10)).value == "b"
+        for reader in (live, resumed, fresh):
+            reader.call.cancel()

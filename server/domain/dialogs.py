@@ -5,15 +5,11 @@ docs/protocols/extension-ui.md).
 gateway): asking (select / confirm / input / editor, which wait for an answer), fire-and-forget
 requests (notify, status, widget, title, editor text), answering, and the UI's event stream.
 
-A waiting dialog is one asyncio future in `PendingDialogs`, keyed by dialog id. It is closed
-exactly once, by whichever comes first — a UI's answer, its timer, the agent's call ending, or
-shutdown — and closing is synchronous (no await between "is it still open?" and "resolve it"),
-which is what makes "first answer wins" hold without locks. Closing removes every trace of the
-dialog from the open maps, cancels its timer and tells every UI of the session through the bus;
-only a bounded memory of recently closed ids stays, so a late answer can be told "already
-answered" apart from "unknown". Requests and closed events reach the UIs through the bus (kind
-EXTENSION_UI); status, widgets and title are written to the store before they are published, so
-a UI that subscribes later starts from the current state.
+A waiting dialog is one asyncio future in `PendingDialogs` (uibus.domain.pending_dialogs), closed
+exactly once, synchronously, so "first answer wins" holds without locks. Requests and closed
+events reach the UIs through the bus (kind EXTENSION_UI); status, widgets and title are written
+to the store before they are published, so a UI that subscribes later starts from the current
+state.
 
 A dialog lives in the replica its agent called; the placement (uibus.replicas) makes it known to
 the others: with Redis, answers given on other replicas are forwarded to it
@@ -25,18 +21,28 @@ closed event is published once it is unshared (alone: at once).
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from uibus import dialog_limits as checks
 from uibus import kinds, telemetry
 from uibus.bus import LIVE, Bus, Live
 from uibus.domain.feed import REPLAY_END
+from uibus.domain.pending_dialogs import (
+    ANSWERED,
+    CALLER_CANCELLED,
+    CANCELLED,
+    EXT_UI,
+    SHUTDOWN,
+    TIMED_OUT,
+    Answer,
+    Dialog,
+    PendingDialogs,
+)
 from uibus.domain.session_log import SessionLog
 from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
@@ -44,13 +50,6 @@ from uibus.replicas.placement import Placement, Verdict
 from uibus.store import Store
 from uibus.telemetry import spans
 
-ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
-CANCELLED = pb.DIALOG_OUTCOME_CANCELLED
-TIMED_OUT = pb.DIALOG_OUTCOME_TIMED_OUT
-CALLER_CANCELLED = pb.DIALOG_OUTCOME_CALLER_CANCELLED
-SHUTDOWN = pb.DIALOG_OUTCOME_SHUTDOWN
-
-MAX_PENDING_PER_SESSION = 256
 MAX_STATE_KEYS = 256  # status entries and widgets per session
 # A UI stream must not lose dialog requests to a burst of status updates; 1024 holds every
 # pending dialog of a session (request + closed) with room to spare, and at the bound a closed
@@ -64,6 +63,7 @@ WIDGET = PREFIX + "widget/"
 TITLE = PREFIX + "title"
 _CLOSED_HOW = {TIMED_OUT: "timed out", CALLER_CANCELLED: "was cancelled by the agent that asked it",
                SHUTDOWN: "was closed by the server shutting down"}
+_DIALOG_METHODS = frozenset({"select", "confirm", "input", "editor"})  # the requests that wait for an answer
 # How each dialog is checked, and the name the protocol gives it (the ExtensionUiRequest field).
 _ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
     pb.SelectRequest: ("select", checks.check_select),
@@ -72,152 +72,6 @@ _ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
     pb.EditorRequest: ("editor", checks.check_editor),
 }
 DialogRequest = pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | pb.EditorRequest
-
-
-class TooManyDialogs(ResourceExhausted):
-    """The session already has as many dialogs waiting as allowed."""
-
-
-class ShuttingDown(Unavailable):
-    """The server is shutting down and opens no new dialogs."""
-
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    outcome: int
-    value: str | None = None
-    confirmed: bool = False
-
-
-@dataclass(slots=True, eq=False)
-class Dialog:
-    id: str
-    session: str
-    method: str  # the ExtensionUiRequest oneof field: select, confirm, input, editor
-    request: pb.ExtensionUiRequest
-    future: asyncio.Future[Answer]
-    options: frozenset[str] | None = None  # select only: the answers a UI may give
-    timer: asyncio.TimerHandle | None = None
-    timeout_ms: int = 0
-    answered_by: list[str] | None = None  # with tracing on: [transport, identity] of the UI's call
-
-
-EXT_UI = "ext_ui"  # the kind of extension-UI events in the session log
-
-
-class PendingDialogs:
-    """The open dialogs of every session, and a bounded memory of closed ones."""
-
-    def __init__(self, bus: Bus, placement: Placement, max_per_session: int = MAX_PENDING_PER_SESSION,
-                 remember: int = 4096, log: SessionLog | None = None,
-                 on_change: Callable[[], None] = lambda: None) -> None:
-        """`on_change`: told when a dialog opens or closes here (the sessions API's watches re-list)."""
-        self.bus = bus
-        self.log = log  # the session log: every event a UI gets is stamped and kept there first
-        self.placement = placement  # closing unshares the dialog (with Redis: its store entry) before telling UIs
-        self.max_per_session = max_per_session
-        self._remember = remember
-        self._open: dict[str, Dialog] = {}
-        self._by_session: dict[str, dict[str, Dialog]] = {}  # insertion order = replay order
-        self._closed: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (session, outcome)
-        self.closing = False
-        self.on_change = on_change
-
-    def count(self, session: str | None = None) -> int:
-        if session is None:
-            return len(self._open)
-        return len(self._by_session.get(session, ()))
-
-    def _admit(self, session: str) -> None:
-        if self.closing:
-            raise ShuttingDown("the server is shutting down")
-        waiting = self._by_session.get(session)
-        if waiting is not None and len(waiting) >= self.max_per_session:
-            raise TooManyDialogs(f"session {session!r} already has {len(waiting)} dialogs waiting for an "
-                                 f"answer (limit {self.max_per_session})")
-
-    def prepare(self, session: str, method: str, payload: Any, timeout_ms: int = 0,
-                options: frozenset[str] | None = None) -> Dialog:
-        """A new dialog with its id and request, checked against the limits but not yet waiting."""
-        self._admit(session)
-        dialog_id = str(uuid.uuid4())
-        now_ms = int(time.time() * 1000)
-        request = pb.ExtensionUiRequest(id=dialog_id, ts=now_ms,
-                                        expires_at_ms=now_ms + timeout_ms if timeout_ms else 0,
-                                        **{method: payload})
-        return Dialog(dialog_id, session, method, request, asyncio.get_running_loop().create_future(), options,
-                      timeout_ms=timeout_ms)
-
-    def open(self, dialog: Dialog) -> None:
-        """Registers a prepared dialog, arms its timer and publishes it to the session's UIs (the
-        limits are checked again: other dialogs may have opened since `prepare`)."""
-        self._admit(dialog.session)
-        if dialog.timeout_ms:
-            dialog.timer = asyncio.get_running_loop().call_later(dialog.timeout_ms / 1000, self.close, dialog,
-                                                                 TIMED_OUT)
-        self._open[dialog.id] = dialog
-        self._by_session.setdefault(dialog.session, {})[dialog.id] = dialog
-        event = pb.ExtensionUiEvent(request=dialog.request)
-        if self.log is not None:
-            self.log.stamp_event(dialog.session, EXT_UI, dialog.id, event)
-        self.bus.publish(dialog.session, kinds.EXTENSION_UI, event, key=dialog.id)
-        self.on_change()
-
-    async def wait(self, dialog: Dialog) -> Answer:
-        """The dialog's answer; if the caller goes away first, the dialog closes for every UI."""
-        try:
-            return await dialog.future
-        finally:
-            self.close(dialog, CALLER_CANCELLED)  # no-op unless the call ended unanswered
-
-    def close(self, dialog: Dialog, outcome: int, value: str | None = None, confirmed: bool = False) -> bool:
-        """Resolves `dialog` with `outcome` unless it is already closed; True if this call closed it."""
-        if self._open.pop(dialog.id, None) is None:
-            return False
-        waiting = self._by_session[dialog.session]
-        del waiting[dialog.id]
-        if not waiting:
-            del self._by_session[dialog.session]
-        if dialog.timer is not None:
-            dialog.timer.cancel()
-            dialog.timer = None
-        closed = self._closed
-        closed[dialog.id] = (dialog.session, outcome)
-        if len(closed) > self._remember:
-            closed.popitem(last=False)
-        if not dialog.future.done():
-            dialog.future.set_result(Answer(outcome, value, confirmed))
-        session, event = dialog.session, pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog.id, reason=outcome))
-        if self.log is not None:
-            self.log.stamp_event(session, EXT_UI, dialog.id, event)  # replaces the dialog's request
-        # unshared first: a UI that subscribes after the event must not replay it from another replica
-        self.placement.unshare_dialog(session, dialog.id,
-                                      lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
-        self.on_change()
-        return True
-
-    def find(self, session: str, dialog_id: str) -> Dialog | None:
-        """The open dialog `dialog_id` of `session`; dialogs of other sessions are invisible."""
-        dialog = self._open.get(dialog_id)
-        return dialog if dialog is not None and dialog.session == session else None
-
-    def closed_outcome(self, session: str, dialog_id: str) -> int | None:
-        """How a recently closed dialog of `session` ended, if it is still remembered."""
-        entry = self._closed.get(dialog_id)
-        return entry[1] if entry is not None and entry[0] == session else None
-
-    def is_open(self, dialog: Dialog) -> bool:
-        return dialog.id in self._open
-
-    def waiting(self, session: str) -> list[Dialog]:
-        """The session's open dialogs, oldest first (what a newly connected UI must see)."""
-        return list(self._by_session.get(session, {}).values())
-
-    def shutdown(self) -> None:
-        """Refuse new dialogs and release every waiting caller at once."""
-        self.closing = True
-        for dialog in list(self._open.values()):
-            self.close(dialog, SHUTDOWN)
 
 
 def _event(replayed: bool = False, **method: Any) -> pb.ExtensionUiEvent:
@@ -397,6 +251,7 @@ class Dialogs:
             await self.bus.ready(session)  # heard on every replica (and their dialogs' holders known) first
             yield LIVE  # subscribed: the pipeline sends the response headers now
             if since is not None and self.log is not None:
+                await self._close_orphans(session)  # closes it makes reach `sub` and the log: sent once
                 missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, sub)
                 if not gap:  # exactly what came after the cursor, then live
                     sent = {event.seq for event in missed}  # queued meanwhile too: sent once
@@ -441,6 +296,40 @@ class Dialogs:
                 yield event
         finally:
             self.bus.unsubscribe(sub)
+
+    async def _close_orphans(self, session: str) -> None:
+        """Closes the dialogs the session's log shows waiting that no process holds any more: their
+        process was killed before it could close them (a graceful stop closes its dialogs). Without
+        this a UI resuming from a cursor would be shown one as waiting (replayed from the log), or
+        keep the one it saw before the crash, forever. Each is closed as SHUTDOWN in the log and to
+        every UI of the session, so they all converge. Read on a resume (a reconnect), not per event:
+        the log's extension-UI entries are bounded by its retention."""
+        assert self.log is not None
+        replay = await self.log.read(session, 0, kind=EXT_UI)
+        waiting_in_log = []
+        for entry in replay.entries:
+            try:
+                event = pb.ExtensionUiEvent.FromString(entry.data)
+            except DecodeError:
+                continue
+            if event.HasField("request") and event.request.WhichOneof("method") in _DIALOG_METHODS:
+                waiting_in_log.append(event.request.id)
+        # held here (checked after the read: a dialog opens here before its request is logged) ...
+        orphans = [d for d in waiting_in_log if self.pending.find(session, d) is None]
+        if not orphans:
+            return
+        # ... or by a live replica (it shares a dialog before it is logged; a dead one's are not read)
+        elsewhere = {request.id for request in await self.placement.read_dialogs_elsewhere(session)}
+        closed = False
+        for dialog_id in orphans:
+            if dialog_id in elsewhere or self.pending.find(session, dialog_id) is not None:
+                continue
+            event = pb.ExtensionUiEvent(closed=pb.DialogClosed(id=dialog_id, reason=SHUTDOWN))
+            self.log.stamp_event(session, EXT_UI, dialog_id, event)
+            self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog_id)
+            closed = True
+        if closed:
+            await self.log.flush(session)
 
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
         """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""
