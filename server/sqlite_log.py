@@ -54,12 +54,19 @@ def append_batch(db: sqlite3.Connection, session: str, entries: list[LogEntry], 
         db.executemany(_LOG_INSERT, rows)
     count += len(rows)
     cutoff = now - keep.max_age_s * 1000 if keep.max_age_s > 0 else float("-inf")
-    over = (count > keep.max_entries > 0) or (size > keep.max_bytes > 0)
+    # Retention trims back to its bounds exactly, but only once the log is past one by a sixteenth
+    # (large bounds): a busy log at its bound then trims once per ~625 events, in one DELETE,
+    # instead of a cursor and a DELETE in every commit (each acknowledged event is one).
+    slack_n = keep.max_entries // 16 if keep.max_entries >= 256 else 0
+    slack_b = keep.max_bytes // 16 if keep.max_bytes >= 65536 else 0
+    over = (keep.max_entries > 0 and count > keep.max_entries + slack_n) or \
+        (keep.max_bytes > 0 and size > keep.max_bytes + slack_b)
     if meta is None:  # no totals yet (the session's first write): read the oldest now
         oldest = db.execute("SELECT min(at) FROM log WHERE session=?", (session,)).fetchone()[0]
     # `oldest` was read before this batch: the oldest now is no older (rows only went, or came newer)
     # unless an entry of the batch is older still, so this over-approximates what is too old
-    aged = first < cutoff or (oldest is not None and oldest < cutoff)
+    late = cutoff - keep.max_age_s * 1000 / 16
+    aged = first < late or (oldest is not None and oldest < late)
     if count > 1 and (over or aged):
         cut = None
         trim = db.execute("SELECT seq, at, length(data) FROM log WHERE session=? ORDER BY seq", (session,))

@@ -318,18 +318,22 @@ class UiFeed:
         finally:
             bus.unsubscribe(sub)
 
-    async def _to_host(self, session: str, request: host_pb2.HostRequest, *, needs_host: str = "") -> int:
-        """Logs a request of the host (its seq), publishes it and returns once it is committed
-        (the caller's reply acknowledges it: a host resuming later, on any replica, after any
-        restart, gets it); how many hosts got it. `needs_host`: what cannot happen with no host
-        listening; then the request is taken back (never replayed) and the caller told."""
+    def _to_host(self, session: str, request: host_pb2.HostRequest, *, needs_host: str = "") -> int:
+        """Logs a request of the host (its seq) and publishes it; how many hosts got it.
+        `needs_host`: what cannot happen with no host listening; then the request is taken back
+        (never replayed) and the caller told.
+
+        Written behind (committed within the log's `write_s`), not before the reply: a request of
+        the host is a command for a host listening now, delivered live; waiting for its commit
+        would cost every such unary call a transaction of its own (+40-70 % CPU per call measured,
+        bench/README.md), where the calls that acknowledge something kept (a reply, a final
+        message, a notice, a dialog's answer) wait for theirs."""
         self.log.stamp_event(session, HOST_REQUESTS, request.id, request, new=True)  # a new_key()
         reached = self.bus.publish(session, kinds.HOST_REQUEST, request)
         if not reached and needs_host:
             self.log.retract(session, HOST_REQUESTS, request.id)
             raise FailedPrecondition(f"no host is subscribed to host requests of session {session!r}; "
                                      f"nothing can {needs_host}")
-        await self.log.flush(session)
         return reached
 
     def _resnapshot(self, session: str, recent: dict[int, ui_pb2.ClineMessage]) -> dict[int, ui_pb2.ClineMessage]:
@@ -427,14 +431,14 @@ class UiFeed:
 
     # ---- webviews: requests of the host ----
 
-    async def scroll_to_settings(self, session: str, section: str) -> int:
+    def scroll_to_settings(self, session: str, section: str) -> int:
         request = _host_request()
         request.scroll_to_settings.section = section  # in place: no ScrollToSettings built and copied in
-        return await self._to_host(session, request)
+        return self._to_host(session, request)
 
     async def initialize_webview(self, session: str) -> None:
         """Tells the host, and replays the current theme so every stream of the session is fresh."""
-        await self._to_host(session, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
+        self._to_host(session, _host_request(webview_initialized=host_pb2.WebviewInitialized()))
         theme = await self.theme(session)
         if theme is not None:
             self.bus.publish(session, kinds.THEME, common_pb2.String(value=theme))
@@ -446,22 +450,22 @@ class UiFeed:
         if problem:
             raise InvalidArgument(problem)
         await self.bus.ready(session)
-        await self._to_host(session, _host_request(open_url=host_pb2.OpenUrl(url=url)), needs_host="open the URL")
+        self._to_host(session, _host_request(open_url=host_pb2.OpenUrl(url=url)), needs_host="open the URL")
 
     async def open_walkthrough(self, session: str) -> None:
         """Cline opens its walkthrough in the editor: that is the host's to do, as with `open_url`,
         so the request goes to the host (on any replica), and with no host listening the caller
         hears so rather than the request vanishing."""
         await self.bus.ready(session)
-        await self._to_host(session, _host_request(open_walkthrough=host_pb2.OpenWalkthrough()),
-                            needs_host="open the walkthrough")
+        self._to_host(session, _host_request(open_walkthrough=host_pb2.OpenWalkthrough()),
+                      needs_host="open the walkthrough")
 
     async def set_terminal_execution_mode(self, session: str, background: bool) -> str:
         """Keeps the webview's choice in the session (the host reads it in GetSessionState) and tells
         a listening host at once; returns the mode's name as Cline says it."""
         mode = "backgroundExec" if background else "vscodeTerminal"
         await self.store.put(session, TERMINAL_MODE_KEY, mode)
-        await self._to_host(session, _host_request(terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
+        self._to_host(session, _host_request(terminal_execution_mode=host_pb2.TerminalExecutionMode(mode=mode)))
         return mode
 
     async def terminal_execution_mode(self, session: str) -> str:

@@ -39,7 +39,7 @@ class UiService(ui_pb2_grpc.UiServiceServicer):
 
     async def scrollToSettings(self, request: common_pb2.StringRequest,
                                context: grpc.aio.ServicerContext) -> common_pb2.KeyValuePair:
-        await self.feed.scroll_to_settings(session_of(context), request.value)
+        self.feed.scroll_to_settings(session_of(context), request.value)
         return common_pb2.KeyValuePair(key="scrollToSettings", value=request.value)
 
     async def onDidShowAnnouncement(self, request: common_pb2.EmptyRequest,
