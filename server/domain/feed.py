@@ -319,15 +319,9 @@ class UiFeed:
             bus.unsubscribe(sub)
 
     def _to_host(self, session: str, request: host_pb2.HostRequest, *, needs_host: str = "") -> int:
-        """Logs a request of the host (its seq) and publishes it; how many hosts got it.
-        `needs_host`: what cannot happen with no host listening; then the request is taken back
-        (never replayed) and the caller told.
-
-        Written behind (committed within the log's `write_s`), not before the reply: a request of
-        the host is a command for a host listening now, delivered live; waiting for its commit
-        would cost every such unary call a transaction of its own (+40-70 % CPU per call measured,
-        bench/README.md), where the calls that acknowledge something kept (a reply, a final
-        message, a notice, a dialog's answer) wait for theirs."""
+        """Logs a request of the host (its seq), written behind (docs/streams/resume.md says why),
+        and publishes it; how many hosts got it. `needs_host`: what cannot happen with no host
+        listening; then the request is taken back (never replayed) and the caller told."""
         self.log.stamp_event(session, HOST_REQUESTS, request.id, request, new=True)  # a new_key()
         reached = self.bus.publish(session, kinds.HOST_REQUEST, request)
         if not reached and needs_host:
