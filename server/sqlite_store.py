@@ -339,9 +339,6 @@ class SqliteStore(Store):
     log_inline = True  # every operation runs inline on the loop's thread anyway
 
     async def log_append(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
-        self.log_append_now(session, entries, keep)
-
-    def log_append_now(self, session: str, entries: list[LogEntry], keep: LogRetention) -> None:
         self.log_append_many({session: entries}, keep)
 
     def log_append_many(self, batches: dict[str, list[LogEntry]], keep: LogRetention) -> None:

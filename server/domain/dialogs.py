@@ -63,7 +63,6 @@ WIDGET = PREFIX + "widget/"
 TITLE = PREFIX + "title"
 _CLOSED_HOW = {TIMED_OUT: "timed out", CALLER_CANCELLED: "was cancelled by the agent that asked it",
                SHUTDOWN: "was closed by the server shutting down"}
-_DIALOG_METHODS = frozenset({"select", "confirm", "input", "editor"})  # the requests that wait for an answer
 # How each dialog is checked, and the name the protocol gives it (the ExtensionUiRequest field).
 _ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
     pb.SelectRequest: ("select", checks.check_select),
@@ -72,6 +71,7 @@ _ASK: dict[type[Any], tuple[str, Callable[[Any], str | None]]] = {
     pb.EditorRequest: ("editor", checks.check_editor),
 }
 DialogRequest = pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | pb.EditorRequest
+_DIALOG_METHODS = frozenset(method for method, _ in _ASK.values())  # the requests that wait for an answer
 
 
 def _event(replayed: bool = False, **method: Any) -> pb.ExtensionUiEvent:

@@ -10,10 +10,10 @@ per `write_s` at most, never one per token. Only the latest state of a growing m
 (its (kind, key) row is replaced, with the new seq), so a 10,000-piece reply is one entry. `read`
 merges the store with what is still in memory, so on this process an event can be replayed the
 moment it is stamped; `flush(session)` waits until the session's states are committed: a call
-that acknowledges an event (a chat turn's final reply, a host's final message, a request of the
-host, an extension-UI notice or answer) awaits it before its reply, so acknowledged is durable.
-On the embedded store those waits are a group commit: every caller waiting in one turn of the
-loop shares one transaction, so concurrent acknowledgements cost one commit, not one each.
+that acknowledges an event (a chat turn's final reply, a host's final message, an extension-UI
+notice or a dialog's answer) awaits it before its reply, so acknowledged is durable; a request of
+the host is written behind (docs/streams/resume.md says why). On the embedded store those waits
+are a group commit: callers waiting in one turn of the loop share one transaction.
 
 The seq is the session's position: it grows by at least one per event and never goes back,
 across restarts too, because it is max(last + 1, wall-clock microseconds); so no read of the
