@@ -32,13 +32,16 @@ from grpc_health.v1._async import HealthServicer
 
 from uibus import reflection, telemetry
 from uibus.agents.config import load_agents
+from uibus.agents.limits import tenant_totals
 from uibus.auth import Tokens
 from uibus.bus import Bus
-from uibus.config import Config, redacted
+from uibus.config import Config, is_loopback, redacted
 from uibus.domain.agent_metrics import agent_metrics
 from uibus.domain.core import Core
 from uibus.installers import INSTALLERS
 from uibus.metrics import Metrics
+from uibus.peers import OwnUserOnly
+from uibus.peers import available as peers_available
 from uibus.pipeline import Pipeline
 from uibus.quotas import QUOTAS, Quotas
 from uibus.sqlite_store import SqliteStore
@@ -170,6 +173,7 @@ class App:
         self.registry: Registry | None = None
         self.metrics: Metrics | None = None
         self.tokens = Tokens()  # the tokens in force once started (see `reload_tokens`)
+        self.own_user: OwnUserOnly | None = None  # no tokens on loopback: who may call (uibus.peers)
         self.service_names: list[str] = []
         self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
@@ -282,6 +286,8 @@ class App:
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths(),
                                                        workspaces_dir=cfg.workspaces_dir))
+        if any(hasattr(b, "launcher") for b in agents.backends.values()):  # hosted agents: their tenants' totals
+            tenant_totals(cfg)  # --quota-tenant-memory-mb, --quota-tenant-pids (uibus.agents.limits)
         # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
@@ -320,7 +326,13 @@ class App:
                                          worker=None if worker is None else {
                                              "index": str(worker.index), "pid": str(worker.pid)})
         metrics.registry.register(quotas)  # uibus_quota_refused_total / uibus_quota_in_use, by tenant
-        pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas)
+        # No token on a loopback bind: its own user's alone, told by the peer socket's uid (uibus.peers).
+        own_user = self.own_user = OwnUserOnly(cfg.host) if not tokens.enabled and is_loopback(cfg.host) else None
+        if own_user is not None and not peers_available():
+            own_user = self.own_user = None  # not Linux: no kernel table of socket owners to ask
+            log.warning("this system cannot tell which user a loopback connection is from: every local user can "
+                        "call this uibus; pass --auth-token to keep them out")
+        pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas, own_user)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -349,14 +361,18 @@ class App:
             self.port = server.add_secure_port(address, creds)
         else:
             self.port = server.add_insecure_port(address)
+        if own_user is not None:  # the ports a caller's socket may be connected to (uibus.peers)
+            own_user.ports.update(p for p in (self.port, cfg.http_port) if p)
         await server.start()
         res.callback("servers", self._stop_servers)
         if cfg.http_port:
             routes = Routes(registry.lookup, metrics, webview_html, self.not_ready, cfg.max_message_bytes,
-                            setup.mounts, tokens=tokens)
+                            setup.mounts, tokens=tokens, own_user=own_user)
             self._http = HttpServer(routes, cfg, worker.http_socket if worker is not None else None)
             await self._http.start()
             self.http_port = self._http.port
+            if own_user is not None:
+                own_user.ports.add(self.http_port)
             if MCP_PATH in setup.mounts:  # hosted ACP agents are offered uibus's own MCP server
                 host = "127.0.0.1" if cfg.host in ("", "0.0.0.0", "::", "localhost") else cfg.host
                 host = f"[{host}]" if ":" in host else host
@@ -365,6 +381,11 @@ class App:
         serving = await self._set_health(self._publish_readiness() is None)
         self._health_watch = asyncio.create_task(self._watch_health(serving), name="uibus-health")
         res.callback("health", self._stop_health_watch)
+        if cfg.redis_url and (worker is None or worker.index == 0):
+            # A Redis without a password is every local process's (and agent's): said once, once started
+            from uibus.redis.conn import warn_if_open
+
+            await warn_if_open(cfg.redis_url)
         log.info("serving", extra={"fields": {
             "grpc": f"{cfg.host}:{self.port}", "http": self.http_port, "tls": bool(cfg.tls_cert),
             "http_tls": bool(cfg.http_tls_cert or cfg.tls_cert), "mtls": bool(cfg.tls_client_ca),

@@ -24,7 +24,10 @@ A third kind lives in memory only: tokens *minted* for one hosted agent (`mint`)
 exactly one session (no pattern: the session's name matched as it is), revoked when that agent
 session closes (`revoke`). They are what an ACP agent is handed for uibus's own /mcp, so an agent
 never holds a key of uibus's (docs/hosting/isolation.md); a replica mints for the agents it hosts, which call the
-/mcp of that same replica.
+/mcp of that same replica. A minted token is the *agent's*, not the session's: the pipeline lets it
+ask and notify the user, list its own session and stop its own turn, nothing else
+(`uibus.calls.scope`) — never chat with, steer or start an agent, nor create or delete
+sessions, nor publish as a UI (a sandboxed agent must not make an unsandboxed one run commands).
 
 Tenants — the one seam for everything keyed by whose it is (a sandboxed agent's home, docs/hosting/isolation.md;
 per-tenant quotas, docs/security/quotas.md) — are strings fit for a directory name and a metrics label:
@@ -76,11 +79,13 @@ class Grant:
     minted: bool = False  # minted for one agent session: exactly its one session, never all
     tenant: str = OPERATOR  # whose the caller is (module docstring, "Tenants")
     named: bool = False  # its tenant is the `(name)` its tokens-file line gives
+    agent: str = ""  # minted: the hosted agent it was minted for (what it may do: uibus.calls.scope)
 
     @classmethod
-    def exactly(cls, name: str, session: str, tenant: str = OPERATOR) -> Grant:
-        """Exactly `session` (its name is no pattern here: `*` in it matches only `*`)."""
-        return cls(name, (session,), re.compile(re.escape(session)), minted=True, tenant=tenant)
+    def exactly(cls, name: str, session: str, tenant: str = OPERATOR, agent: str = "") -> Grant:
+        """Exactly `session` (its name is no pattern here: `*` in it matches only `*`), for the hosted
+        agent `agent`: an agent's token, whose calls the pipeline limits to what an agent needs."""
+        return cls(name, (session,), re.compile(re.escape(session)), minted=True, tenant=tenant, agent=agent)
 
     @classmethod
     def of(cls, name: str, patterns: Iterable[str], tenant: str = OPERATOR, *, named: bool = False) -> Grant:
@@ -229,7 +234,7 @@ class Tokens:
         `revoke`. Only its digest is kept."""
         token = secrets.token_urlsafe(32)
         self._minted[_digest(token.encode())] = Grant.exactly(f"agent {agent} in session {session}", session,
-                                                              self.tenant(session))
+                                                              self.tenant(session), agent)
         return token
 
     def revoke(self, token: str) -> None:

@@ -215,6 +215,11 @@ class Config:
         "help": "processes of one hosted agent one tenant may hold (running or kept idle); at it, the "
                 "tenant's own least recently used idle one is closed first (the agent's max_processes "
                 "still caps them all)"})
+    quota_tenant_memory_mb: int = field(default=QUOTAS["tenant_memory_mb"].default, metadata={
+        "help": "MB of memory one tenant's hosted agents may use together (a cgroup per tenant, enforced by the "
+                "kernel: past it one of them is stopped, \"stopped: the tenant's memory limit\")"})
+    quota_tenant_pids: int = field(default=QUOTAS["tenant_pids"].default, metadata={
+        "help": "processes one tenant's hosted agents may run together (a cgroup per tenant: a fork past it fails)"})
     ws_ping_seconds: float = field(default=20.0, metadata={
         "help": "WebSocket ping interval; 0 turns pings off"})
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
@@ -305,7 +310,7 @@ class Config:
             raise InvalidConfig(*problems[0], problems[1:])
 
     def own_paths(self) -> tuple[str, ...]:
-        """uibus's own files, which no sandboxed agent may see (uibus.agents.launcher masks them):
+        """uibus's own files, which no sandboxed agent may see (uibus.agents.bubblewrap masks them):
         the store (and its SQLite side files), the tokens file, every TLS file."""
         paths = [self.tokens_file, self.tls_cert, self.tls_key, self.http_tls_cert, self.http_tls_key,
                  self.tls_client_ca]

@@ -33,6 +33,10 @@ class ResourceExhausted(UibusError):
     code = "RESOURCE_EXHAUSTED"
 
 
+class AlreadyExists(UibusError):
+    code = "ALREADY_EXISTS"
+
+
 class Unavailable(UibusError):
     """Try again shortly: a dependency is down or the server is shutting down."""
 
@@ -90,7 +94,7 @@ STATUS_NUMBERS: dict[str, int] = {
 }
 _BY_CODE: dict[str, type[UibusError]] = {cls.code: cls for cls in (
     InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, Unavailable, Unimplemented, Unauthenticated,
-    Internal, PermissionDenied)}
+    Internal, PermissionDenied, AlreadyExists)}
 _BY_NUMBER = {number: name for name, number in STATUS_NUMBERS.items()}
 
 

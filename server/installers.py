@@ -104,7 +104,8 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
 async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
     server = McpServer(setup.core, setup.pipeline.wrap, version(), visible=setup.pipeline.visible_sessions,
-                       quotas=setup.pipeline.quotas, tenant_of=setup.pipeline.tenant_of)
+                       quotas=setup.pipeline.quotas, tenant_of=setup.pipeline.tenant_of,
+                       tools_for=setup.pipeline.tools_for)
     endpoint = McpHttp(server, setup.config.max_message_bytes)
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",

@@ -18,7 +18,10 @@ The policies, outermost first:
    Bearer <token>` (health stays open for probes, which send no metadata); a call that names a
    session (the `x-uibus-session` key; "default" when absent) must use one its token may use,
    else PERMISSION_DENIED; calls about no session (reflection, agent descriptions) need any
-   valid token, process-wide ones (bus statistics) an all-sessions token;
+   valid token, process-wide ones (bus statistics) an all-sessions token; a token minted for a
+   hosted agent makes only the calls an agent needs (`agent_check`: default-deny, PERMISSION_DENIED);
+   without tokens on a loopback bind, the caller's socket must be uibus's own user's (the peer's
+   uid, uibus.peers), else UNAUTHENTICATED;
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
    gets its error's status before the handler runs, with one short log line;
 5. liveness — a stream that yields `uibus.bus.LIVE` (its subscription is registered) has its
@@ -48,9 +51,11 @@ from opentelemetry import context as otel_context
 from uibus.auth import Grant, Tokens, bearer
 from uibus.bus import LIVE
 from uibus.calls import CallContext, Rejected, decode
+from uibus.calls.scope import agent_check, agent_refusal, agent_tool
 from uibus.errors import PermissionDenied, UibusError, Unauthenticated
 from uibus.logs import Throttle
 from uibus.metrics import Metrics
+from uibus.peers import OwnUserOnly
 from uibus.proto_check import json_checker
 from uibus.quotas import ANONYMOUS, Quotas
 from uibus.session import session_from_metadata
@@ -67,8 +72,9 @@ SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "Agent
 # Calls that see every session at once: only an all-sessions token may make them.
 PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 
-# What a method's token must allow (see `access_of`).
-OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION = "open", "any token", "all sessions", "its session"
+# What a method's token must allow (see `access_of`); OWN_USER: no tokens, loopback: the caller's
+# socket must be uibus's own user's (uibus.peers).
+OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION, OWN_USER = "open", "any token", "all sessions", "its session", "own user"
 
 
 REVOKE_RETRY_S = 0.05  # a revoked stream whose cancel was lost is cancelled again this often ...
@@ -154,8 +160,10 @@ def code_name(context: Any) -> str:
 
 class Pipeline:
     def __init__(self, metrics: Metrics | None = None, tokens: Tokens | str | None = None,
-                 headers: Sequence[tuple[str, str]] = (), quotas: Quotas | None = None) -> None:
-        """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open.
+                 headers: Sequence[tuple[str, str]] = (), quotas: Quotas | None = None,
+                 own_user: OwnUserOnly | None = None) -> None:
+        """`tokens`: the tokens in force (a plain string is one all-sessions token); none = open, or,
+        with `own_user` (a loopback bind), open to uibus's own user only (uibus.peers).
         `headers`: response metadata every call sends once admitted (none: nothing is added, and the
         calls cost what they did). `quotas`: the per-tenant quotas every door asks (uibus.quotas)."""
         self.metrics = metrics
@@ -167,6 +175,7 @@ class Pipeline:
         self._revoked: dict[asyncio.Task[Any], int] = {}  # revoked streams' tasks -> the cancels sent them
         self.headers = tuple(headers)
         self.tokens = Tokens(auth_token=tokens) if isinstance(tokens, str) else tokens or Tokens()
+        self.own_user = own_user if not self.tokens.enabled else None  # tokens, when configured, decide
         self._rejected_log = Throttle()
         self._failed_log = Throttle()
         self.tokens.on_reload.append(self.revoke)
@@ -234,6 +243,14 @@ class Pipeline:
             return _every_session
         return self.authenticate(metadata).allows
 
+    def tools_for(self, metadata: Any) -> Callable[[str], bool]:
+        """Which MCP tools a caller may call at all (MCP's tools/list shows those): all of them, but
+        for an agent's minted token the ones an agent's calls allow (uibus.calls.scope)."""
+        grant = self.tokens.grant(bearer(_authorization(metadata))) if self.tokens.enabled else None
+        if grant is None or not grant.minted:
+            return lambda _name: True
+        return lambda name: agent_tool(grant, name)
+
     def _rejected(self, method: str, request: Rejected) -> UibusError:
         skipped = self._rejected_log.allow()
         if skipped is not None:
@@ -273,16 +290,20 @@ class Pipeline:
         """`handler` with every policy applied; `label` names it in metrics (default `method`)."""
         field = shape(handler)
         behavior = getattr(handler, field)
-        access = access_of(method) if self.tokens.enabled else OPEN
+        if self.tokens.enabled:
+            access = access_of(method)
+        else:
+            access = OWN_USER if self.own_user is not None and access_of(method) != OPEN else OPEN
         # A streaming behaviour is an async generator function, or a plain function that returns the
         # stream it serves (no pass-through generator of its own: one hop less per message).
         streams = inspect.isasyncgenfunction(behavior) or (
             handler.response_streaming and not inspect.iscoroutinefunction(behavior))
-        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming, access, streams)
+        wrapped = self._wrap_behavior(label or method, behavior, handler.request_streaming, access, streams,
+                                      method)
         return rebuild(handler, wrapped, tolerant(handler.request_deserializer))
 
     def _wrap_behavior(self, label: str, behavior: Behavior, request_streaming: bool, access: str,
-                       streams: bool) -> Behavior:
+                       streams: bool, method: str = "") -> Behavior:
         """One wrapper of the behaviour's own kind (grpc.aio picks its calling convention by it):
         an async generator for streams (`streams`: the behaviour yields, or returns the stream it
         serves), a coroutine for unary calls and `write()` streams."""
@@ -310,10 +331,27 @@ class Pipeline:
             else:
                 await context.send_initial_metadata(extra)
 
+        agent_may = agent_check(method or label)
+        own_user = self.own_user if access == OWN_USER else None
+
+        def check_peer(context: Any) -> None:
+            """No tokens, loopback: the caller's socket must be uibus's own user's (uibus.peers). An
+            in-process call is made by uibus itself for a caller its door admitted (/acp), maybe on a
+            connection long closed since: not checked again."""
+            if not isinstance(context, CallContext) or context.transport != "inprocess":
+                own_user.check(context.peer())  # type: ignore[union-attr]
+
+        def scoped(grant: Grant, request: Any) -> None:
+            """An agent's minted token makes the calls an agent needs, nothing else (`agent_check`)."""
+            if grant.minted and (why := agent_may(grant, request)) is not None:
+                raise agent_refusal(grant, method or label, why)
+
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
-            if needs_auth:
-                authorize(access, context.invocation_metadata())
+            if own_user is not None:  # no tokens, loopback: uibus's own user alone (uibus.peers)
+                check_peer(context)
+            elif needs_auth:
+                scoped(authorize(access, context.invocation_metadata()), request)
             if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
                 raise rejected(label, request)
             if request_streaming:
@@ -322,9 +360,12 @@ class Pipeline:
 
         def admit_traced(request: Any, context: Any, span: Any) -> Any:
             """`admit`, naming the caller in the call's span when its token has a name."""
-            if needs_auth:
+            if own_user is not None:
+                check_peer(context)
+            elif needs_auth:
                 grant = authorize(access, context.invocation_metadata())
                 spans.identify(span, grant.name)  # type: ignore[union-attr]
+                scoped(grant, request)
             if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
                 raise rejected(label, request)
             if request_streaming:

@@ -57,6 +57,9 @@ QUOTAS: dict[str, Quota] = {q.name: q for q in (
     # Per tenant *and agent*, counted by uibus.domain.agent_room (not held here): a quarter of the
     # default max_processes (64), so four tenants at their share still leave none refused.
     Quota("agent_processes", "--quota-agent-processes", 16, "agent processes (running or kept idle)"),
+    # Enforced by the kernel, not counted here: the cgroup of the tenant's agents (uibus.agents.limits).
+    Quota("tenant_memory_mb", "--quota-tenant-memory-mb", 16384, "MB of memory its hosted agents use together"),
+    Quota("tenant_pids", "--quota-tenant-pids", 2048, "processes its hosted agents run together"),
 )}
 
 

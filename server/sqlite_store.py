@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.errors import ConfigError, StoreFull, StoreUnavailable
+from uibus.filemodes import private_store, said
 from uibus.sqlite_log import append_batch
 from uibus.store import EVICT_BATCH, NO_KEY, LogEntry, LogRead, LogRetention, Store, now_ms
 
@@ -46,13 +47,14 @@ class SqliteStore(Store):
         self._closed = False
         self._corrupt = False  # a page was found damaged: the probe re-checks the file, not just one write
         shown = path
+        tightened: list[str] = []
         try:
             if path != ":memory:":
                 file = Path(path).expanduser()
                 shown = path = str(file)
                 if file.is_dir():
                     raise ConfigError("--store", f"{shown}: is a directory, not a SQLite file")
-                file.parent.mkdir(parents=True, exist_ok=True)
+                tightened = private_store(file)  # its user's alone: 0600, in a 0700 state directory (uibus.filemodes)
             self.path = path
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except OSError as exc:  # a parent that is a file, no permission to create the folder
@@ -86,6 +88,7 @@ class SqliteStore(Store):
                 raise ConfigError("--store", f"{shown}: damaged file (PRAGMA quick_check: {damage[:120]})")
             self._migrate()
             self.stats.sessions = self._count()
+            said(tightened)
         except (sqlite3.Error, ConfigError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 self._db.close()

@@ -93,8 +93,10 @@ async def model() -> AsyncIterator[Model]:
 
 
 def sandboxed_pi(tmp_path: Path, model: Model, **options: Any) -> dict[str, Any]:
-    """pi as tests/pikit.py hosts it, its test extensions shown read-only in its sandbox."""
-    return pi_agent(tmp_path, model, sandbox=True, bwrap=bwrap(),
+    """pi as tests/pikit.py hosts it, its test extensions shown read-only in its sandbox; its own
+    network ("outbound", the default) reaches the scripted model on the host's loopback by
+    `loopback_ports` (tests/test_agent_network.py tests the network itself)."""
+    return pi_agent(tmp_path, model, sandbox=True, bwrap=bwrap(), loopback_ports=[model.port],
                     read_only=[str(PI_DIR), str(REPO / "examples" / "pi")], **options)
 
 
@@ -195,7 +197,7 @@ async def test_claude_code_hunting_for_tokens_finds_none(config: Config, tmp_pat
     async with claude_model() as model:
         plain = claude_agent(tmp_path, model)
         boxed = {**claude_agent(tmp_path, model), "name": "boxed"}
-        boxed["options"] = {**boxed["options"], "sandbox": True, "bwrap": bwrap()}
+        boxed["options"] = {**boxed["options"], "sandbox": True, "bwrap": bwrap(), "loopback_ports": [model.port]}
         app = await start_app(replace(cfg, agents=agents_file(tmp_path, [plain, boxed]), http_port=free_port()))
         hosted.append(app)
         for agent, command in (("claude", "env"), ("boxed", HUNT.format(tokens=tokens, store=store))):
@@ -394,7 +396,7 @@ async def test_a_sandboxed_pi_resumes_from_its_tenant_home_after_a_restart(confi
 
 def test_pi_program_is_found(tmp_path: Path) -> None:
     """The sandbox shows the agent's installation: pi's node_modules (by both its names) and node's."""
-    from uibus.agents.launcher import installation_of
+    from uibus.agents.bubblewrap import installation_of
 
     require("pi (npm ci --prefix tests/pi)", PI.exists())
     found = installation_of(str(PI), os.environ.get("PATH", ""))
@@ -407,9 +409,11 @@ def test_pi_program_is_found(tmp_path: Path) -> None:
 async def test_codex_runs_its_own_sandbox_inside_ours(config: Config, tmp_path: Path, hosted: list[App]) -> None:
     """Codex confines the commands it runs itself (sandbox_mode = "workspace-write": its own
     bubblewrap sandbox, through its `codex-linux-sandbox` helper); inside uibus's sandbox that
-    still works — a nested sandbox needs only unprivileged user namespaces, which bwrap leaves
-    usable. What codex-acp needs, sandbox or not: its helper on PATH (a link named
-    codex-linux-sandbox to the codex-acp binary; its npm package ships none), shown read-only."""
+    still works — a nested sandbox needs only user namespaces of its own, holding no capability
+    over ours. What codex-acp needs, sandbox or not: its helper on PATH (a link named
+    codex-linux-sandbox to the codex-acp binary; its npm package ships none), shown read-only, and
+    option nested_sandbox (without it, no user namespace can be made inside ours: see
+    tests/test_sandbox_walls.py)."""
     from tests.scripted_models import responses_model
     from tests.test_acp_agent import CODEX, codex_agent
 
@@ -425,7 +429,8 @@ async def test_codex_runs_its_own_sandbox_inside_ours(config: Config, tmp_path: 
         helper.mkdir()
         (helper / "codex-linux-sandbox").symlink_to(CODEX)
         entry["options"]["env"]["PATH"] = f"{helper}:{os.environ['PATH']}"
-        entry["options"].update(sandbox=True, bwrap=bwrap(), home_files=["config.toml"], read_only=[str(helper)])
+        entry["options"].update(sandbox=True, bwrap=bwrap(), home_files=["config.toml"], read_only=[str(helper)],
+                                nested_sandbox=True, loopback_ports=[model.port])
         app = await start_app(replace(config, agents=agents_file(tmp_path, [entry]), http_port=free_port()))
         hosted.append(app)
         model.script(Say("Writing.", tool=("exec_command", {"cmd": "echo inner > inner.txt; cat inner.txt; "
@@ -481,7 +486,7 @@ async def test_a_sandboxed_claude_code_resumes_from_its_tenant_home_after_a_rest
     cfg, _, _ = tenancy(tmp_path, config, monkeypatch)
     async with claude_model() as model:
         entry = claude_agent(tmp_path, model)
-        entry["options"].update(sandbox=True, bwrap=bwrap())
+        entry["options"].update(sandbox=True, bwrap=bwrap(), loopback_ports=[model.port])
         cfg = replace(cfg, agents=agents_file(tmp_path, [entry]), http_port=free_port())
         model.script(Say("Noted: walnut."), Say("The word was walnut."))
         for text, answer in (("remember walnut", "Noted: walnut."), ("which word?", "The word was walnut.")):
@@ -558,7 +563,8 @@ def test_a_token_line_may_name_its_tenant_and_names_win(tmp_path: Path) -> None:
 
 
 async def test_network_false_leaves_only_a_loopback_of_its_own(tmp_path: Path) -> None:
-    from uibus.agents.launcher import LOCAL, Launch, Sandbox
+    from uibus.agents.launcher import Launch, Sandbox
+    from uibus.agents.local_launcher import LOCAL
 
     (tmp_path / "home").mkdir()
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")}
@@ -647,30 +653,32 @@ async def test_sandboxed_agents_in_worktrees_see_their_own_only(config: Config, 
     assert "A-SECRET" not in seen and "# the project" not in seen and leaked(seen) == [] and "No such file" in seen
     assert not (repo / "note.txt").exists() and not (repo / "mine.txt").exists()  # the checkout untouched
 
-    # B plants what would make uibus's own git (its summary, diff, `git add`, `worktree add`) run
-    # code as uibus, outside the sandbox: a config, a hook, a commondir, its worktree's gitdir link,
-    # A's worktree's admin files. Every write is refused; it still commits in its own worktree.
-    common = repo / ".git"
-    plant = ("c=$(git rev-parse --git-common-dir); git config core.fsmonitor 'touch /tmp/pwned'; "
-             "echo '[core] fsmonitor = touch /tmp/pwned' >> $c/config; mkdir -p $c/hooks; "
-             "echo 'touch /tmp/pwned' > $c/hooks/post-checkout; echo /tmp > $c/commondir; "
-             "echo 'gitdir: /tmp' > .git; o=$(git rev-parse --absolute-git-dir); "
-             "for d in $c/worktrees/*; do [ \"$d\" = \"$o\" ] || echo x > $d/HEAD; done; "
-             "echo B2 > more.txt && git add more.txt && git commit -qm 'by B again' && echo committed-again; "
-             "echo ---end")
-    before = {f: (common / f).read_bytes() for f in ("config",)}
+    # B's repository is its own: it may write its config, hooks and attributes. It plants what would
+    # make uibus's own git (summary, diff, export) run code as uibus, outside any sandbox — an
+    # fsmonitor, a filter its attributes name, a hook, an external diff — each touching a file only
+    # uibus could write. uibus reads B's workspace all the same, and runs none of it.
+    pwned = tmp_path / "pwned"
+    touch = f"touch {pwned}"
+    plant = (f"git config core.fsmonitor '{touch}' && git config filter.x.clean '{touch}; cat' && "
+             f"git config filter.x.smudge '{touch}; cat' && git config diff.x.textconv '{touch}; cat' && "
+             f"git config diff.external '{touch}' && echo '* filter=x diff=x' > .gitattributes && "
+             f"mkdir -p .git/hooks && printf '#!/bin/sh\\n{touch}\\n' > .git/hooks/post-index-change && "
+             "chmod +x .git/hooks/post-index-change && echo B2 > more.txt && git add more.txt && "
+             "git commit -qm 'by B again' && echo committed-again; echo ---end")
     model.script(Reply(tool=("bash", {"command": plant})), Reply(text="Planted."))
     assert await pi_turn(app, "team-b-1", TOKEN_B, "plant") == "Planted."
     seen = json.dumps(model.requests[5]["messages"][-1])
     assert "---end" in seen and "committed-again" in seen, seen
-    assert seen.count("Read-only file system") >= 4, seen
-    assert {f: (common / f).read_bytes() for f in ("config",)} == before
-    assert not (common / "commondir").exists() and not (common / "hooks" / "post-checkout").exists()
-    assert all((d / "HEAD").read_text() != "x\n" for d in (common / "worktrees").iterdir())
-    b_tree = next(p.parent for p in (tmp_path / "ws" / "sessions").rglob("mine.txt"))
-    assert (b_tree / ".git").read_text().startswith(f"gitdir: {common / 'worktrees'}")
     listed = await _web_summary(app, TOKEN_B)  # uibus reads B's workspace: git still sees it whole
-    assert "files_changed: 2" in listed and "commits: 2" in listed, listed  # mine.txt and more.txt, committed
+    assert "commits: 2" in listed, listed
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as ch:
+        diff = await sessions_pb2_grpc.SessionServiceStub(ch).GetWorkspaceDiff(
+            sessions_pb2.AgentRequest(agent="pi"), metadata=(("authorization", f"Bearer {TOKEN_B}"),
+                                                             ("x-uibus-session", "team-b-1")))
+    # (the agent's own git ran its fsmonitor in its sandbox: `touch` made files there, not `pwned`)
+    assert {"mine.txt", "more.txt", ".gitattributes"} <= {f.path for f in diff.files}, diff.files
+    assert "+B2" in diff.diff and not pwned.exists()
+    assert "fsmonitor" not in (repo / ".git" / "config").read_text()  # the base repository untouched
 
 
 async def _web_summary(app: App, token: str) -> str:

@@ -165,7 +165,7 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
     grpc_port, http_port = free_port(), free_port()
     env = {"UIBUS_REDIS_IMAGE": "uibus-standin/redis", "UIBUS_NGINX_IMAGE": "uibus-standin/nginx",
            "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port),
-           "UIBUS_AUTH_TOKEN": TOKEN}
+           "UIBUS_AUTH_TOKEN": TOKEN, "REDIS_PASSWORD": "redis-" + TOKEN}
     require_binary("docker-compose")  # before the try: its skip must not meet the cleanup's compose calls
     started = time.monotonic()
     try:

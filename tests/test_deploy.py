@@ -99,8 +99,10 @@ def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch
     assert cfg.host == "0.0.0.0" and cfg.port == 26040 and cfg.http_port == 8080
     assert pod["terminationGracePeriodSeconds"] > cfg.drain_seconds + cfg.grace_seconds
 
-    redis_host = re.match(r"redis://([^:/]+)", cfg.redis_url)
-    assert redis_host, cfg.redis_url
+    # Redis's URL is the Deployment's (it carries the password, from a Secret): test_redis_needs_a_password
+    url = {e["name"]: e for e in container["env"]}["UIBUS_REDIS_URL"]["value"]
+    redis_host = re.match(r"redis://:\$\(REDIS_PASSWORD\)@([^:/]+)", url)
+    assert redis_host, url
     svc = _one("Service", redis_host.group(1))
     assert svc["spec"]["selector"].items() <= _one("Deployment", redis_host.group(1))["spec"]["template"][
         "metadata"]["labels"].items()
@@ -123,9 +125,10 @@ def test_compose_two_replicas_on_redis_behind_front(monkeypatch: pytest.MonkeyPa
         _check_env_names(env)
         # The replicas bind every interface: the token is the operator's, required by compose itself.
         assert env["UIBUS_AUTH_TOKEN"].startswith("${UIBUS_AUTH_TOKEN:?"), name
-        cfg = _config_from_env({**env, "UIBUS_AUTH_TOKEN": "set-by-the-operator"}, monkeypatch)
+        cfg = _config_from_env({**env, "UIBUS_AUTH_TOKEN": "set-by-the-operator",
+                                "UIBUS_REDIS_URL": _compose_expand(env["UIBUS_REDIS_URL"], "pw")}, monkeypatch)
         assert cfg.host == "0.0.0.0", name
-        assert cfg.redis_url.startswith("redis://redis:"), name
+        assert cfg.redis_url == "redis://:pw@redis:6379/0", name
         assert "redis" in svc["depends_on"]
     front = services["front"]
     conf_path = front["volumes"][0].split(":")[0]
@@ -295,6 +298,42 @@ def test_ingress_example_routes_grpc_and_http_to_the_service() -> None:
     assert ports["grpc"] == 26040 and ports["http"] == 8080
 
 
+def _compose_expand(text: str, password: str) -> str:
+    """`text` as compose substitutes it with REDIS_PASSWORD set to `password`."""
+    return re.sub(r"\$\{REDIS_PASSWORD(:\?[^}]*)?\}", password, text)
+
+
+def test_redis_needs_a_password_in_compose_and_kubernetes() -> None:
+    """Redis serves only with a password (a password-less Redis on the host's loopback was
+    every agent's), and uibus's URL carries that same password: compose from REDIS_PASSWORD (which
+    it requires), Kubernetes from the Secret `uibus-redis` (which the docs say how to make)."""
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD:?")
+    assert redis["environment"]["REDISCLI_AUTH"].startswith("${REDIS_PASSWORD:?")  # the healthcheck's redis-cli
+    assert "redis-cli" in redis["healthcheck"]["test"]
+    for name in ("uibus-1", "uibus-2"):
+        url = services[name]["environment"]["UIBUS_REDIS_URL"]
+        assert _compose_expand(url, "pw") == "redis://:pw@redis:6379/0", url
+        assert url.startswith("redis://:${REDIS_PASSWORD:?"), url
+
+    (server,) = _one("Deployment", "uibus-redis")["spec"]["template"]["spec"]["containers"]
+    secret = {"name": "uibus-redis", "key": "password"}
+    assert server["args"][server["args"].index("--requirepass") + 1] == "$(REDISCLI_AUTH)"
+    assert {e["name"]: e for e in server["env"]}["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"] == secret
+    (container,) = _one("Deployment", "uibus")["spec"]["template"]["spec"]["containers"]
+    names = [e["name"] for e in container["env"]]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret
+    # the kubelet expands $(VAR) only from entries listed before it
+    assert names.index("REDIS_PASSWORD") < names.index("UIBUS_REDIS_URL")
+    assert env["UIBUS_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@uibus-redis:6379/0"
+    assert "UIBUS_REDIS_URL" not in _one("ConfigMap", "uibus")["data"]  # env would win over it anyway
+    create = 'kubectl create secret generic uibus-redis --from-literal=password="$(openssl rand -hex 32)"'
+    assert create in (BASE / "uibus.yaml").read_text() and create in (REPO / "docs" / "deployment.md").read_text()
+
+
 def test_redis_runs_locked_down() -> None:
     dep = _one("Deployment", "uibus-redis")
     pod = dep["spec"]["template"]["spec"]
@@ -391,7 +430,8 @@ def test_every_overlay_is_tested_and_says_how_to_apply_it() -> None:
     there reaches it) and tells the operator the plain `kubectl apply -k` command."""
     found = {p.parent.name for p in OVERLAYS.glob("*/kustomization.yaml")}
     assert found == set(REDIS_OVERLAYS)
-    assert {p.name for p in K8S.iterdir()} == {"base", "overlays", "examples"}  # no kustomization above them
+    # no kustomization above them; agent-sandbox stands apart (test_agent_sandbox_*)
+    assert {p.name for p in K8S.iterdir()} == {"base", "overlays", "examples", "agent-sandbox"}
     for name in found:
         kustomization = OVERLAYS / name / "kustomization.yaml"
         assert yaml.safe_load(kustomization.read_text())["resources"] == ["../../base"], name
@@ -406,3 +446,151 @@ def test_no_doc_needs_the_load_restrictor_flag() -> None:
             *sorted(p for p in (REPO / "deploy").rglob("*") if p.is_file())]
     said = [str(p.relative_to(REPO)) for p in docs if re.search(r"load.restrictor|LoadRestrictions", p.read_text())]
     assert not said, f"these still mention kustomize's load restrictor: {said}"
+
+
+# deploy/k8s/agent-sandbox: uibus's hosted agents as kubernetes-sigs/agent-sandbox objects
+# (docs/hosting/isolation.md, "Beyond one machine: Kubernetes"), for a KubernetesLauncher not built yet.
+AGENT_SANDBOX = K8S / "agent-sandbox"
+SANDBOX_API = "agents.x-k8s.io/v1alpha1"  # Sandbox; the extensions' kinds below:
+SANDBOX_EXT_API = "extensions.agents.x-k8s.io/v1alpha1"
+AGENT_SANDBOX_KINDS = {  # what `kubectl kustomize deploy/k8s/agent-sandbox` renders, by (kind, name)
+    ("RuntimeClass", "gvisor"): "node.k8s.io/v1",
+    ("ServiceAccount", "uibus"): "v1",
+    ("Role", "uibus-agent-sandboxes"): "rbac.authorization.k8s.io/v1",
+    ("RoleBinding", "uibus-agent-sandboxes"): "rbac.authorization.k8s.io/v1",
+    ("NetworkPolicy", "uibus-agents"): "networking.k8s.io/v1",
+    ("SandboxTemplate", "pi-acme"): SANDBOX_EXT_API,
+    ("PersistentVolumeClaim", "agent-home-acme"): "v1",
+    ("SandboxWarmPool", "pi-acme"): SANDBOX_EXT_API,
+}
+UIBUS_LABELS = ("sandbox.users.io/uibus-session", "sandbox.users.io/uibus-agent", "sandbox.users.io/uibus-tenant")
+
+
+def _agent_sandbox() -> dict[tuple[str, str], dict[str, Any]]:
+    kubectl = require_binary("kubectl")
+    out = subprocess.run([kubectl, "kustomize", str(AGENT_SANDBOX)], capture_output=True, text=True, timeout=60,
+                         check=True)
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    found = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(found) == len(docs), "a kind and name twice"
+    return found
+
+
+def test_agent_sandbox_renders_the_expected_objects_apart_from_the_base() -> None:
+    docs = _agent_sandbox()
+    assert {key: d["apiVersion"] for key, d in docs.items()} == AGENT_SANDBOX_KINDS
+    # Every file is listed but the example claim (uibus makes the claims), and the claim is what it says.
+    listed = yaml.safe_load((AGENT_SANDBOX / "kustomization.yaml").read_text())["resources"]
+    assert set(listed) == {p.name for p in AGENT_SANDBOX.glob("*.yaml")} - {"kustomization.yaml",
+                                                                             "sandboxclaim-example.yaml"}
+    (claim,) = _docs(AGENT_SANDBOX / "sandboxclaim-example.yaml")
+    assert (claim["kind"], claim["apiVersion"]) == ("SandboxClaim", SANDBOX_EXT_API)
+    # No kustomization of the base or an overlay takes it in: what they render is unchanged.
+    for path in (BASE / "kustomization.yaml", *OVERLAYS.glob("*/kustomization.yaml")):
+        assert "agent-sandbox" not in path.read_text(), path
+    assert not {d["kind"] for d in _kustomize()} & {"RuntimeClass", "SandboxTemplate", "NetworkPolicy", "Role"}
+    assert (AGENT_SANDBOX / "README.md").is_file()
+    assert "deploy/k8s/agent-sandbox/" in (REPO / "docs" / "hosting" / "isolation.md").read_text()
+
+
+def test_agent_sandbox_template_locks_the_agent_down_with_uibus_limits() -> None:
+    from uibus.agents.limits import DEFAULTS
+
+    docs = _agent_sandbox()
+    assert docs[("RuntimeClass", "gvisor")]["handler"] == "runsc"
+    template = docs[("SandboxTemplate", "pi-acme")]["spec"]
+    # its own NetworkPolicy (networkpolicy-agents.yaml) alone, not the controller's besides: policies add up
+    assert template["networkPolicyManagement"] == "Unmanaged"
+    pod = template["podTemplate"]["spec"]
+    assert pod["runtimeClassName"] == "gvisor"
+    assert pod["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in pod  # never uibus's account (rbac.yaml)
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/example/pi-agent:0.73"
+    ctx = {**pod["securityContext"], **container["securityContext"]}
+    assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] != 0 and ctx["runAsGroup"] != 0
+    assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+    assert ctx["capabilities"] == {"drop": ["ALL"]}
+    assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not ctx.get("privileged")
+    # uibus's default agent limits (option `limits`), as the kubelet enforces them
+    assert container["resources"]["limits"] == {"cpu": f"{DEFAULTS.cpu:g}", "memory": f"{DEFAULTS.memory_mb // 1024}Gi",
+                                                "ephemeral-storage": f"{DEFAULTS.disk_mb // 1024}Gi"}
+    # HOME is the tenant's PVC (rendered beside it); the workspace, the working directory, is a volume of
+    # each Sandbox's own; /tmp is writable though the root filesystem is not.
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    home = volumes[mounts[env["HOME"]]]["persistentVolumeClaim"]["claimName"]
+    assert docs[("PersistentVolumeClaim", home)]["metadata"]["labels"]["sandbox.users.io/uibus-tenant"] == "acme"
+    workspace = mounts[container["workingDir"]]
+    assert workspace in {t["metadata"]["name"] for t in template.get("volumeClaimTemplates", [])} or \
+        "emptyDir" in volumes.get(workspace, {})
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert container["stdin"] is True and not container.get("tty")  # uibus speaks JSON lines on its stdio
+
+
+def test_agent_sandbox_pool_claim_network_and_rbac_fit_together() -> None:
+    docs = _agent_sandbox()
+    template = docs[("SandboxTemplate", "pi-acme")]
+    pod_labels = template["spec"]["podTemplate"]["metadata"]["labels"]
+    pool = docs[("SandboxWarmPool", "pi-acme")]["spec"]
+    assert pool["sandboxTemplateRef"] == {"name": "pi-acme"} and 1 <= pool["replicas"] <= 5
+
+    (claim,) = _docs(AGENT_SANDBOX / "sandboxclaim-example.yaml")
+    assert claim["spec"]["sandboxTemplateRef"] == {"name": "pi-acme"}
+    assert claim["spec"]["warmpool"] == "pi-acme"
+    labels, pod_extra = claim["metadata"]["labels"], claim["spec"]["additionalPodMetadata"]["labels"]
+    for key in UIBUS_LABELS:  # the controller takes pod labels of its allowed domains only (sandbox.users.io)
+        assert labels[key] and pod_extra[key] == labels[key], key
+    assert labels["sandbox.users.io/uibus-tenant"] == pod_labels["sandbox.users.io/uibus-tenant"]
+    assert claim["spec"]["lifecycle"]["shutdownPolicy"] == "Delete"  # a backstop if uibus dies
+
+    policy = docs[("NetworkPolicy", "uibus-agents")]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert sorted(policy["policyTypes"]) == ["Egress", "Ingress"]
+    uibus_pods = _one("Deployment", "uibus")["spec"]["template"]["metadata"]["labels"]
+    (ingress,) = policy["ingress"]
+    (source,) = ingress["from"]
+    assert set(source) == {"podSelector"} and source["podSelector"]["matchLabels"].items() <= uibus_pods.items()
+    assert not source["podSelector"]["matchLabels"].items() <= pod_labels.items()  # not agent to agent
+    ports: set[int] = set()
+    for rule in policy["egress"]:
+        ports |= {p["port"] for p in rule["ports"]}
+        for peer in rule["to"]:
+            if "ipBlock" in peer and peer["ipBlock"]["cidr"] == "0.0.0.0/0":
+                assert {p["port"] for p in rule["ports"]} == {443}
+                assert {"10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "169.254.0.0/16"} <= set(
+                    peer["ipBlock"]["except"])
+            elif "ipBlock" not in peer:  # DNS, and uibus's /mcp: pods, never "anything in the cluster"
+                assert peer["podSelector"]["matchLabels"], peer
+    assert ports == {53, 443, 8080}
+    assert "egress proxy" in (AGENT_SANDBOX / "networkpolicy-agents.yaml").read_text()
+
+    rules = {(g, r): set(rule["verbs"]) for rule in docs[("Role", "uibus-agent-sandboxes")]["rules"]
+             for g in rule["apiGroups"] for r in rule["resources"]}
+    manage = {"get", "list", "watch", "create", "delete"}
+    assert rules == {("extensions.agents.x-k8s.io", "sandboxclaims"): manage, ("agents.x-k8s.io", "sandboxes"): manage,
+                     ("extensions.agents.x-k8s.io", "sandboxtemplates"): {"get", "list", "watch"}}
+    binding = docs[("RoleBinding", "uibus-agent-sandboxes")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "uibus-agent-sandboxes"}
+    (subject,) = binding["subjects"]
+    assert subject["kind"] == "ServiceAccount" and subject["name"] != "default"  # every pod's, agents' too
+    assert ("ServiceAccount", subject["name"]) in docs
+
+
+@pytest.mark.parametrize("version", ["1.27.0", "1.37.0"])
+def test_agent_sandbox_core_objects_validate_against_kubernetes_schemas(version: str) -> None:
+    """The core-API objects, strictly, as test_k8s_manifests_validate_against_kubernetes_schemas does.
+    The agent-sandbox objects (SandboxTemplate, SandboxWarmPool, SandboxClaim) cannot be: their
+    schemas are the project's CRDs, which kubernetes-validate does not have offline; the tests
+    above check their fields (names taken from its v1alpha1 Go types and CRDs)."""
+    import kubernetes_validate
+
+    docs = _agent_sandbox()
+    core = [d for d in docs.values() if d["apiVersion"] not in (SANDBOX_API, SANDBOX_EXT_API)]
+    assert {d["kind"] for d in core} == {"RuntimeClass", "NetworkPolicy", "Role", "RoleBinding", "ServiceAccount",
+                                         "PersistentVolumeClaim"}
+    for doc in core:
+        kubernetes_validate.validate(doc, version, strict=True)

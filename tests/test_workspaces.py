@@ -101,19 +101,22 @@ async def test_two_sessions_write_the_same_file_in_two_worktrees_and_the_api_sho
             assert await final(target, "a-1", "write note.txt") == "Wrote a."
             spaces = app.core.agent_sessions.workspaces
             assert spaces is not None
-            a_path, b_path = spaces.path_of("a-1", "pi"), spaces.path_of("a-2", "pi")
+            a_path, b_path = spaces.path_of("a-1", "pi", str(repo)), spaces.path_of("a-2", "pi", str(repo))
             assert agent_pids(a_path) != []  # the agent runs in its worktree
             assert await final(target, "a-2", "write note.txt and commit") == "Wrote and committed b."
 
-            # two worktrees, two branches; the checkout at cwd untouched
+            # two repositories of their own, a branch in each; the checkout at cwd untouched
             assert (a_path / "note.txt").read_text() == "from a\n"
             assert (b_path / "note.txt").read_text() == "from b\nand more\n"
             assert not (repo / "note.txt").exists()
             assert git(repo, "status", "--porcelain") == "" and git(repo, "rev-parse", "HEAD").strip() == head
             branch_a, branch_b = f"uibus/{session_key('a-1')}/pi", f"uibus/{session_key('a-2')}/pi"
-            assert branches(repo) == sorted([branch_a, branch_b])
-            assert git(repo, "log", "-1", "--format=%s", branch_b).strip() == "b works"
-            assert git(repo, "rev-parse", branch_a).strip() == head  # a's work is uncommitted
+            assert branches(repo) == []  # nothing of a conversation's in the base repository
+            assert git(a_path, "symbolic-ref", "--short", "HEAD").strip() == branch_a
+            assert git(b_path, "log", "-1", "--format=%s", branch_b).strip() == "b works"
+            assert git(a_path, "rev-parse", branch_a).strip() == head  # a's work is uncommitted
+            assert git(a_path, "branch", "--list", "--format=%(refname:short)").split() == [branch_a]
+            assert git(b_path, "branch", "--list", "--format=%(refname:short)").split() == [branch_b]
             assert spaces.created == 2
 
             # the sessions API: each session's branch and what changed against the base
@@ -140,13 +143,14 @@ async def test_two_sessions_write_the_same_file_in_two_worktrees_and_the_api_sho
                     assert got.status_code == 200, got.text
                     assert "+and more" in got.json()["diff"] and got.json()["workspace"]["commits"] == 1
 
-                # deleting frees the workspace: a's branch had no commits (deleted), b's is kept and said
+                # deleting frees the workspace: a's branch had no commits (gone), b's is exported and said
                 gone = await api.DeleteSession(pb.DeleteSessionRequest(), metadata=md("a-1"))
                 assert (gone.agents_closed, list(gone.workspaces_removed), list(gone.branches_kept)) == (1, ["pi"], [])
                 kept = await api.DeleteSession(pb.DeleteSessionRequest(), metadata=md("a-2"))
                 assert list(kept.workspaces_removed) == ["pi"] and list(kept.branches_kept) == [branch_b]
             assert not a_path.exists() and not b_path.exists()
-            assert not spaces.dir_of("a-1").exists() and not spaces.dir_of("a-2").exists()
+            assert not spaces.private_of("a-1", str(repo)).exists() and not spaces.private_of("a-2", str(repo)).exists()
+            assert git(repo, "log", "-1", "--format=%s", branch_b).strip() == "b works"  # the export
             assert branches(repo) == [branch_b]
             assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
             assert agent_pids(a_path) == [] and agent_pids(b_path) == []
@@ -184,15 +188,15 @@ async def test_a_restarted_uibus_resumes_into_the_same_workspace(config: Config,
         async with hosting(config, tmp_path, [entry], workspaces_dir=str(spaces_dir), store=store) as first:
             assert await final(f"127.0.0.1:{first.port}", "r", "note walnut") == "Noted."
             assert first.core.agent_sessions.workspaces.created == 1  # type: ignore[union-attr]
-        path = Workspaces(str(spaces_dir)).path_of("r", "pi")
+        path = Workspaces(str(spaces_dir)).path_of("r", "pi", str(repo))
         assert agent_pids(path) == [] and (path / "note.txt").exists()
         async with hosting(config, tmp_path, [entry], workspaces_dir=str(spaces_dir), store=store) as second:
             assert await final(f"127.0.0.1:{second.port}", "r", "what did you note?") == "Read it."
             spaces = second.core.agent_sessions.workspaces
             assert spaces is not None and (spaces.created, spaces.reused) == (0, 1)
             tool_output = json.dumps(model.requests[3]["messages"])
-            assert "walnut" in tool_output and str(path) in tool_output  # the same worktree, its file
-        assert len(branches(repo)) == 1
+            assert "walnut" in tool_output and str(path) in tool_output  # the same workspace, its file
+        assert branches(repo) == [] and git(path, "symbolic-ref", "--short", "HEAD").strip().startswith("uibus/")
 
 
 @pytest.mark.node
@@ -214,7 +218,7 @@ async def test_a_second_replica_resumes_into_the_same_workspace(tmp_path: Path, 
             sa, sb = a.core.agent_sessions.workspaces, b.core.agent_sessions.workspaces
             assert sa is not None and sb is not None
             assert (sa.created, sb.created, sb.reused) == (1, 0, 1)
-            path = sb.path_of("rep", "pi")
+            path = sb.path_of("rep", "pi", str(repo))
             assert "hazel" in json.dumps(model.requests[3]["messages"]) and agent_pids(path) != []
             # deleted on A, which does not host the agent: B's agent is closed, the workspace goes
             async with grpc.aio.insecure_channel(f"127.0.0.1:{a.port}") as ch:
@@ -237,16 +241,21 @@ async def test_first_turns_at_once_make_one_worktree_and_paths_are_deterministic
     made = await asyncio.gather(*(spaces.open(s, "pi", str(repo)) for s in odd))  # at once, one repository
     assert len({w.path for w in made}) == len(odd) and len({w.branch for w in made}) == len(odd)
     for w in made:
-        assert Path(w.path).parent.parent == tmp_path / "spaces" / "sessions"
+        assert Path(w.path).parent.parent.parent == tmp_path / "spaces" / "sessions"
         git(repo, "check-ref-format", f"refs/heads/{w.branch}")
-    assert Workspaces(str(tmp_path / "spaces")).path_of("a b/c", "pi") == Path(made[1].path)  # another process
-    (Path(same[0].path) / "big.txt").write_text("".join(f"line {i}\n" for i in range(5000)))
+    # another process computes the same path
+    assert Workspaces(str(tmp_path / "spaces")).path_of("a b/c", "pi", str(repo)) == Path(made[1].path)
+    (Path(same[0].path) / "big.txt").write_text("".join(f"line {i}\n" for i in range(20000)))
     summary, text, cut = await spaces.diff(same[0], limit=1000)
     assert cut and text.endswith(TRUNCATED.format(limit=1000)) and len(text) < 1200
-    assert (summary.files_total, summary.added) == (1, 5000)
+    assert (summary.files_total, summary.added) == (1, 20000)
+    _, whole, cut = await spaces.diff(same[0])  # ~230 KB: under the bound, read to its end, not to a pipe's fill
+    assert not cut and whole.count("\n+line ") == 20000 and whole.endswith("+line 19999\n")
     for s in ["one", *odd]:
         await spaces.remove_session(s)
     assert branches(repo) == [] and git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
+    assert list((tmp_path / "spaces" / "sessions").iterdir()) == []
+    assert list((tmp_path / "spaces" / "private").iterdir()) == []
 
 
 def test_the_workspace_option_is_checked(tmp_path: Path) -> None:
@@ -339,20 +348,29 @@ async def test_the_page_shows_each_sessions_branch_and_diff(config: Config, tmp_
                 assert "+<b>from b</b>" in diff and "from a" not in diff  # text, never markup
                 assert await page.locator("#workspace-diff .ws-diff b").count() == 0
                 await page.screenshot(path=str(shots(tmp_path) / "workspaces-a2.png"), full_page=True)
+
+                # Export…: the work becomes a branch of the base repository, named in the prompt
+                page.once("dialog", lambda d: asyncio.ensure_future(d.accept("from-the-page")))
+                await page.click("#workspace-diff .ws-export")
+                exported = ["git", "-C", str(repo), "rev-parse", "--verify", "-q", "refs/heads/from-the-page"]
+                await wait_for(lambda: subprocess.run(exported, capture_output=True).returncode == 0,
+                               timeout=10, what="the exported branch in the base repository")
+                assert git(repo, "show", "from-the-page:note.txt") == "<b>from b</b>\n"
             finally:
                 await page.close()
 
 
 async def test_an_edited_workspace_file_cannot_point_a_delete_elsewhere(tmp_path: Path) -> None:
-    """The `<agent>.json` beside a worktree is read back only if it describes its own place: an
-    agent (unsandboxed, it can write there) that points it at another directory gets it ignored."""
+    """A workspace's record (`<agent>.json`, in uibus's private folder) is read back only if it
+    describes its own place: one edited to point at another directory is ignored."""
     repo = make_repo(tmp_path)
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep.txt").write_text("precious\n")
     spaces = Workspaces(str(tmp_path / "spaces"))
     made = await spaces.open("s", "pi", str(repo))
-    meta = Path(made.path).with_name("pi.json")
+    meta = spaces.private_of("s", str(repo)) / "pi.json"
+    assert not Path(made.path).with_name("pi.json").exists()  # nothing of uibus's beside the checkout
     data = json.loads(meta.read_text())
     meta.write_text(json.dumps({**data, "path": str(victim)}))
     assert await spaces.workspaces("s") == []
@@ -363,7 +381,9 @@ async def test_an_edited_workspace_file_cannot_point_a_delete_elsewhere(tmp_path
     assert (await spaces.remove_session("s")).removed and not Path(made.path).exists()
 
 
-async def test_summaries_reuse_their_own_index_and_never_touch_the_agents(tmp_path: Path) -> None:
+async def test_summaries_keep_their_own_index_and_never_touch_the_agents(tmp_path: Path) -> None:
+    """uibus stages a workspace into a git directory of its own, in its private folder: the agent's
+    index is never touched, and nothing of uibus's lies in the agent's repository."""
     repo = make_repo(tmp_path)
     spaces = Workspaces(str(tmp_path / "spaces"))
     w = await spaces.open("s", "pi", str(repo))
@@ -374,9 +394,11 @@ async def test_summaries_reuse_their_own_index_and_never_touch_the_agents(tmp_pa
     assert first.files_total == second.files_total == 1 and first.added == 2 and not first.error
     assert own_index.read_bytes() == before and git(Path(w.path), "status", "--porcelain") == "?? new.txt\n"
     git_dir = Path(git(Path(w.path), "rev-parse", "--path-format=absolute", "--git-dir").strip())
-    assert (git_dir / "uibus-index").exists()
+    assert git_dir == Path(w.path) / ".git" and not (git_dir / "uibus-index").exists()
+    shadow = spaces.private_of("s", str(repo)) / "pi.shadow"
+    assert (shadow / "index").exists()
     await spaces.remove_session("s")
-    assert not git_dir.exists()
+    assert not git_dir.exists() and not shadow.exists()
 
 
 @pytest.mark.node
@@ -397,7 +419,7 @@ async def test_a_caller_that_names_no_session_gets_a_throwaway_worktree(config: 
                 answers = [r async for r in chat(request("scratch"))]
             assert answers[-1].response.text == "Done."
             where = json.dumps(model.requests[1]["messages"])
-            assert f"{spaces_dir}/sessions/default-one-shot-" in where
+            assert f"{spaces_dir}/sessions/repo-" in where and "/default-one-shot-" in where
             assert not (repo / "scratch.txt").exists() and branches(repo) == []
             assert list((spaces_dir / "sessions").iterdir()) == []
             assert git(repo, "worktree", "list", "--porcelain").count("worktree ") == 1
@@ -423,7 +445,7 @@ async def test_an_acp_agent_opens_its_conversation_in_its_worktree_and_resumes_i
             await wait_for(lambda: sessions.closed_idle == 1 and sessions.count() == 0, timeout=10,
                            what="the idle close")
             assert (await turn_of(conn, "acp", "two"))[-1].response.text == "Turn 2: two"
-        path = str(Workspaces(str(tmp_path / "spaces")).path_of("acp-ws", "acp"))
+        path = str(Workspaces(str(tmp_path / "spaces")).path_of("acp-ws", "acp", str(repo)))
         (new,) = [e["session/new"] for e in fixture_log(tmp_path) if "session/new" in e]
         (load,) = [e["session/load"] for e in fixture_log(tmp_path) if "session/load" in e]
         assert new["cwd"] == path and load["cwd"] == path
@@ -432,12 +454,26 @@ async def test_an_acp_agent_opens_its_conversation_in_its_worktree_and_resumes_i
 
 
 async def test_a_delete_frees_the_disk_even_when_the_repository_is_gone(tmp_path: Path) -> None:
-    """The repository moved away: git cannot say whether the branch has commits, so it is named as
-    kept (it went with its repository anyway), and the worktree's directory goes."""
+    """The base repository moved away: nothing can be exported to it, and the workspace's
+    directory and uibus's files of it go all the same."""
     repo = make_repo(tmp_path)
     spaces = Workspaces(str(tmp_path / "spaces"))
     w = await spaces.open("s", "pi", str(repo))
     repo.rename(tmp_path / "moved")
     removed = await spaces.remove_session("s")
-    assert [x.agent for x in removed.removed] == ["pi"] and removed.kept_branches == (w.branch,)
-    assert not Path(w.path).exists() and not spaces.dir_of("s").exists()
+    assert [x.agent for x in removed.removed] == ["pi"] and removed.kept_branches == ()
+    assert not Path(w.path).exists() and not spaces.private_of("s", str(repo)).exists()
+
+
+async def test_a_deleted_sessions_commits_are_exported_by_a_restarted_uibus(tmp_path: Path) -> None:
+    """Another process (a restart, another replica) deletes the session: the workspace's commits
+    become branch `uibus/<key>/<agent>` of the base repository (named as kept), then it goes."""
+    repo = make_repo(tmp_path)
+    w = await Workspaces(str(tmp_path / "spaces")).open("s", "pi", str(repo))
+    (Path(w.path) / "work.txt").write_text("kept\n")
+    git(Path(w.path), "add", "work.txt")
+    git(Path(w.path), "-c", "user.name=a", "-c", "user.email=a@a", "commit", "-qm", "the work")
+    removed = await Workspaces(str(tmp_path / "spaces")).remove_session("s")
+    assert removed.kept_branches == (w.branch,) and not Path(w.path).exists()
+    assert git(repo, "log", "-1", "--format=%s", w.branch).strip() == "the work"
+    assert git(repo, "show", f"{w.branch}:work.txt") == "kept\n"

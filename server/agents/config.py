@@ -29,8 +29,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from uibus.agents import AgentSpec, Backend, option
-from uibus.agents.launcher import HOME_FILES, Sandbox, forbidden_name, installation_of, sandbox_problem
+from uibus.agents import AgentSpec, Backend, network, option
+from uibus.agents.bubblewrap import git_common_dir, installation_of, sandbox_problem
+from uibus.agents.gvisor import KERNEL
+from uibus.agents.gvisor import problem as gvisor_problem
+from uibus.agents.launcher import HOME_FILES, Sandbox, forbidden_name
+from uibus.agents.limits import Limits, parse_limits, settle_limits
 from uibus.agents.workspaces import MODES, WORKTREE, default_workspaces_dir, repository_of
 from uibus.config import InvalidConfig
 
@@ -127,10 +131,21 @@ def workspace_repo(spec: AgentSpec, cwd: str | None) -> str | None:
 #   inherit_env = ["NAME", …]   more of uibus's environment to hand on (never UIBUS_*, Redis, TLS, OTLP)
 #   sandbox     = false         true: run under bubblewrap (docs/hosting/isolation.md)
 #   bwrap       = "bwrap"       the bubblewrap program (on PATH, or a path)
-#   network     = true          false: no network at all inside the sandbox (--unshare-net)
+#   network     = "outbound"    with sandbox: a network of its own through pasta (uibus.agents.network):
+#                               other hosts yes, the host's loopback and abstract sockets no; `true`
+#                               means "outbound" too; "host": the host's network, shared; false: none
+#   loopback_ports = [11434, …] "outbound": host loopback ports the agent may reach (a local model
+#                               server); uibus's own /mcp port is added for an ACP agent offered it
 #   read_only   = ["/path", …]  more to show read-only inside (the agent's installation is found)
 #   home_files  = [".pi/agent/models.json", …]  what of the operator's HOME is shown read-only
-ISOLATION_OPTIONS = frozenset({"inherit_env", "sandbox", "bwrap", "network", "read_only", "home_files"})
+#   limits      = { pids = 512, memory_mb = 4096, cpu = 1, disk_mb = 10240 }  the defaults, any
+#                 agent, sandboxed or not (uibus.agents.limits; 0 turns one off)
+#   sandbox     = "gvisor"      the same view of the files under gVisor's kernel (runsc; needs network = false)
+#   runsc       = "runsc"       gVisor's runsc (on PATH, or a path)
+#   nested_sandbox = false      true: the agent may make user namespaces inside (codex confines its own
+#                               commands with bubblewrap); it still holds no capability over ours
+ISOLATION_OPTIONS = frozenset({"inherit_env", "sandbox", "bwrap", "network", "read_only", "home_files", "limits",
+                               "nested_sandbox", "runsc", "loopback_ports"})
 
 
 @dataclass(frozen=True)
@@ -139,11 +154,13 @@ class Isolation:
 
     inherit_env: tuple[str, ...]
     sandbox: Sandbox | None
+    limits: Limits | None = None  # option limits, as enforceable here (None: none)
 
     @classmethod
     def of(cls, spec: AgentSpec, program: str, path: str) -> Isolation:
         """ValueError naming agent and option; a sandbox that cannot start here is one (start-up fails)."""
         name = spec.name
+        limits = settle_limits(name, parse_limits(name, spec.options.get("limits")))
         inherit = option(spec, "inherit_env", list, [])
         if not all(isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v) for v in inherit):
             raise ValueError(f"agent {name!r}: option inherit_env must be a list of environment variable names")
@@ -151,20 +168,35 @@ class Isolation:
         if own:
             raise ValueError(f"agent {name!r}: option inherit_env: {', '.join(own)} belong(s) to uibus "
                              "(its settings, Redis, TLS, OTLP headers) and are never handed to an agent")
-        if not option(spec, "sandbox", bool, False):
-            for key in ("bwrap", "network", "read_only", "home_files"):
+        kind = spec.options.get("sandbox", False)
+        if kind not in (True, False, "bwrap", KERNEL):
+            raise ValueError(f"agent {name!r}: option sandbox must be true (bubblewrap), false or \"{KERNEL}\", "
+                             f"not {kind!r}")
+        if kind is False:
+            for key in ("bwrap", "network", "read_only", "home_files", "nested_sandbox", "runsc", "loopback_ports"):
                 if key in spec.options:
                     raise ValueError(f"agent {name!r}: option {key} needs sandbox = true")
-            return cls(tuple(inherit), None)
+            return cls(tuple(inherit), None, limits)
         if not option(spec, "cwd", str, ""):
             raise ValueError(f"agent {name!r}: option sandbox = true needs option cwd (the folder the agent may "
                              "write; without it, it would be uibus's own working directory)")
         bwrap = option(spec, "bwrap", str, "bwrap")
         found = bwrap if os.sep in bwrap else (shutil.which(bwrap) or bwrap)
-        problem = sandbox_problem(found)
+        nested = option(spec, "nested_sandbox", bool, False)
+        runsc = option(spec, "runsc", str, "runsc") if kind == KERNEL else ""
+        if runsc:  # gVisor: the same view of the files, another kernel (uibus.agents.gvisor)
+            runsc = runsc if os.sep in runsc else (shutil.which(runsc) or runsc)
+            if spec.options.get("network") is not False or nested:
+                raise ValueError(f"agent {name!r}: option sandbox = \"{KERNEL}\" needs network = false and no "
+                                 "nested_sandbox (rootless gVisor has no network of its own here)")
+            problem = gvisor_problem(runsc)
+        else:
+            if "runsc" in spec.options:
+                raise ValueError(f"agent {name!r}: option runsc needs sandbox = \"{KERNEL}\"")
+            problem = sandbox_problem(found, nested)
         if problem:
-            raise ValueError(f"agent {name!r}: option sandbox = true cannot start here (option bwrap = "
-                             f"{bwrap!r}): {problem}")
+            raise ValueError(f"agent {name!r}: option sandbox = {json.dumps(kind)} cannot start here (option "
+                             f"{'runsc' if runsc else 'bwrap'} = {runsc or bwrap!r}): {problem}")
         extra = [_strings(f"agent {name!r}: option read_only", option(spec, "read_only", list, []))]
         for path in extra[0]:
             if not os.path.isabs(path):
@@ -173,10 +205,12 @@ class Isolation:
         if any(os.path.isabs(f) or ".." in Path(f).parts for f in home_files):
             raise ValueError(f"agent {name!r}: option home_files names paths inside HOME (relative, no ..)")
         workspaces = spec.workspaces_dir or default_workspaces_dir()
+        mode, ports, pasta = network.settle(name, spec.options, found, nested)  # "outbound" tried once
         return cls(tuple(inherit), Sandbox(
-            bwrap=found, network=option(spec, "network", bool, True),
+            bwrap=found, network=mode, loopback_ports=ports, pasta=pasta,
             read_only=(*installation_of(program, path), *extra[0]), home_files=home_files,
-            homes_dir=str(Path(workspaces) / "homes")))
+            homes_dir=str(Path(workspaces) / "homes"), nested=nested, runsc=runsc,
+            git_common=git_common_dir(str(Path(option(spec, "cwd", str, "")).expanduser()))), limits)
 # ==== end of the isolation block ====
 
 

@@ -44,13 +44,13 @@ import contextlib
 import itertools
 import json
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn
 from uibus.agents.attachments import pi_images
+from uibus.agents.safe_files import file_beneath
 from uibus.agents.stdio import StdioBackend
 from uibus.agents.stdio import text as _str
 from uibus.agents.steer import PiSteering
@@ -133,7 +133,8 @@ class RpcSession(PiSteering, StdioSession):
             return False
         # pi "switches" to a file that is not there as to a new, empty session, and says success:
         # looked at first (the agent runs on this host, with its files), so that is never silent
-        if not await asyncio.to_thread(os.path.isfile, self.backend.launch(self.ui, self.process.cwd).host_path(path)):
+        launch = self.backend.launch(self.ui, self.process.cwd)
+        if not await asyncio.to_thread(file_beneath, launch.host_path(path), launch.tenant_home()):
             await self.ui.started_fresh(f"its session file {path} is gone (is ~/.pi/agent/sessions on a volume "
                                         "every replica mounts?)")
             return False

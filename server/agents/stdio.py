@@ -9,7 +9,7 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
   `idle_seconds`, `max_processes`, the bounds on starting, stopping, a turn and a line, `resume`
   (keep the conversation's handle and resume it in the next process: uibus.domain.agent_handles),
   and the isolation options (`inherit_env`, `sandbox`…: uibus.agents.config's isolation block).
-  Processes are started only through a launcher (uibus.agents.launcher; the local one).
+  Processes are started only through a launcher (uibus.agents.launcher; the local one: uibus.agents.local_launcher).
 * `StdioBackend`: a backend whose agents live across turns, one process per agent session,
   counted against `max_processes` (`RESOURCE_EXHAUSTED` naming the option beyond it).
 * `AgentProcess`: one running program in its own process group, owned with `async with`. Its
@@ -20,7 +20,7 @@ uibus.agents.jsonrpc for JSON-RPC 2.0 framing).
   cut; the end of its output (or its death) is reported once through `on_exit` with the reason.
   Stopping is SIGTERM then, after `stop_timeout_seconds`, SIGKILL, always to the whole group, so
   nothing it started survives it, and the group is killed on every close (a cancelled one too);
-  if uibus itself dies, a watcher in the group (uibus.agents.launcher.WATCHED) stops the group, so
+  if uibus itself dies, a watcher in the group (uibus.agents.local_launcher.WATCHED) stops the group, so
   no agent outlives its uibus, not even one that ignores the end of its input.
 """
 
@@ -42,8 +42,13 @@ from pathlib import Path
 from typing import Any
 
 from uibus.agents import AgentError, AgentSession, AgentSpec, SessionBackend, SessionUi, check_options, option, seconds
+from uibus.agents.bubblewrap import program_problem
 from uibus.agents.config import ISOLATION_OPTIONS, WORKSPACE_OPTIONS, Isolation, workspace_repo
-from uibus.agents.launcher import LOCAL, Launch, Launcher, agent_env
+from uibus.agents.launcher import Launch, Launcher, agent_env
+from uibus.agents.limits import Limits
+from uibus.agents.local_launcher import LOCAL
+from uibus.agents.network import loopback_port
+from uibus.agents.workspaces import borrowed_objects
 from uibus.dialog_limits import safe_text as text
 from uibus.errors import ResourceExhausted
 from uibus.tasks import Tasks
@@ -63,7 +68,7 @@ SETTLE_S = 0.5
 LOG_EVERY_S = 10.0  # per process and kind of complaint: one log line per this, with the count skipped
 
 
-# How an agent is started, and how it never outlives its uibus: uibus.agents.launcher (WATCHED).
+# How an agent is started, and how it never outlives its uibus: uibus.agents.local_launcher (WATCHED).
 
 
 class RateLog:
@@ -151,6 +156,13 @@ def _resolve(agent: str, program: str, cwd: str | None, env: dict[str, str]) -> 
     return found
 
 
+class _Probe:
+    """The session a start-up probe launches for: the operator's, nameless."""
+
+    session = ""
+    tenant = "operator"
+
+
 class StdioBackend(SessionBackend):
     """A backend whose agents are processes, one per agent session (`session` builds one)."""
 
@@ -161,6 +173,8 @@ class StdioBackend(SessionBackend):
         check_options(spec, set(OPTIONS | ISOLATION_OPTIONS | WORKSPACE_OPTIONS | self.extra_options))
         self.options = ProcessOptions.of(spec)
         self.workspace_repo = workspace_repo(spec, self.options.cwd)
+        # what a conversation's repository borrows from its base (git alternates), shown read-only
+        self.workspace_read_only = borrowed_objects(self.workspace_repo) if self.workspace_repo else ()
         self.processes = 0  # agent sessions holding (or starting) a process now
         self.started = 0  # processes started, ever
         self.launcher: Launcher = LOCAL
@@ -174,8 +188,17 @@ class StdioBackend(SessionBackend):
                                                "read_only": list(iso.sandbox.read_only)})}})
 
     def hide(self, paths: tuple[str, ...]) -> None:
-        """uibus's own paths, masked in this agent's sandbox wherever they would show through."""
+        """uibus's own paths, masked in this agent's sandbox wherever they would show through; then,
+        sandboxed, the agent's program is looked for inside its sandbox (start-up fails naming the
+        option when it is not there: an installation the sandbox does not show)."""
         self.hidden = paths
+        if self.options.isolation.sandbox is None:
+            return
+        problem = program_problem(self.launch(_Probe()))
+        if problem:
+            raise ValueError(f"agent {self.spec.name!r}: option sandbox = true: its program cannot start in its "
+                             f"sandbox: {problem} (show its installation with option read_only, or fix option "
+                             "command)")
 
     def launch(self, ui: SessionUi, cwd: str | None = None) -> Launch:
         """What to start for `ui.session`, in `cwd` (the caller's: a conversation's workspace; the
@@ -183,13 +206,26 @@ class StdioBackend(SessionBackend):
         o = self.options
         box = o.isolation.sandbox
         if box is not None:
-            box = replace(box, hide=self.hidden)
+            # a configured worktree's repository is bound for the configured cwd only: a conversation's
+            # workspace is a repository of its own (uibus.agents.workspaces), its base's objects read-only
+            box = replace(box, hide=self.hidden, git_common=box.git_common if cwd in (None, o.cwd) else "",
+                          read_only=(*box.read_only, *self.workspace_read_only))
+            if getattr(self, "offer_mcp", False) and (port := loopback_port(getattr(ui, "mcp_url", str)())):
+                box = replace(box, loopback_ports=(*box.loopback_ports, port))  # its /mcp, forwarded ("outbound")
         env = agent_env(o.isolation.inherit_env, o.env)
         if box is not None:
             env["TMPDIR"] = "/tmp"  # the sandbox's own
         return Launch(agent=self.spec.name, session=ui.session, tenant=getattr(ui, "tenant", "") or "operator",
                       argv=(o.program, *o.command[1:]), cwd=cwd or o.cwd, env=env, sandbox=box,
-                      stop_timeout=o.stop_timeout, limit=o.max_line)
+                      stop_timeout=o.stop_timeout, limit=o.max_line, limits=self.limits_for(ui))
+
+    def limits_for(self, ui: SessionUi) -> Limits | None:
+        """Option limits for `ui`'s agent: a default disk_mb counts the working directory only when
+        it is the conversation's own (a workspace), never a shared checkout (uibus.agents.limits)."""
+        lim = self.options.isolation.limits
+        if lim is None or getattr(ui, "workspace", "") or "disk_mb" in lim.explicit:
+            return lim
+        return replace(lim, count_cwd=False)
 
     def open_session(self, ui: SessionUi) -> AgentSession:
         limit = self.options.max_processes
@@ -312,6 +348,7 @@ class AgentProcess:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.options.stop_timeout):
                     code = await proc.wait()
+            why = why or self.backend.launcher.why_stopped(proc)  # at a limit: "stopped: memory limit …"
             self._lost(why or (f"the agent process exited (code {code})" if code is not None
                                else "the agent closed its output"))
 

@@ -1,31 +1,31 @@
-"""A workspace per conversation: each (uibus session, agent) of an agent with option
-`workspace = "worktree"` works in its own `git worktree` of the repository at its `cwd`.
+"""A repository per conversation: each (uibus session, agent) of an agent with option
+`workspace = "worktree"` works in a git repository of its own, made from the repository at its `cwd`.
 
-Why: two conversations editing one checkout trample each other's edits, read each other's notes and
-land their files in the operator's own checkout. A worktree is the usual answer (Conductor, Cline's
-WorktreeService): a directory of its own on a branch of its own, sharing the repository's objects,
-so it costs the checked-out files and not a clone.
+Why not a `git worktree` of the one repository (as before 0.x): worktrees share the repository's
+`.git` — objects, refs, admin folders — so a hostile agent read another tenant's untracked files
+out of the shared object store, planted the branch of another session's future conversation, and
+left in its admin folder the links uibus then followed as itself. Now each conversation's repository
+holds nothing of another's: its own refs, config, index and objects, borrowing only the base
+repository's objects read-only (git alternates), so it costs the checked-out files, not a clone's
+history. No ref is ever adopted: the repository is made new, with its one branch, by uibus.
 
-* Where: `<workspaces_dir>/sessions/<session key>/<agent>`, a path computed from the session and
-  agent alone (the session key is the session name made safe for a path and a ref, plus a hash of
-  the exact name so two names never share one), so a resumed conversation — after an idle close, a
-  restart, on another replica mounting the same volume — finds the same directory and reuses it.
-* The branch: `uibus/<session key>/<agent>`: named after the session, one per agent, so two agents
-  of one session never share a tree (git allows a branch in one worktree only).
-* The base: the commit the repository's HEAD named when the workspace was made, kept beside it in
-  `<agent>.json` (with the repository and the branch), so every replica can say what changed
-  against it, and a delete knows whether the branch holds commits worth keeping.
-* Made at the agent's first turn (uibus.domain.agent_sessions), under a lock per repository (an
-  asyncio lock in this process and an advisory file lock beside the workspaces, for the other
-  processes sharing the volume): two first turns at once never both run `git worktree add`.
-* Gone with its session (uibus.domain.sessions): `git worktree remove --force`, `git worktree
-  prune`, and the branch deleted unless it has commits beyond the base (then kept, and said).
-
-Every git command is the real `git`, run without a shell, with arguments made here from the
-configured repository and the session's key, never from a request's text; their output is read
-bounded. What changed includes uncommitted and untracked work: it is computed through a copy of the
-worktree's index (`GIT_INDEX_FILE`), into which `git add -A` stages everything, so the agent's own
-index is never touched.
+* Where: `<workspaces_dir>/sessions/<repository key>/<session key>/<agent>` — keyed by the base
+  repository (its real path), so a second project served by the same user with the same session
+  names gets workspaces of its own; computed from those alone, so a resumed conversation (after an
+  idle close, a restart, on another replica mounting the same volume) finds the same directory.
+  Reopening checks that its record names this repository and that the base commit is still in it.
+* uibus's own files about a workspace — its record (`<agent>.json`: repository, branch, base) and
+  the git directory it stages the workspace into to say what changed (`<agent>.shadow`) — live in
+  `<workspaces_dir>/private/...`, which no agent's sandbox shows.
+* Every git command on a workspace runs in a box (uibus.agents.gitbox): uibus never acts, as
+  itself, on anything an agent can write. Deleting a workspace removes its directory with
+  `shutil.rmtree`, which never follows a link.
+* Getting the work out is explicit (`export`): the branch, with any uncommitted work committed on
+  top, becomes a branch of the base repository — a bundle written in the box, fetched by git into
+  the base repository (data only: nothing of the agent's runs). A session deleted with commits
+  beyond its base is exported so (`uibus/<session key>/<agent>`), and said; otherwise its work goes.
+* Made at the agent's first turn (uibus.domain.agent_sessions), under a lock per base repository
+  (an asyncio lock here and an advisory file lock for other processes sharing the volume).
 """
 
 from __future__ import annotations
@@ -40,26 +40,40 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from uibus.agents.gitbox import GIT_TIMEOUT_S, Box, GitError, git
+from uibus.agents.safe_files import is_dir, private_dir, read_private, remove_tree, write_new
+from uibus.agents.workspace_changes import (
+    BUNDLE_BYTES,
+    DIFF_BYTES,
+    SHA,
+    SUMMARY_S,
+    TRUNCATED,
+    UNREADABLE,
+    Changes,
+    ExportError,
+    FileChange,
+    Summary,
+    _Cached,
+)
+
 log = logging.getLogger("uibus.agents.workspaces")
+
+__all__ = ["BUNDLE_BYTES", "DIFF_BYTES", "TRUNCATED", "UNREADABLE", "ExportError", "FileChange", "GitError", "Summary",
+           "Workspace", "Workspaces", "borrowed_objects", "repository_of", "session_key"]
 
 SHARED = "shared"
 WORKTREE = "worktree"
 MODES = (SHARED, WORKTREE)
 BRANCH_PREFIX = "uibus/"
 KEY_CHARS = 48  # of a session's name kept readable in its key (the hash makes it unique)
-GIT_TIMEOUT_S = 60.0  # one git command; a worktree of a big repository takes seconds to check out
-LOCK_TIMEOUT_S = 120.0  # waiting for another process's `git worktree add` in the same repository
-DIFF_BYTES = 256 * 1024  # the unified diff a GetWorkspaceDiff carries at most
-MAX_FILES = 500  # changed files listed at most
-TRUNCATED = "[… diff truncated at {limit} bytes; the rest is in the workspace's branch]\n"
+LOCK_TIMEOUT_S = 120.0  # waiting for another process making a workspace of the same repository
 AGENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # an agent's name (uibus.agents.config)
-SUMMARY_S = 2.0  # a workspace's summary is computed again at most this often (listings re-read it)
 
 
 def default_workspaces_dir() -> str:
@@ -68,105 +82,23 @@ def default_workspaces_dir() -> str:
     return str(Path(base) / "uibus" / "workspaces")
 
 
+def _key(name: str, readable: str = "") -> str:
+    """`name` as one path component and ref component: letters, digits, `_` and `-` kept (the rest
+    `-`), at most KEY_CHARS of them, then 10 hex digits of its hash, so it is deterministic, unique,
+    and a valid ref whatever the name is (`.`, `..`, `.lock`, `@{`, spaces…)."""
+    kept = re.sub(r"[^A-Za-z0-9_-]+", "-", readable or name)[:KEY_CHARS].strip("-") or "session"
+    return f"{kept}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+
+
 def session_key(session: str) -> str:
-    """`session` as one path component and ref component: letters, digits, `_` and `-` kept (the
-    rest `-`), at most KEY_CHARS of them, then 10 hex digits of its hash, so it is deterministic,
-    unique, and a valid ref whatever the session's name is (`.`, `..`, `.lock`, `@{`, spaces…)."""
-    readable = re.sub(r"[^A-Za-z0-9_-]+", "-", session)[:KEY_CHARS].strip("-") or "session"
-    return f"{readable}-{hashlib.sha256(session.encode()).hexdigest()[:10]}"
+    """`session` as one path component and ref component (see `_key`)."""
+    return _key(session)
 
 
-class GitError(Exception):
-    """A git command failed; the message names the command and says git's own words."""
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """One (session, agent)'s worktree."""
-
-    session: str
-    agent: str
-    path: str  # the worktree: the agent's cwd
-    repo: str  # the repository's top level (the configured cwd's)
-    branch: str
-    base: str  # the commit it started from
-
-    def cwd_for(self, cwd: str) -> str:
-        """Where in the worktree an agent configured with `cwd` (the repository or a folder in it) works."""
-        inner = os.path.relpath(os.path.realpath(cwd), os.path.realpath(self.repo))
-        return self.path if inner == "." or inner.startswith("..") else os.path.join(self.path, inner)
-
-
-@dataclass(frozen=True)
-class FileChange:
-    path: str
-    added: int  # -1: binary
-    removed: int
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What changed in a workspace against its base (uncommitted and untracked work included)."""
-
-    workspace: Workspace
-    files: tuple[FileChange, ...]
-    added: int
-    removed: int
-    commits: int  # on the branch beyond the base
-    files_total: int  # files changed; `files` lists at most MAX_FILES of them
-    error: str = ""  # why it could not be read (the worktree is gone, git failed)
-
-
-@dataclass(frozen=True)
-class Removed:
-    """What deleting a session's workspaces did."""
-
-    removed: tuple[Workspace, ...]
-    kept_branches: tuple[str, ...]  # branches with commits beyond their base: kept, and said
-
-
-# What uibus's own git commands get of its environment: enough to find git and its user's config.
-_GIT_ENV = ("PATH", "HOME", "USER", "LANG", "TMPDIR", "XDG_CONFIG_HOME", "GIT_EXEC_PATH", "GIT_CONFIG_GLOBAL",
-            "GIT_CONFIG_NOSYSTEM", "GIT_CONFIG_SYSTEM")
-
-
-async def git(*args: str, cwd: str, env: dict[str, str] | None = None, limit: int = 16 * 1024 * 1024,
-              check: bool = True) -> tuple[int, bytes, bool]:
-    """Runs `git args` in `cwd` (no shell; never a pager, a prompt or an editor); returns (exit code,
-    stdout cut at `limit` bytes, whether it was cut). Bounded by GIT_TIMEOUT_S; a cancel kills it.
-
-    A worktree is an agent's: what git would run on uibus's behalf there (an fsmonitor, a hook) is
-    switched off, and git gets an allow-list of uibus's environment, never its tokens — so a
-    repository configuration an agent managed to plant runs nothing with uibus's keys (the sandbox
-    also shows the repository's config, hooks and the worktree's `.git` link read-only)."""
-    full = {k: v for k, v in os.environ.items() if k in _GIT_ENV}
-    full.update({**(env or {}), "GIT_TERMINAL_PROMPT": "0", "GIT_PAGER": "cat", "GIT_EDITOR": "true",
-                 "LC_ALL": "C"})
-    proc = await asyncio.create_subprocess_exec(
-        "git", "-c", "core.quotepath=off", "-c", "color.ui=never", "-c", "core.fsmonitor=false",
-        "-c", "core.hooksPath=/dev/null", *args, cwd=cwd, env=full,
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    cut = False
-    try:
-        async with asyncio.timeout(GIT_TIMEOUT_S):
-            assert proc.stdout is not None and proc.stderr is not None
-            err_task = asyncio.ensure_future(proc.stderr.read(64 * 1024))
-            out = await proc.stdout.read(limit + 1)
-            if len(out) > limit:  # the rest is not wanted: stop it rather than read it
-                out, cut = out[:limit], True
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-            err = await err_task
-            code = await proc.wait()
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await asyncio.shield(proc.wait())
-        raise
-    if check and code != 0 and not cut:
-        words = err.decode(errors="replace").strip().splitlines()
-        raise GitError(f"git {args[0]} failed (exit {code}): {words[-1] if words else 'no message'}")
-    return code, out, cut
+def repository_key(repo: str) -> str:
+    """A base repository, by its real path, as one path component (its folder's name, readable)."""
+    real = os.path.realpath(repo)
+    return _key(real, os.path.basename(real) or "repository")
 
 
 def repository_of(cwd: str) -> str:
@@ -181,55 +113,98 @@ def repository_of(cwd: str) -> str:
     return done.stdout.strip()
 
 
-def _numstat(raw: bytes) -> list[FileChange]:
-    """`git diff --numstat -z`: `added\\tremoved\\tpath\\0`, or for a rename `added\\tremoved\\t\\0old\\0new\\0`."""
-    parts = raw.split(b"\0")
-    changes: list[FileChange] = []
-    i = 0
-    while i < len(parts):
-        head = parts[i]
-        i += 1
-        if not head:
+def borrowed_objects(cwd: str) -> tuple[str, ...]:
+    """The object directories a conversation's repository of the repository at `cwd` reads (its
+    common `objects`, and those its alternates name, transitively): shown read-only to the agent
+    and to uibus's box. The operator's repository, read at start-up (blocking is fine)."""
+    done = subprocess.run(["git", "rev-parse", "--path-format=absolute", "--git-common-dir"], cwd=cwd,
+                          capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        return ()
+    found: list[str] = []
+    todo = [os.path.join(done.stdout.strip(), "objects")]
+    while todo and len(found) < 16:
+        objects = os.path.realpath(todo.pop())
+        if objects in found or not os.path.isdir(objects):
             continue
-        fields = head.split(b"\t", 2)
-        if len(fields) < 3:
-            continue
-        added, removed, path = fields
-        if not path:  # a rename: the old and new paths follow
-            path = parts[i + 1] if i + 1 < len(parts) else b""
-            i += 2
-        binary = added == b"-"
-        changes.append(FileChange(path.decode(errors="replace"), -1 if binary else int(added),
-                                  -1 if binary else int(removed)))
-    return changes
+        found.append(objects)
+        with contextlib.suppress(OSError):
+            for line in Path(objects, "info", "alternates").read_text().splitlines():
+                if line.strip() and not line.startswith("#"):
+                    todo.append(os.path.join(objects, line.strip()))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """One (session, agent)'s repository."""
+
+    session: str
+    agent: str
+    path: str  # the checkout: the agent's cwd
+    repo: str  # the base repository's top level (the configured cwd's)
+    branch: str
+    base: str  # the commit it started from
+
+    def cwd_for(self, cwd: str) -> str:
+        """Where in the workspace an agent configured with `cwd` (the repository or a folder in it) works."""
+        inner = os.path.relpath(os.path.realpath(cwd), os.path.realpath(self.repo))
+        return self.path if inner == "." or inner.startswith("..") else os.path.join(self.path, inner)
+
+
+@dataclass(frozen=True)
+class Removed:
+    """What deleting a session's workspaces did."""
+
+    removed: tuple[Workspace, ...]
+    kept_branches: tuple[str, ...]  # exported to the base repository: they had commits beyond their base
 
 
 @dataclass
-class _Cached:
-    at: float
-    summary: Summary
-
-
-@dataclass
-class Workspaces:
+class Workspaces(Changes):
     """The workspaces of every (session, agent) under `root` (the workspaces directory)."""
 
     root: str
     enabled: bool = False  # some agent has option workspace = "worktree" (else listings look for none)
+    bwrap: str = field(default_factory=lambda: shutil.which("bwrap") or "")  # the box; "": git runs plain
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
     _cache: dict[tuple[str, str], _Cached] = field(default_factory=dict)
     _listed: dict[str, tuple[float, list[Workspace]]] = field(default_factory=dict)  # session -> its workspaces
-    created = 0  # worktrees made by this process
-    reused = 0  # worktrees found and reopened (a resumed conversation)
+    _borrowed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # repo -> its object directories
+    _staged_count: dict[str, int] = field(default_factory=dict)  # workspace path -> stagings (a prune every 64)
+    created = 0  # workspaces made by this process
+    reused = 0  # workspaces found and reopened (a resumed conversation)
 
-    def dir_of(self, session: str) -> Path:
-        return Path(self.root) / "sessions" / session_key(session)
+    # ---- where things are ----
 
-    def path_of(self, session: str, agent: str) -> Path:
-        return self.dir_of(session) / agent
+    def path_of(self, session: str, agent: str, repo: str) -> Path:
+        """The agent's checkout (its cwd)."""
+        return Path(self.root) / "sessions" / repository_key(repo) / session_key(session) / agent
+
+    def private_of(self, session: str, repo: str) -> Path:
+        """uibus's own folder for a session's workspaces of `repo` (records, staging git directories)."""
+        return Path(self.root) / "private" / repository_key(repo) / session_key(session)
 
     def branch_of(self, session: str, agent: str) -> str:
         return f"{BRANCH_PREFIX}{session_key(session)}/{agent}"
+
+    def _record(self, session: str, agent: str, repo: str) -> Path:
+        return self.private_of(session, repo) / f"{agent}.json"
+
+    def _shadow(self, w: Workspace) -> Path:
+        return self.private_of(w.session, w.repo) / f"{w.agent}.shadow"
+
+    def _box(self, w: Workspace, *, writable: bool = True) -> Box:
+        if not is_dir(Path(w.path)):  # replaced by a link: the box would show what it points at
+            raise GitError("the workspace is not a directory any more")
+        return Box(self.bwrap, read_only=(w.path, *self._borrowed.get(w.repo, ())),
+                   writable=(str(self._shadow(w)),) if writable else ())
+
+    async def _objects(self, repo: str) -> tuple[str, ...]:
+        found = self._borrowed.get(repo)
+        if found is None:
+            found = self._borrowed[repo] = await asyncio.to_thread(borrowed_objects, repo)
+        return found
 
     # ---- the lock per repository ----
 
@@ -240,9 +215,9 @@ class Workspaces:
         lock = self._locks.setdefault(repo, asyncio.Lock())
         async with lock:
             folder = Path(self.root) / "locks"
-            await asyncio.to_thread(folder.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(private_dir, folder)
             name = hashlib.sha256(repo.encode()).hexdigest()[:16] + ".lock"
-            fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
             try:
                 deadline = time.monotonic() + LOCK_TIMEOUT_S
                 while True:
@@ -261,76 +236,93 @@ class Workspaces:
     # ---- making and reopening ----
 
     async def open(self, session: str, agent: str, cwd: str) -> Workspace:
-        """The worktree of (`session`, `agent`) of the repository at `cwd`: reused when it exists
-        (a resumed conversation), else made on a new branch from the repository's HEAD."""
-        path = self.path_of(session, agent)
-        meta = path.with_name(agent + ".json")
-        _, top, _ = await git("rev-parse", "--show-toplevel", cwd=cwd)
+        """The repository of (`session`, `agent`) made from the repository at `cwd`: reopened when it
+        exists (a resumed conversation), else made new on its own branch from the base's HEAD."""
+        _, top, _ = await git("rev-parse", "--show-toplevel", cwd=cwd, operator=True)
         repo = top.decode().strip()
+        objects = await self._objects(repo)
+        path = self.path_of(session, agent, repo)
+        record = self._record(session, agent, repo)
         async with self._locked(repo):
-            known = await asyncio.to_thread(self._read_meta, meta)
-            if known is not None and await asyncio.to_thread((path / ".git").exists):
+            known = await asyncio.to_thread(self._read_record, record)
+            # reopened whatever its `.git` now is (the agent's to break): never remade over its work
+            if known is not None and await asyncio.to_thread(is_dir, path):
+                code, _, _ = await git("cat-file", "-e", f"{known.base}^{{commit}}", cwd=repo, operator=True,
+                                       check=False)
+                if code != 0:
+                    raise GitError(f"the workspace of agent {agent!r} in session {session!r} was made from a "
+                                   "commit this repository no longer has; delete the session to start anew")
                 self.reused += 1
                 log.info("workspace reopened", extra={"fields": {"session": session, "agent": agent,
                                                                  "path": str(path), "branch": known.branch}})
                 return known
             branch = self.branch_of(session, agent)
-            if await asyncio.to_thread(path.exists):  # half made (a crash mid-add), or not a worktree any more
-                await asyncio.to_thread(shutil.rmtree, path, True)
-            await git("worktree", "prune", cwd=repo)  # a worktree removed by hand is forgotten first
-            await asyncio.to_thread(path.parent.mkdir, parents=True, exist_ok=True)
-            code, _, _ = await git("rev-parse", "--verify", "--quiet", f"refs/heads/{branch}", cwd=repo, check=False)
-            if code == 0:  # the branch outlived its worktree: its work is picked up again
-                base = known.base if known is not None else ""
-                if not base:
-                    _, out, _ = await git("merge-base", branch, "HEAD", cwd=repo)
-                    base = out.decode().strip()
-                await git("worktree", "add", str(path), branch, cwd=repo)
-            else:
-                _, out, _ = await git("rev-parse", "--verify", "HEAD^{commit}", cwd=repo)
-                base = out.decode().strip()
-                await git("worktree", "add", "-b", branch, str(path), base, cwd=repo)
+            _, out, _ = await git("rev-parse", "--verify", "HEAD^{commit}", cwd=repo, operator=True)
+            base = out.decode().strip()
+            await asyncio.to_thread(self._make, path, record.parent, objects)
+            await git("init", "-q", "--template=", "-b", branch, str(path), cwd=str(path.parent))
+            await asyncio.to_thread(write_new, path / ".git" / "objects" / "info" / "alternates",
+                                    "".join(o + "\n" for o in objects))
+            await git("update-ref", f"refs/heads/{branch}", base, cwd=str(path))
+            await git("reset", "-q", "--hard", cwd=str(path))
             workspace = Workspace(session=session, agent=agent, path=str(path), repo=repo, branch=branch, base=base)
-            await asyncio.to_thread(self._write_meta, meta, workspace)
+            await asyncio.to_thread(self._write_record, record, workspace)
             self._listed.pop(session, None)
             self.created += 1
             log.info("workspace created", extra={"fields": {"session": session, "agent": agent, "path": str(path),
                                                             "branch": branch, "base": base}})
             return workspace
 
-    def _read_meta(self, meta: Path) -> Workspace | None:
-        """The workspace a `<agent>.json` describes, if it is one this directory would make: its
-        session's key, path and branch are computed again, never taken from the file, so an edited
-        file cannot point a delete (which removes the path) anywhere else."""
+    @staticmethod
+    def _make(path: Path, private: Path, objects: tuple[str, ...]) -> None:
+        """A fresh directory for the checkout (anything half made there before is removed, never
+        followed) and uibus's private folder beside the others."""
+        if not objects:
+            raise GitError("the base repository's objects cannot be found")
+        if os.path.lexists(path):
+            remove_tree(path)
+        private_dir(path.parent)
+        private_dir(private)
+        os.mkdir(path, 0o700)
+
+    def _read_record(self, record: Path) -> Workspace | None:
+        """The workspace a record describes, if it is one this directory would make: its path and
+        branch are computed again, never taken from the file, so an edited record cannot point a
+        delete (which removes the path) anywhere else."""
         try:
-            data = json.loads(meta.read_text())
+            data = json.loads(read_private(record))
             found = Workspace(**{k: str(data[k]) for k in ("session", "agent", "path", "repo", "branch", "base")})
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if not AGENT.fullmatch(found.agent) or meta.name != found.agent + ".json" \
-                or meta.parent != self.dir_of(found.session) \
-                or found.path != str(self.path_of(found.session, found.agent)) \
-                or found.branch != self.branch_of(found.session, found.agent) \
-                or not re.fullmatch(r"[0-9a-f]{40,64}", found.base):
-            log.warning("workspace file ignored: it does not describe its own place", extra={"fields": {
-                "file": str(meta)}})
+        if not AGENT.fullmatch(found.agent) or record != self._record(found.session, found.agent, found.repo) \
+                or found.path != str(self.path_of(found.session, found.agent, found.repo)) \
+                or found.branch != self.branch_of(found.session, found.agent) or not SHA.fullmatch(found.base):
+            log.warning("workspace record ignored: it does not describe its own place", extra={"fields": {
+                "file": str(record)}})
             return None
         return found
 
     @staticmethod
-    def _write_meta(meta: Path, workspace: Workspace) -> None:
-        tmp = meta.with_name(meta.name + ".tmp")
-        tmp.write_text(json.dumps(workspace.__dict__))
-        tmp.replace(meta)
+    def _write_record(record: Path, workspace: Workspace) -> None:
+        tmp = record.with_name(record.name + ".tmp")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        write_new(tmp, json.dumps(workspace.__dict__))
+        tmp.replace(record)
 
     def of_session(self, session: str) -> list[Workspace]:
-        """The workspaces `session` has (any agent's), as their files say (blocking: a directory read)."""
-        folder = self.dir_of(session)
-        try:
-            metas = sorted(p for p in folder.iterdir() if p.suffix == ".json")
-        except OSError:
-            return []
-        return [w for w in (self._read_meta(m) for m in metas) if w is not None and w.session == session]
+        """The workspaces `session` has (any agent's, of any repository), as their records say
+        (blocking: directory reads)."""
+        found: list[Workspace] = []
+        with contextlib.suppress(OSError):
+            for repo_dir in sorted(Path(self.root, "private").iterdir()):
+                folder = repo_dir / session_key(session)
+                with contextlib.suppress(OSError):
+                    for record in sorted(p for p in folder.iterdir() if p.suffix == ".json"):
+                        w = self._read_record(record)
+                        if w is not None and w.session == session:
+                            found.append(w)
+        return found
 
     async def workspaces(self, session: str) -> list[Workspace]:
         """`of_session`, cached SUMMARY_S (a listing asks for every session it shows, every second)."""
@@ -343,130 +335,55 @@ class Workspaces:
             self._listed.pop(next(iter(self._listed)))
         return found
 
-    # ---- what changed ----
-
-    @contextlib.asynccontextmanager
-    async def _staged(self, workspace: Workspace) -> Any:
-        """An index holding everything in the worktree (untracked files too, ignored ones not), for
-        `git diff --cached <base>`: uibus's own index beside the worktree's in its git directory
-        (`uibus-index`, gone with the worktree), made from a copy of the worktree's index and kept,
-        so each summary hashes only what changed since the last; the agent's own index is never
-        touched. One at a time per workspace here; if another process holds it, a throwaway copy."""
-        lock = self._locks.setdefault("index:" + workspace.path, asyncio.Lock())
-        async with lock:
-            _, out, _ = await git("rev-parse", "--path-format=absolute", "--git-dir", "--git-path", "index",
-                                  cwd=workspace.path)
-            gitdir, own = [*out.decode().splitlines(), "", ""][:2]
-            index = os.path.join(gitdir, "uibus-index")
-            folder = ""
-            try:
-                if not await asyncio.to_thread(os.path.exists, index):
-                    with contextlib.suppress(FileNotFoundError):
-                        await asyncio.to_thread(shutil.copyfile, own, index)
-                code, _, _ = await git("add", "-A", cwd=workspace.path, env={"GIT_INDEX_FILE": index}, check=False)
-                if code != 0:  # held by another replica (its lock file), or damaged: a copy of our own
-                    folder = await asyncio.to_thread(tempfile.mkdtemp, prefix="uibus-diff-")
-                    index = os.path.join(folder, "index")
-                    with contextlib.suppress(FileNotFoundError):
-                        await asyncio.to_thread(shutil.copyfile, own, index)
-                    await git("add", "-A", cwd=workspace.path, env={"GIT_INDEX_FILE": index})
-                yield index
-            finally:
-                if folder:
-                    await asyncio.to_thread(shutil.rmtree, folder, True)
-
-    async def summary(self, workspace: Workspace, *, fresh: bool = False) -> Summary:
-        """Files changed and lines added/removed against the base, cached SUMMARY_S (every watch
-        of the sessions list re-reads it each second); listings asking at once compute it once."""
-        key = (workspace.session, workspace.agent)
-        started = time.monotonic()
-        async with self._locks.setdefault("summary:" + workspace.path, asyncio.Lock()):
-            cached = self._cache.get(key)
-            if cached is not None and cached.summary.workspace == workspace and \
-                    (cached.at >= started or (not fresh and time.monotonic() - cached.at < SUMMARY_S)):
-                return cached.summary
-            try:
-                summary = await self._summary(workspace)
-            except (GitError, OSError) as exc:
-                summary = Summary(workspace, (), 0, 0, 0, 0, error=str(exc))
-            self._cache[key] = _Cached(time.monotonic(), summary)
-            if len(self._cache) > 4096:
-                self._cache.pop(next(iter(self._cache)))
-            return summary
-
-    async def _summary(self, workspace: Workspace) -> Summary:
-        if not await asyncio.to_thread(os.path.isdir, workspace.path):
-            raise GitError(f"the worktree {workspace.path} is gone")
-        async with self._staged(workspace) as index:
-            _, out, _ = await git("diff", "--cached", "--numstat", "-z", "--no-renames", "--no-ext-diff",
-                                  "--no-textconv", workspace.base, cwd=workspace.path, env={"GIT_INDEX_FILE": index})
-        changes = _numstat(out)
-        commits = await self._commits(workspace, cwd=workspace.path)
-        return Summary(workspace, tuple(changes[:MAX_FILES]), sum(max(c.added, 0) for c in changes),
-                       sum(max(c.removed, 0) for c in changes), commits, len(changes))
-
-    async def _commits(self, workspace: Workspace, cwd: str) -> int:
-        _, out, _ = await git("rev-list", "--count", f"{workspace.base}..refs/heads/{workspace.branch}", cwd=cwd)
-        return int(out.decode().strip() or 0)
-
-    async def diff(self, workspace: Workspace, limit: int = DIFF_BYTES) -> tuple[Summary, str, bool]:
-        """The summary and the unified diff against the base, cut at `limit` bytes (with a marker)."""
-        summary = await self.summary(workspace, fresh=True)
-        if summary.error:
-            return summary, "", False
-        async with self._staged(workspace) as index:
-            _, out, cut = await git("diff", "--cached", "--no-renames", "--no-ext-diff", "--no-textconv",
-                                    workspace.base, cwd=workspace.path, env={"GIT_INDEX_FILE": index}, limit=limit)
-        text = out.decode(errors="replace")
-        if cut:
-            text = text[: text.rfind("\n") + 1] + TRUNCATED.format(limit=limit)  # cut at a line's end
-        return summary, text, cut
-
     # ---- removing ----
 
-    async def _remove(self, workspace: Workspace) -> bool:
-        """Removes one worktree and its file; False when its branch is kept: it has commits beyond
-        the base, or git could not say (the repository moved or broke: kept, to be safe). The
-        directory goes whatever git says, so a delete always frees the disk."""
-        deleted = False
+    async def _remove(self, w: Workspace) -> str:
+        """Removes one workspace and uibus's files of it; exports its branch first when it has
+        commits beyond the base (returns the base repository's branch then, else "")."""
+        kept = ""
         try:
-            if await asyncio.to_thread(os.path.isdir, workspace.path):
-                await git("worktree", "remove", "--force", "--force", workspace.path, cwd=workspace.repo,
-                          check=False)
-            await git("worktree", "prune", cwd=workspace.repo, check=False)
-            code, _, _ = await git("rev-parse", "--verify", "--quiet", f"refs/heads/{workspace.branch}",
-                                   cwd=workspace.repo, check=False)
-            if code != 0:
-                deleted = True  # no branch (deleted by hand): nothing to keep
-            elif await self._commits(workspace, cwd=workspace.repo) == 0:
-                await git("branch", "-D", workspace.branch, cwd=workspace.repo)
-                deleted = True
-        except (GitError, OSError) as exc:
-            log.warning("workspace branch kept: git could not say whether it has commits", extra={"fields": {
-                "session": workspace.session, "agent": workspace.agent, "branch": workspace.branch,
-                "error": str(exc)}})
+            if await asyncio.to_thread(is_dir, Path(w.path)):
+                commits, _ = await self._commits(w)
+                if commits:
+                    kept = w.branch
+                    for n in range(2, 100):
+                        try:
+                            await self.export(w, kept, uncommitted=False)
+                            break
+                        except ExportError:
+                            kept = f"{w.branch}-{n}"
+        except (GitError, OSError, ExportError) as exc:
+            kept = ""
+            log.warning("workspace removed without exporting its commits: git could not", extra={"fields": {
+                "session": w.session, "agent": w.agent, "error": str(exc)}})
         finally:
-            await asyncio.to_thread(shutil.rmtree, workspace.path, True)  # not a worktree any more, half made…
-            meta = Path(workspace.path).with_name(workspace.agent + ".json")
-            await asyncio.to_thread(meta.unlink, True)
-        return deleted
+            await asyncio.to_thread(remove_tree, Path(w.path))
+            await asyncio.to_thread(remove_tree, self._shadow(w))
+            await asyncio.to_thread(self._record(w.session, w.agent, w.repo).unlink, True)
+            private = self.private_of(w.session, w.repo)
+            for folder in (Path(w.path).parent, Path(w.path).parent.parent, private, private.parent):
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(folder.rmdir)
+        return kept
 
     async def remove_session(self, session: str) -> Removed:
-        """Removes every workspace of `session`: the worktree (`--force`: its uncommitted work goes
-        with the session), then the branch unless it has commits beyond the base (kept, and said)."""
+        """Removes every workspace of `session` (its uncommitted work goes with it; its commits are
+        exported to the base repository, and said)."""
         removed: list[Workspace] = []
         kept: list[str] = []
         self._listed.pop(session, None)
-        for workspace in await asyncio.to_thread(self.of_session, session):
-            async with self._locked(workspace.repo):
-                if not await self._remove(workspace):
-                    kept.append(workspace.branch)
-            self._cache.pop((session, workspace.agent), None)
-            removed.append(workspace)
-            log.info("workspace removed", extra={"fields": {"session": session, "agent": workspace.agent,
-                                                            "branch": workspace.branch,
-                                                            "branch_kept": workspace.branch in kept}})
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(self.dir_of(session).rmdir)
+        for w in await asyncio.to_thread(self.of_session, session):
+            branch = await self._remove(w)
+            if branch:
+                kept.append(branch)
+            self._cache.pop((session, w.agent), None)
+            removed.append(w)
+            log.info("workspace removed", extra={"fields": {"session": session, "agent": w.agent,
+                                                            "exported_as": branch}})
         self._listed.pop(session, None)
         return Removed(tuple(removed), tuple(kept))
+
+
+def iter_records(root: str) -> Iterator[Path]:
+    """Every workspace record under `root` (for tools and tests)."""
+    yield from Path(root, "private").glob("*/*/*.json")

@@ -20,10 +20,7 @@ An agent session is closed, exactly once and with errors collected, when
 A caller that named no session (`keep=False`) gets an agent of its own for the turn, closed with it:
 a fresh conversation, as the engine gives stateless agents.
 
-`SessionBound` is the `SessionUi` handed to agent sessions: the session's dialogs, fire-and-forget
-UI and webview messages through the domain's `Dialogs` and `UiFeed`, never a transport; and the
-agent's conversation handle (uibus.domain.agent_handles), read before the agent opens and written
-when the agent reports one, so a new process resumes the conversation (not for one-shot agents).
+The `SessionUi` handed to each agent session is uibus.domain.session_bound.SessionBound.
 """
 
 from __future__ import annotations
@@ -36,9 +33,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
-from uibus.agents import AgentError, AgentSession, Dialog, SessionBackend
+from uibus.agents import AgentError, AgentSession, SessionBackend
 from uibus.agents.workspaces import GitError, Workspaces
 from uibus.auth import OPERATOR, Tokens
 from uibus.domain.agent_handles import Handles
@@ -46,9 +42,9 @@ from uibus.domain.agent_room import MakesRoom
 from uibus.domain.changes import Changes
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
+from uibus.domain.session_bound import SessionBound
 from uibus.errors import Cancelled, Unavailable
 from uibus.pb.cline import ui_pb2
-from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement
 from uibus.store import Store
@@ -58,82 +54,6 @@ log = logging.getLogger("uibus.agents")
 
 MARKER = "agent/live/"  # + agent name: the store key a live agent session keeps in its uibus session
 SWEEP_S = 5.0  # how often idle and evicted agent sessions are looked for (at most; idle/2 when shorter)
-
-
-class SessionBound:
-    """The `SessionUi` of one uibus session (uibus.agents.SessionUi)."""
-
-    def __init__(self, session: str, dialogs: Dialogs, feed: UiFeed, owner: AgentSessions | None = None, *,
-                 agent: str = "", handles: Handles | None = None, handle: dict[str, Any] | None = None,
-                 workspace: str = "") -> None:
-        self.session = session
-        self.workspace = workspace
-        self._dialogs = dialogs
-        self._feed = feed
-        self._owner = owner
-        self._agent = agent
-        self._handles = handles  # None: a one-shot agent, whose conversation is not kept
-        self.handle = handle
-        tokens = owner.tokens if owner is not None else None
-        self.tenant = tokens.tenant(session) if tokens is not None else "operator"
-        self._minted: list[str] = []  # the /mcp tokens minted for this agent session, revoked at its close
-
-    def release(self) -> None:
-        """The agent session closed: the tokens minted for it stop working."""
-        tokens = self._owner.tokens if self._owner is not None else None
-        minted, self._minted = self._minted, []
-        if tokens is not None:
-            for token in minted:
-                tokens.revoke(token)
-
-    async def keep_handle(self, handle: dict[str, Any]) -> None:
-        if self._handles is not None:
-            await self._handles.keep(self.session, self._agent, handle)
-            self.handle = handle
-
-    def resumed(self) -> None:
-        if self._handles is not None:
-            self._handles.note_resumed(self.session, self._agent)
-
-    async def started_fresh(self, why: str) -> None:
-        if self._handles is not None:
-            await self._handles.started_fresh(self.session, self._agent, why)
-
-    def mcp_endpoint(self, agent: str = "") -> tuple[str, dict[str, str]] | None:
-        owner = self._owner
-        if owner is None or not (url := owner.mcp_url()):
-            return None
-        headers = {"x-uibus-session": self.session}
-        if agent:  # uibus's MCP server neither lists an agent to itself nor lets it call itself
-            headers["x-uibus-agent"] = agent
-        if owner.tokens is not None and owner.tokens.enabled:  # a token for this (session, agent) alone
-            token = owner.tokens.mint(self.session, agent or self._agent)
-            self._minted.append(token)
-            headers["authorization"] = f"Bearer {token}"
-        return url, headers
-
-    async def ask(self, request: Dialog) -> ext_pb.DialogResult:
-        return await self._dialogs.ask(self.session, request)
-
-    async def fire(self, request: ext_pb.NotifyRequest | ext_pb.SetStatusRequest | ext_pb.SetWidgetRequest
-                   | ext_pb.SetTitleRequest | ext_pb.SetEditorTextRequest) -> None:
-        dialogs, session = self._dialogs, self.session
-        if isinstance(request, ext_pb.NotifyRequest):
-            await dialogs.notify(session, request)
-        elif isinstance(request, ext_pb.SetStatusRequest):
-            await dialogs.set_status(session, request)
-        elif isinstance(request, ext_pb.SetWidgetRequest):
-            await dialogs.set_widget(session, request)
-        elif isinstance(request, ext_pb.SetTitleRequest):
-            await dialogs.set_title(session, request)
-        else:
-            await dialogs.set_editor_text(session, request)
-
-    def say(self, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
-        return self._feed.say(self.session, text, say, ts=ts, partial=partial)
-
-    def next_ts(self) -> int:
-        return self._feed.clock.next()
 
 
 @dataclass

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 from collections import OrderedDict
@@ -35,14 +36,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from uibus.agents.workspaces import Summary
+from uibus.agents.workspaces import ExportError, GitError, Summary
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.changes import Changes
 from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.recent import RecentMessages
 from uibus.domain.steering import Steering, state_of
-from uibus.errors import InvalidArgument, NotFound
+from uibus.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.quotas import Quotas
@@ -65,6 +66,8 @@ LISTED_TITLE_CHARS = 256  # a title (the session's, an agent's, a waiting dialog
 MAX_AGENT_CHARS = 128  # an agent name CreateSession takes (the HTTP API's pattern: [A-Za-z0-9_.-]{1,128})
 _AGENT = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 SNAPSHOT_S = 0.25  # the store's session index is read at most this often, however many watch it
+
+log = logging.getLogger("uibus.domain.sessions")
 
 
 def _listed(title: str) -> str:
@@ -206,6 +209,27 @@ class Sessions:
         files = [pb.WorkspaceFile(path=f.path, lines_added=max(f.added, 0), lines_removed=max(f.removed, 0),
                                   binary=f.added < 0) for f in summary.files]
         return pb.WorkspaceDiff(workspace=self._workspace_pb(summary), files=files, diff=text, truncated=cut)
+
+    async def export_workspace(self, session: str, agent: str, branch: str) -> pb.ExportWorkspaceReply:
+        """Makes `agent`'s work in `session` branch `branch` of its base repository (empty: the
+        workspace's own branch name); uibus.agents.workspaces.Workspaces.export says how."""
+        spaces = self.agents.workspaces
+        found = [w for w in (await spaces.workspaces(session) if spaces is not None else []) if w.agent == agent]
+        if spaces is None or not found:
+            raise NotFound(f"agent {agent!r} has no workspace in session {session!r} (only agents with option "
+                           "workspace = \"worktree\" have one, from their first turn on)")
+        name = branch or found[0].branch
+        try:
+            commit = await spaces.export(found[0], name)
+        except ExportError as exc:
+            if exc.kind == "taken":
+                raise AlreadyExists(str(exc)) from exc
+            raise (InvalidArgument if exc.kind == "name" else FailedPrecondition)(str(exc)) from exc
+        except (GitError, OSError) as exc:
+            log.warning("workspace export failed", extra={"fields": {"session": session, "agent": agent,
+                                                                     "error": str(exc)}})
+            raise FailedPrecondition("git could not export this workspace (the server log says why)") from exc
+        return pb.ExportWorkspaceReply(branch=name, commit=commit)
 
     async def entry(self, session: str, stamp: float) -> pb.SessionEntry:
         static = await self._static_of(session, stamp)

@@ -177,10 +177,12 @@ class McpServer:
                  version: str, *,
                  visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True,
                  quotas: Quotas | None = None,
-                 tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS) -> None:
+                 tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS,
+                 tools_for: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _tool: True) -> None:
         """`visible(metadata)`: which sessions a call may list (the pipeline's visible_sessions:
         list_sessions); `quotas`: the quotas every door asks (ask_user holds the tenant's `dialogs`);
-        `tenant_of(metadata)`: whose call it is."""
+        `tenant_of(metadata)`: whose call it is; `tools_for(metadata)`: which tools tools/list shows
+        the caller (the pipeline's: an agent's token sees only those it may call)."""
         self.core = core
         self.version = version
         self.chat_schema = standalone(agent_pb2.ChatRequest.DESCRIPTOR, required=("user_message",))
@@ -190,6 +192,7 @@ class McpServer:
         self.visible = visible
         self.quotas = quotas if quotas is not None else Quotas()
         self.tenant_of = tenant_of
+        self.tools_for = tools_for
         self._ended: OrderedDict[str, None] = OrderedDict()
 
     # ---- what the transport asks -----------------------------------------------------------
@@ -253,7 +256,8 @@ class McpServer:
             yield Reply({})
 
         async def tools_list(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            yield Reply({"tools": self.tools(_caller(context))})
+            shown = self.tools_for(context.invocation_metadata())
+            yield Reply({"tools": [t for t in self.tools(_caller(context)) if shown(t["name"])]})
 
         async def tools_call(call: Call, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             name, args = _args(call.message)

@@ -11,19 +11,29 @@ sentinels for the master again on every new connection), so no restart is needed
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import ClusterDownError, ClusterError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    AuthenticationError,
+    ClusterDownError,
+    ClusterError,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from uibus.errors import ConfigError
+
+log = logging.getLogger("uibus.redis")
 
 # What an unreachable, restarting or failing-over Redis raises; everything else is a programming
 # error. (MasterNotFoundError is a ConnectionError: the sentinels know no master right now.)
@@ -150,3 +160,64 @@ class SlotMap:
             return
         async with self._lock:
             await self.client.nodes_manager.initialize()
+
+
+# ---- a Redis that needs no password -----------------------------------------------------------------
+
+_WARNED: set[str] = set()  # the Redis addresses warned about in this process (once each)
+
+
+def without_credentials(url: str) -> str | None:
+    """`url` with its user, password and credential query options removed; None for a URL this
+    check does not cover (sentinels: the master's address is theirs to say)."""
+    if url.startswith(SENTINEL_SCHEME):
+        return None
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = [(k, v) for k, vs in parse_qs(parts.query).items() for v in vs if k not in ("password", "username")]
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{urlencode(query)}" if query else "")
+
+
+async def needs_no_password(url: str) -> bool | None:
+    """Whether the Redis of `url` runs commands for a connection that presents no credentials: a
+    fresh client without the URL's user and password runs one read (DBSIZE). True: it does (any
+    local process, any agent sharing the host's loopback, can read and write every session); False:
+    it refused (NOAUTH / authentication); None: not known (unreachable, a sentinel URL)."""
+    bare = without_credentials(url)
+    if bare is None:
+        return None
+    try:
+        client = Redis.from_url(bare, socket_connect_timeout=CONNECT_TIMEOUT_S, socket_timeout=COMMAND_TIMEOUT_S,
+                                client_name="uibus-auth-probe")
+    except ValueError:
+        return None
+    try:
+        await client.execute_command("DBSIZE")
+        return True
+    except AuthenticationError:  # NOAUTH: it needs credentials
+        return False
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        return None  # unreachable: the store and the bus say so
+    except RedisError as exc:
+        return False if "NOAUTH" in str(exc) else None
+    finally:
+        await client.aclose()
+
+
+async def warn_if_open(url: str) -> bool:
+    """Logs one warning (once per Redis address and process) when the Redis of `url` needs no
+    password; True when it warned now."""
+    address = where(url)
+    if address in _WARNED or await needs_no_password(url) is not True:
+        return False
+    _WARNED.add(address)
+    log.warning(f"Redis at {address} needs no password: any local process or agent on this host can read and "
+                "write every session; set `requirepass` (or an ACL user) and put it in --redis-url "
+                "(redis://:PASSWORD@host:port/0)", extra={"fields": {"redis": address}})
+    return True
+
+
+def where(url: str) -> str:
+    """The address part of a Redis URL, without credentials (for a log line)."""
+    parts = urlsplit(url)
+    return parts.netloc.rpartition("@")[2] or parts.path or url.partition("://")[2].rpartition("@")[2]

@@ -82,6 +82,14 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
             raise InvalidArgument("agent is required: the agent whose workspace to show")
         return await self.sessions.workspace_diff(session_of(context), request.agent)
 
+    async def ExportWorkspace(self, request: pb.ExportWorkspaceRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ExportWorkspaceReply:
+        if not request.agent:
+            raise InvalidArgument("agent is required: the agent whose workspace to export")
+        reply = await self.sessions.export_workspace(session_of(context), request.agent, request.branch)
+        self.sessions.poke()
+        return reply
+
     async def NewConversation(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.AgentState:
         state = await self.sessions.steering.new_conversation(session_of(context), request.agent)
         self.sessions.poke()

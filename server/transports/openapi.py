@@ -109,9 +109,15 @@ _SESSION_POSTS = {
                          "What the workspace of `agent` (option workspace = \"worktree\": its own git worktree "
                          "and branch) changed against its base: the files and the unified diff, uncommitted and "
                          "untracked work included, cut at 256 KiB (`truncated`). 404 when it has none."),
+    "ExportWorkspace": (sessions_pb2.ExportWorkspaceRequest, sessions_pb2.ExportWorkspaceReply,
+                        "The work of `agent`'s workspace as a new branch of the base repository (`branch`, "
+                        "else the workspace's own name): its branch, with uncommitted work committed on top; "
+                        "nothing of the agent's runs. 400 for a bad name or no work, 409 (ALREADY_EXISTS) when "
+                        "the branch exists, 404 when the agent has no workspace."),
 }
 
-_STEERING = ("StopTurn", "SetMode", "SetModel", "NewConversation", "GetWorkspaceDiff")  # name their agent
+_STEERING = ("StopTurn", "SetMode", "SetModel", "NewConversation", "GetWorkspaceDiff",
+             "ExportWorkspace")  # name their agent
 
 
 def _session_paths(book: SchemaBook, session: dict[str, Any]) -> dict[str, Any]:

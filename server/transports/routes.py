@@ -11,9 +11,10 @@ from collections.abc import Callable, Mapping
 
 from uibus.auth import Tokens, bearer
 from uibus.metrics import CONTENT_TYPE, Metrics
+from uibus.peers import OwnUserOnly
 from uibus.transports.asgi import CHALLENGE, ASGIApp, Receive, Scope, Send, drain_first, header, refuse, respond
 from uibus.transports.browser import BrowserGuard, BrowserPolicy
-from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web
+from uibus.transports.grpcweb import GrpcWeb, Lookup, is_grpc_web, peer_of
 from uibus.transports.neurosan_http import PREFIX, NeuroSanHttp
 from uibus.webview import login_html
 
@@ -22,7 +23,7 @@ class Routes:
     def __init__(self, lookup: Lookup, metrics: Metrics, page: Callable[[], str],
                  not_ready: Callable[[], str | None],
                  max_message_bytes: int = 4 * 1024 * 1024, mounts: Mapping[str, ASGIApp] | None = None,
-                 tokens: Tokens | None = None) -> None:
+                 tokens: Tokens | None = None, own_user: OwnUserOnly | None = None) -> None:
         self.grpc_web = GrpcWeb(lookup, max_message_bytes)
         self.api = NeuroSanHttp(lookup, max_message_bytes)
         self.metrics = metrics
@@ -35,12 +36,20 @@ class Routes:
         # With tokens configured, the page and /metrics need one too (health stays open for probes);
         # gRPC-Web, the HTTP API and the WebSocket are checked by the handler pipeline.
         self.tokens = tokens or Tokens()
+        # No tokens on a loopback bind: every request but the probes' must come from a socket of
+        # uibus's own user (the pipeline's rule, uibus.peers), here for what passes no handler too
+        # (the page, /metrics, the WebSocket upgrades): 401 with the reason.
+        self.own_user = own_user if not self.tokens.enabled else None
         # What the page's responses carry besides their content type: the HTTP server sets the CSP
         # `frame-ancestors` of its browser policy here (who may frame the page that answers dialogs).
         self.page_headers: list[tuple[bytes, bytes]] = []
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope.get("path", "")
+        if self.own_user is not None and path not in _PROBES and \
+                (why := self.own_user.refusal(peer_of(scope))) is not None:
+            await refuse(scope, send, 401, why + "\n")
+            return
         for prefix, mounted in self.mounts.items():
             if path == prefix or path.startswith(prefix + "/"):
                 await mounted(scope, receive, send)
@@ -92,6 +101,7 @@ class Routes:
             await respond(send, 404, f"not found: {path}\n")
 
 
+_PROBES = frozenset({"/healthz", "/livez", "/readyz"})  # open to every local user: they say nothing of sessions
 _GET_PATHS = frozenset({"/", "/healthz", "/livez", "/readyz", "/metrics", "/favicon.ico", "/favicon.svg"})
 # The page's icon (web/src/index.html links `favicon.svg`): a speech bubble on the page's accent blue.
 FAVICON_SVG = ('<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 32 32">'

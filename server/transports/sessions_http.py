@@ -3,7 +3,7 @@
 * `GET  /api/v1/sessions[?prefix=…]` — ListSessions, one JSON object;
 * `GET  /api/v1/sessions/watch[?prefix=…]` — WatchSessions, `application/json-lines`;
 * `POST /api/v1/sessions/{CreateSession|DeleteSession|StopTurn|SetMode|SetModel|NewConversation|
-  GetWorkspaceDiff}`
+  GetWorkspaceDiff|ExportWorkspace}`
   — the request in proto3 JSON (empty body: the empty request), on the session named by the
   `x-uibus-session` header, as every uibus call.
 
@@ -40,6 +40,7 @@ _POSTS: dict[str, type[ProtoMessage]] = {
     "CreateSession": pb.CreateSessionRequest, "DeleteSession": pb.DeleteSessionRequest,
     "StopTurn": pb.AgentRequest, "SetMode": pb.SetModeRequest, "SetModel": pb.SetModelRequest,
     "NewConversation": pb.AgentRequest, "GetWorkspaceDiff": pb.AgentRequest,
+    "ExportWorkspace": pb.ExportWorkspaceRequest,
 }
 
 

@@ -1,7 +1,8 @@
-// The workspaces of the open session (agents with option workspace = "worktree": each works in its
-// own git worktree, on its own branch): each agent's branch and what changed against its base, as
-// the session list reports it, and on request the changed files and the unified diff
-// (SessionService.GetWorkspaceDiff, capped by the server with a marker line). The diff is text from
+// The workspaces of the open session (agents with option workspace = "worktree": each works in a
+// git repository of its own, on its own branch): each agent's branch and what changed against its
+// base, as the session list reports it, on request the changed files and the unified diff
+// (SessionService.GetWorkspaceDiff, capped by the server with a marker line), and an export of the
+// work as a branch of the base repository (SessionService.ExportWorkspace). The diff is text from
 // an agent's files: shown only through textContent, never as HTML.
 import { ConnectError } from "@connectrpc/connect";
 import type { Client } from "@connectrpc/connect";
@@ -45,7 +46,11 @@ export function startWorkspaces(v: WorkspaceView): { show: (entry: SessionEntry 
     close.type = "button";
     close.title = "close the diff";
     close.addEventListener("click", () => { open = ""; v.diff.hidden = true; v.diff.replaceChildren(); });
-    head.append(close);
+    const exp = el("button", "secondary ws-export", "Export…");
+    exp.type = "button";
+    exp.title = "make this work a branch of the base repository (nothing of the agent's runs)";
+    exp.addEventListener("click", () => void exportTo(agent, d.workspace?.branch ?? ""));
+    head.append(exp, close);
     const files = el("ul", "ws-files");
     for (const f of d.files) {
       const li = el("li");
@@ -62,6 +67,17 @@ export function startWorkspaces(v: WorkspaceView): { show: (entry: SessionEntry 
     v.diff.replaceChildren(head, files, pre);
     if (d.truncated) v.diff.append(el("p", "ws-note", "The diff was cut; the rest is on the branch."));
     v.diff.hidden = false;
+  }
+
+  async function exportTo(agent: string, branch: string): Promise<void> {
+    const name = window.prompt("Export to the base repository as branch:", branch);
+    if (name === null) return;
+    try {
+      const r = await v.sessions.exportWorkspace({ agent, branch: name.trim() });
+      v.log("workspace exported", `${agent} → ${r.branch} (${r.commit.slice(0, 12)})`);
+    } catch (err) {
+      v.log("workspace export failed", ConnectError.from(err).rawMessage);
+    }
   }
 
   async function load(agent: string, summary: string): Promise<void> {
