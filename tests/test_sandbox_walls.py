@@ -416,3 +416,83 @@ async def test_the_operator_token_is_nowhere_an_agent_can_look(walls: Any) -> No
     seen = await run(app, "team-a-5", TOKEN_A, f"env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; "
                                                f"cat {w.tokens} {w.store} 2>&1 | head -3; ls /proc | head -5")
     assert OPERATOR not in seen and leaked(seen) == [], seen
+
+
+# ---- the same walls when uibus itself runs unprivileged ----------------------------------------------
+
+
+async def test_the_walls_hold_when_uibus_runs_as_an_unprivileged_user(tmp_path: Path) -> None:
+    """uibus run by `nobody` (uid 65534), not root: its tokens file and store are nobody's own, its
+    sandboxed agent (a user namespace of its own: no capability there either) plants links and git
+    configuration for uibus to follow or run, and hunts for the tokens; uibus reads the workspace
+    and follows and runs none of it. The venv's packages under the system's python (the venv's own
+    interpreter lies under root's home, which nobody may not enter)."""
+    import socket
+    import sysconfig
+
+    require("root, to become another user for this test", os.getuid() == 0)
+    require("setpriv (util-linux)", shutil.which("setpriv") is not None)
+    system_python = f"/usr/bin/python{sysconfig.get_python_version()}"
+    require(f"the system's {system_python} (the venv's packages run under it as nobody)",
+            os.access(system_python, os.X_OK))
+    require("git", shutil.which("git") is not None)
+    room = Path(tempfile.mkdtemp(prefix="uibus-nobody-", dir="/tmp"))
+    try:
+        os.chmod(room, 0o755)
+        home, repo, spaces = room / "home", room / "repo", room / "ws"
+        for folder in (home, spaces):
+            folder.mkdir()
+        subprocess.run(["git", "init", "-q", "-b", "main", str(repo)], check=True)
+        (repo / "README.md").write_text("# the project\n")
+        git(repo, "add", "README.md")
+        git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+        tokens = room / "tokens.txt"
+        tokens.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-*\n")
+        tokens.chmod(0o600)
+        entry = shell_agent(tmp_path, repo, network=False)
+        (room / "agents.json").write_text(json.dumps({"workspaces_dir": str(spaces), "agents": [entry]}))
+        subprocess.run(["chown", "-R", "65534:65534", str(room)], check=True)
+        port, http_port = free_port(), free_port()
+        site = sysconfig.get_paths()["purelib"]
+        launch = ("import site, sys; site.addsitedir(sys.argv.pop(1)); from uibus.clients.cli import main; "
+                  "sys.exit(main())")
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "LANG": "C.UTF-8", "UIBUS_AUTH_TOKEN": OPERATOR}
+        proc = subprocess.Popen(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", system_python, "-c", launch, site,
+             "serve", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
+             "--agents", str(room / "agents.json"), "--tokens-file", str(tokens), "--store", str(room / "uibus.db")],
+            cwd=str(room), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            def listening() -> bool:
+                assert proc.poll() is None, proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                with socket.socket() as s:
+                    return s.connect_ex(("127.0.0.1", port)) == 0
+            from tests.conftest import wait_for
+            await wait_for(listening, timeout=60, what="uibus run by nobody to listen")
+            marker = room / "ran-as-uibus"
+            hook = f"cat {tokens} > {marker}"
+            plant = (f"grep -E '^(CapEff|CapBnd|Seccomp):' /proc/self/status; id -u; ln -sf {tokens} .git/index; "
+                     f"ln -sf {home}/.gitconfig .git/uibus-index; git config core.fsmonitor '{hook}'; "
+                     f"git config filter.x.clean '{hook}; cat'; echo '* filter=x' > .gitattributes; "
+                     f"cat {tokens} 2>&1 | head -1; echo ---end")
+            async with Connection(f"127.0.0.1:{port}", session="team-a-1", token=TOKEN_A) as conn:
+                seen = [r async for r in Agent(conn, "sh").StreamingChat(request(plant))][-1].response.text
+            seen = seen.replace("\t", " ")
+            assert "---end" in seen and "CapEff: 0000000000000000" in seen and "Seccomp: 2" in seen, seen
+            assert leaked(seen) == [], seen
+            md = (("authorization", f"Bearer {TOKEN_A}"), ("x-uibus-session", "team-a-1"))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                api = sessions_pb2_grpc.SessionServiceStub(ch)
+                listed = str(await api.ListSessions(sessions_pb2.ListSessionsRequest(), metadata=md))
+                diff = str(await api.GetWorkspaceDiff(sessions_pb2.AgentRequest(agent="sh"), metadata=md))
+            assert ".gitattributes" in diff and leaked(listed + diff) == []
+            assert not marker.exists() and not (home / ".gitconfig").exists()
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        shutil.rmtree(room, ignore_errors=True)
