@@ -330,6 +330,14 @@ async def test_the_work_is_exported_as_a_branch_and_nothing_of_the_agents_runs(w
                               json={"agent": "sh"}, headers={"x-uibus-session": "team-a-7",
                                                              "authorization": f"Bearer {TOKEN_A}"})
         assert got.status_code == 400 and got.json()["code"] == "FAILED_PRECONDITION", got.text
+        # a page on another origin, or a foreign Host (DNS rebinding), is refused before any export
+        url = f"http://127.0.0.1:{app.http_port}/api/v1/sessions/ExportWorkspace"
+        headers = {"x-uibus-session": "team-a-6", "authorization": f"Bearer {TOKEN_A}"}
+        body = {"agent": "sh", "branch": "from-a-page"}
+        foreign = await http.post(url, json=body, headers={**headers, "origin": "https://evil.example"})
+        rebound = await http.post(url, json=body, headers={**headers, "host": f"evil.example:{app.http_port}"})
+        assert (foreign.status_code, rebound.status_code) == (403, 421), (foreign.text, rebound.text)
+        assert "from-a-page" not in git(w.repo, "branch", "--list")
 
 
 # ---- 10. a kernel boundary: gVisor --------------------------------------------------------------------

@@ -65,16 +65,13 @@ class LocalLauncher(Launcher):
     async def _start(self, launch: Launch, kernel: contextlib.ExitStack) -> AsyncIterator[asyncio.subprocess.Process]:
         argv = list(launch.argv)
         filter_fd: int | None = None
+        home = launch.tenant_home()
+        if home is not None:  # sandboxed: its tenant's home and /tmp, uibus's user's alone
+            await asyncio.to_thread(private_dirs, home, os.path.join(home, TMP))
         if launch.sandbox is not None and launch.sandbox.runsc:  # the same view, gVisor's kernel
-            home = launch.tenant_home()
-            if home is not None:
-                await asyncio.to_thread(private_dirs, home, os.path.join(home, TMP))
             plan = await asyncio.to_thread(bwrap_argv, launch, launch.sandbox.git_common or None)
             argv = await asyncio.to_thread(kernel.enter_context, gvisor.bundle(launch.sandbox.runsc, plan, launch.env))
         elif launch.sandbox is not None:
-            home = launch.tenant_home()
-            if home is not None:
-                await asyncio.to_thread(private_dirs, home, os.path.join(home, TMP))
             filter_fd = seccomp.memfd(launch.sandbox.nested)
             try:
                 # the repository of a configured worktree, found at start-up: never asked of the

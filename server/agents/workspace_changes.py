@@ -135,7 +135,8 @@ class Changes(abc.ABC):
 
     @abc.abstractmethod
     def _locked(self, repo: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """The lock on the base repository (exports write branches there)."""
+        """A lock by name, in this process and across the processes sharing the folder (the base
+        repository's, for exports; a workspace's staging)."""
 
     @abc.abstractmethod
     async def _objects(self, repo: str) -> tuple[str, ...]:
@@ -160,8 +161,10 @@ class Changes(abc.ABC):
             if not await asyncio.to_thread(is_dir, shadow / "objects"):
                 await asyncio.to_thread(private_dir, shadow.parent)
                 await git("init", "-q", "--bare", "--template=", str(shadow), cwd=str(shadow.parent))
-                await asyncio.to_thread(write_new, shadow / "objects" / "info" / "alternates",
-                                        "".join(o + "\n" for o in (*borrowed, os.path.join(w.path, ".git", "objects"))))
+                with contextlib.suppress(FileExistsError):  # made by another replica at the same moment
+                    await asyncio.to_thread(write_new, shadow / "objects" / "info" / "alternates",
+                                            "".join(o + "\n" for o in (*borrowed, os.path.join(w.path, ".git",
+                                                                                               "objects"))))
                 await git(f"--git-dir={shadow}", "config", "core.bare", "false", cwd=str(shadow.parent))
                 # the index starts as the base's tree, refreshed against the checkout: `add -A` then
                 # hashes only what differs. (Hashed from scratch, git writes a copy of every blob it
@@ -177,7 +180,9 @@ class Changes(abc.ABC):
         """uibus's git directory for `w` with everything in the checkout staged (untracked files
         too, ignored ones not): its index is uibus's and kept, so each summary hashes only what
         changed since the last. One at a time per workspace."""
-        async with self._locks.setdefault("index:" + w.path, asyncio.Lock()):
+        # one staging at a time per workspace, across the replicas sharing the folder too (git's
+        # index.lock would fail the other, and a failure is not read again for ERROR_S)
+        async with self._locked("stage:" + w.path):
             await self._stage(w)
             staged = self._staged_count[w.path] = self._staged_count.get(w.path, 0) + 1
             if staged % PRUNE_EVERY == 0:  # versions of files staged before and changed since
@@ -224,54 +229,54 @@ class Changes(abc.ABC):
     async def summary(self, workspace: Workspace, *, fresh: bool = False) -> Summary:
         """Files changed and lines added/removed against the base, cached SUMMARY_S (every watch
         of the sessions list re-reads it each second); listings asking at once compute it once."""
-        key = (workspace.session, workspace.agent)
+        return (await self._read(workspace, fresh=fresh))[0]
+
+    async def diff(self, workspace: Workspace, limit: int = DIFF_BYTES) -> tuple[Summary, str, bool]:
+        """The summary and the unified diff against the base, cut at `limit` bytes (with a marker),
+        read afresh from one staging."""
+        return await self._read(workspace, fresh=True, diff_limit=limit)
+
+    async def _read(self, w: Workspace, *, fresh: bool, diff_limit: int | None = None) -> tuple[Summary, str, bool]:
+        """The summary (cached, or read afresh with the diff when `diff_limit` is set), the diff's
+        text and whether it was cut. An unreadable workspace (a huge file git gave up hashing, a
+        broken repository) is read again only after ERROR_S, fresh or not: one tenant's workspace
+        cannot keep the host's git busy."""
+        key = (w.session, w.agent)
         started = time.monotonic()
-        async with self._locks.setdefault("summary:" + workspace.path, asyncio.Lock()):
+        async with self._locks.setdefault("summary:" + w.path, asyncio.Lock()):
             cached = self._cache.get(key)
-            if cached is not None and cached.summary.workspace == workspace and \
-                    (cached.at >= started or (not fresh and time.monotonic() - cached.at < SUMMARY_S)):
-                return cached.summary
+            if cached is not None and cached.summary.workspace == w and (
+                    cached.at >= started or (diff_limit is None and not fresh
+                                             and time.monotonic() - cached.at < SUMMARY_S)):
+                if diff_limit is None or cached.summary.error:  # what was just read (or a backed-off error)
+                    return cached.summary, "", False
             try:
-                summary = await self._summary(workspace)
+                summary, text, cut = await self._compute(w, diff_limit)
             except (GitError, OSError, ValueError) as exc:
                 log.warning("workspace unreadable", extra={"fields": {
-                    "session": workspace.session, "agent": workspace.agent, "error": str(exc)}})
-                summary = Summary(workspace, (), 0, 0, 0, 0, error=UNREADABLE)
-            # an unreadable workspace (a huge file git gave up hashing, a broken repository) is
-            # tried again only after ERROR_S by listings: one tenant's workspace cannot keep the
-            # host's git busy at every listing
+                    "session": w.session, "agent": w.agent, "error": str(exc)}})
+                summary, text, cut = Summary(w, (), 0, 0, 0, 0, error=UNREADABLE), "", False
             self._cache[key] = _Cached(time.monotonic() + (ERROR_S - SUMMARY_S if summary.error else 0), summary)
             if len(self._cache) > 4096:
                 self._cache.pop(next(iter(self._cache)))
-            return summary
+            return summary, text, cut
 
-    async def _summary(self, w: Workspace) -> Summary:
+    async def _compute(self, w: Workspace, diff_limit: int | None) -> tuple[Summary, str, bool]:
         if not await asyncio.to_thread(is_dir, Path(w.path)):
             raise GitError(f"the workspace {w.path} is gone")
+        against = ("--cached", "--no-renames", "--no-ext-diff", "--no-textconv", w.base)
+        text, cut = "", False
         async with self._staged(w):
-            _, out, _ = await self._shadow_git(w, "diff", "--cached", "--numstat", "-z", "--no-renames",
-                                               "--no-ext-diff", "--no-textconv", w.base)
+            _, out, _ = await self._shadow_git(w, "diff", "--numstat", "-z", *against)
+            if diff_limit is not None:
+                _, raw, cut = await self._shadow_git(w, "diff", *against, limit=diff_limit)
+                text = raw.decode(errors="replace")
+                if cut:
+                    text = text[: text.rfind("\n") + 1] + TRUNCATED.format(limit=diff_limit)  # at a line's end
         changes = _numstat(out)
         commits, _ = await self._commits(w)
-        return Summary(w, tuple(changes[:MAX_FILES]), sum(max(c.added, 0) for c in changes),
-                       sum(max(c.removed, 0) for c in changes), commits, len(changes))
-
-    async def diff(self, workspace: Workspace, limit: int = DIFF_BYTES) -> tuple[Summary, str, bool]:
-        """The summary and the unified diff against the base, cut at `limit` bytes (with a marker)."""
-        summary = await self.summary(workspace, fresh=True)
-        if summary.error:
-            return summary, "", False
-        try:
-            async with self._staged(workspace):
-                _, out, cut = await self._shadow_git(workspace, "diff", "--cached", "--no-renames", "--no-ext-diff",
-                                                     "--no-textconv", workspace.base, limit=limit)
-        except (GitError, OSError) as exc:
-            log.warning("workspace unreadable", extra={"fields": {
-                "session": workspace.session, "agent": workspace.agent, "error": str(exc)}})
-            return Summary(workspace, (), 0, 0, 0, 0, error=UNREADABLE), "", False
-        text = out.decode(errors="replace")
-        if cut:
-            text = text[: text.rfind("\n") + 1] + TRUNCATED.format(limit=limit)  # cut at a line's end
+        summary = Summary(w, tuple(changes[:MAX_FILES]), sum(max(c.added, 0) for c in changes),
+                          sum(max(c.removed, 0) for c in changes), commits, len(changes))
         return summary, text, cut
 
     # ---- getting the work out ----

@@ -20,11 +20,7 @@ from uibus.auth import Grant
 from uibus.calls.context import Rejected
 from uibus.errors import PermissionDenied
 
-# A token minted for a hosted agent (uibus.auth `Grant.minted`) is the agent's, not its session's:
-# default-deny, it may make these calls alone, whichever transport carries them. Everything else —
-# a chat turn with any agent (its own included: gRPC, the neuro-san HTTP API, MCP agent tools, ACP
-# over HTTP, CodeBolt), steering, creating or deleting sessions, publishing as a UI, answering
-# dialogs — is PERMISSION_DENIED, so a sandboxed agent cannot make another agent act for it.
+# What the refusal says an agent's token may do (the methods and tools below, in words).
 AGENT_MAY = ("ask and notify the user (extension-UI dialogs; MCP ask_user, notify_user, set_status), list its "
              "own session (ListSessions, WatchSessions; MCP list_sessions) and stop its own turn (StopTurn; MCP "
              "stop_turn) — never chat with, steer or start an agent, create or delete sessions, or publish as a UI")
@@ -53,11 +49,12 @@ def _denied(grant: Grant, request: Any) -> str | None:
     return "is not a call an agent's token may make"
 
 
+def _only_its_own(grant: Grant, agent: object) -> str | None:
+    return None if agent == grant.agent else f"may stop its own turn ({grant.agent}) only, not {str(agent)[:64]!r}'s"
+
+
 def _own_turn(grant: Grant, request: Any) -> str | None:
-    agent = getattr(request, "agent", None)
-    if request.__class__ is Rejected or agent == grant.agent:
-        return None
-    return f"may stop its own turn ({grant.agent}) only, not {str(agent)[:64]!r}'s"
+    return None if request.__class__ is Rejected else _only_its_own(grant, getattr(request, "agent", None))
 
 
 def _agent_tool(grant: Grant, request: Any) -> str | None:
@@ -70,9 +67,7 @@ def _agent_tool(grant: Grant, request: Any) -> str | None:
         return None
     if name == "stop_turn":
         args = params.get("arguments")
-        agent = args.get("agent") if isinstance(args, dict) else None
-        return None if agent == grant.agent else \
-            f"may stop its own turn ({grant.agent}) only, not {str(agent)[:64]!r}'s"
+        return _only_its_own(grant, args.get("agent") if isinstance(args, dict) else None)
     return f"of the tool {str(name)[:64]!r}, which is not one an agent's token may call"
 
 
