@@ -40,7 +40,7 @@ from tests.scripted_models import Say, claude_model
 from tests.test_acp_agent import CLAUDE_ACP, claude_agent
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 
 IDLE_S = 0.5  # the idle close used to get a closed process quickly
 

@@ -50,7 +50,7 @@ from uibus.agents import config as agents_config
 from uibus.agents.launcher import Launch, Sandbox
 from uibus.agents.local_launcher import LOCAL
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 
 
 async def spawn_ms(box: Sandbox | None, tmp: Path) -> float:

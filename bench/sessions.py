@@ -14,7 +14,7 @@ import time
 import grpc
 
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 

@@ -8,7 +8,7 @@ It speaks ACP (JSON-RPC 2.0, one message per line) on stdin/stdout and gRPC to a
 remote, through the same channel `uibus chat` uses; logs go to stderr, never stdout. Each ACP
 session is a uibus session (its sessionId is the session name), shared with every other UI of
 it: the page, a phone, another editor, a neuro-san client. Everything but the framing lives in
-uibus.editors, which `/acp` on the HTTP port serves too.
+uibus.edge.editors, which `/acp` on the HTTP port serves too.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import os
 import sys
 from collections.abc import Callable
 
-from uibus import logs
 from uibus.clients.connection import Connection
-from uibus.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
-from uibus.editors.uplink import Uplink
-from uibus.errors import InvalidArgument
-from uibus.jsonrpc import INVALID_REQUEST, RpcError
+from uibus.edge.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
+from uibus.edge.editors.uplink import Uplink
+from uibus.infra import logs
+from uibus.infra.errors import InvalidArgument
+from uibus.infra.jsonrpc import INVALID_REQUEST, RpcError
 
 MAX_LINE = 16 * 1024 * 1024  # one incoming message at most this long; a longer one is refused
 

@@ -122,7 +122,7 @@ def _async_command(fn: Callable[[argparse.Namespace], object]) -> Callable[[argp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from uibus.main import add_parser as add_serve
+    from uibus.app.main import add_parser as add_serve
 
     parser = argparse.ArgumentParser(prog="uibus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

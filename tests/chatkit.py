@@ -14,7 +14,7 @@ import grpc
 
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 
 CANONICAL = "dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService"

@@ -26,13 +26,13 @@ import pytest
 
 from tests.support import NEEDS, http_client, needs
 from uibus.app import App
+from uibus.app.installers import INSTALLERS
+from uibus.app.main import loop_factory
 from uibus.clients.connection import Connection
-from uibus.config import Config
-from uibus.installers import INSTALLERS
-from uibus.main import loop_factory
+from uibus.edge.wiring import Installer
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.wiring import Installer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -89,9 +89,9 @@ async def _served_families() -> dict[str, tuple[str, str, str]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from uibus.app import App
-    from uibus.config import Config
-    from uibus.metrics import Metrics
-    from uibus.redis.bus import ReplicatedBus
+    from uibus.edge.metrics import Metrics
+    from uibus.infra.config import Config
+    from uibus.infra.redis.bus import ReplicatedBus
 
     found: dict[str, tuple[str, str, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,9 +7,9 @@ from typing import Any
 
 from tests.conftest import wait_for
 from tests.support import ext
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
+from uibus.infra import kinds
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 

@@ -17,7 +17,7 @@ from tests.pikit import PI, Model, hosting, pi_agent, scripted_model
 from tests.test_acp_agent import ACP_DIR, fixture_agent
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 

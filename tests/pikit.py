@@ -24,7 +24,7 @@ from tests.chatkit import MAXIMAL, Agent, request, write_agents
 from tests.conftest import REPO, free_port, start_app
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 
 PI_DIR = REPO / "tests" / "pi"
 PI = PI_DIR / "node_modules" / ".bin" / "pi"

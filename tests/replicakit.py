@@ -19,7 +19,7 @@ from tests.redisproc import RedisProcess
 from tests.test_acp_agent import fixture_agent
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 
 LEASE_S = 2.0  # short, so takeovers and fencing are seconds

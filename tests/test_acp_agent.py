@@ -25,10 +25,10 @@ from tests.conftest import REPO, chat_on_page, free_port, require, shots, wait_f
 from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import hosting, turn_of
 from tests.scripted_models import Say, ScriptedModel, claude_model, gemini_model, responses_model
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb

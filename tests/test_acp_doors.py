@@ -1,5 +1,5 @@
 """The ACP doors (`/acp` HTTP POST, `/acp` WebSocket frames, `uibus acp` stdio) behind the same guards
-as `/api/v1/*` and `/mcp` (docs/security/quotas.md): one JSON-RPC reader (uibus.jsonrpc) that takes hostile JSON
+as `/api/v1/*` and `/mcp` (docs/security/quotas.md): one JSON-RPC reader (uibus.infra.jsonrpc) that takes hostile JSON
 through the shared reader and checks `jsonrpc` and `id` before anything waits on the message. Each
 bad message is answered at once with its JSON-RPC error; the connection or process goes on.
 Raw sockets: no SDK client sends these.
@@ -23,7 +23,7 @@ from websockets.asyncio.client import connect
 from tests.conftest import free_port, running
 from tests.support import scrape_by_name
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 
 pytestmark = pytest.mark.timeout(120)
 UIBUS = str(Path(sys.executable).parent / "uibus")

@@ -26,11 +26,11 @@ from tests.ext_ui_helpers import open_uis, read
 from tests.pikit import PI, Model, Reply, hosting, pi_agent, scripted_model, turn_of
 from tests.support import ext, needs
 from tests.test_acp_agent import fixture_agent, fixture_log
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
 from uibus.domain.recent import MAX_RECENT
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc

@@ -37,7 +37,7 @@ from uibus.agents.config import load_agents
 from uibus.agents.launcher import agent_env
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config, InvalidConfig
+from uibus.infra.config import Config, InvalidConfig
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
@@ -506,7 +506,7 @@ async def test_a_sandboxed_claude_code_resumes_from_its_tenant_home_after_a_rest
 
 
 def test_tenants_are_named_by_their_tokens(tmp_path: Path) -> None:
-    from uibus.auth import Tokens
+    from uibus.infra.auth import Tokens
 
     path = tmp_path / "tokens"
     path.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-* shared-*\nadmin *\n")
@@ -544,7 +544,7 @@ def test_a_tenant_home_is_one_directory_named_after_its_tenant(tmp_path: Path) -
 
 
 def test_a_token_line_may_name_its_tenant_and_names_win(tmp_path: Path) -> None:
-    from uibus.auth import Tokens
+    from uibus.infra.auth import Tokens
 
     path = tmp_path / "tokens"
     path.write_text(f"{TOKEN_A} team-a-*\n{TOKEN_B} team-b-*\n")

@@ -22,12 +22,12 @@ import pytest
 
 from tests.chatkit import Agent, request, write_agents
 from tests.conftest import REPO, require, start_app, wait_for
-from uibus import kinds
 from uibus.agents import cgroups, limits
 from uibus.agents.config import load_agents
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config, InvalidConfig
+from uibus.infra import kinds
+from uibus.infra.config import Config, InvalidConfig
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 
 pytestmark = pytest.mark.timeout(90)

@@ -34,7 +34,7 @@ from tests.conftest import free_port, require, require_binary, start_app
 from tests.redisproc import RedisProcess
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config, InvalidConfig
+from uibus.infra.config import Config, InvalidConfig
 
 OPERATOR = "tokOP-network-7c2b"
 SESSION = "s1"

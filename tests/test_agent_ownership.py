@@ -48,12 +48,12 @@ from tests.replicakit import (
 from tests.scripted_models import Say, claude_model
 from tests.support import scrape_by_name
 from tests.test_acp_agent import CLAUDE_ACP, claude_agent, fixture_agent, fixture_log
-from uibus import kinds
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.store import Lease, Store
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.store import Lease, Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]  # the fixtures
 
@@ -82,8 +82,8 @@ async def lease_contract(store: Store) -> None:
 
 
 async def test_the_lease_contract_on_sqlite_and_redis(tmp_path: Path, redis_server: RedisProcess) -> None:
-    from uibus.redis.store import RedisStore
-    from uibus.sqlite_store import SqliteStore
+    from uibus.infra.redis.store import RedisStore
+    from uibus.infra.sqlite_store import SqliteStore
     for store in (SqliteStore(str(tmp_path / "s.db")), RedisStore(redis_server.url)):
         async with store:
             await lease_contract(store)
@@ -91,7 +91,7 @@ async def test_the_lease_contract_on_sqlite_and_redis(tmp_path: Path, redis_serv
 
 async def test_the_lease_contract_on_a_redis_cluster(redis_cluster_clean: RedisClusterProcess) -> None:
     """One script on one key in the session's slot: the same on a cluster (no CROSSSLOT)."""
-    from uibus.redis.store import RedisStore
+    from uibus.infra.redis.store import RedisStore
     async with RedisStore(redis_cluster_clean.url, cluster=True) as store:
         await lease_contract(store)
 

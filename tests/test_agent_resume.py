@@ -30,8 +30,8 @@ from tests.scripted_models import Say, claude_model, responses_model
 from tests.support import scrape_by_name
 from tests.test_acp_agent import ACP_DIR, CLAUDE_ACP, CODEX, claude_agent, codex_agent, fixture_agent, fixture_log
 from uibus.clients.connection import Connection
-from uibus.config import Config
 from uibus.domain.agent_handles import HANDLE
+from uibus.infra.config import Config
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import webview_pb2, webview_pb2_grpc
 

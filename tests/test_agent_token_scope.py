@@ -1,7 +1,7 @@
 """The token uibus mints for a hosted agent's /mcp is the agent's, not its session's (docs/hosting/isolation.md):
 it may ask and notify the user, list its own session and stop its own turn; it may never chat with,
 steer or start an agent (its own included), create or delete sessions, or publish as a UI — on
-every transport, since the one handler pipeline decides (uibus.calls.scope).
+every transport, since the one handler pipeline decides (uibus.edge.calls.scope).
 
 Real servers over real connections. Most tests mint the token through the app's own registry (as
 a hosted ACP agent's session does); the last hosts a real ACP agent (tests/scripts/acp_shell.py,
@@ -29,7 +29,7 @@ from tests.conftest import free_port, require_binary, start_app
 from tests.test_policy_matrix import ATTEMPTS, TRANSPORTS
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc, sessions_pb2, sessions_pb2_grpc

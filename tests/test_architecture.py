@@ -11,18 +11,18 @@ import ast
 from pathlib import Path
 
 from tests.conftest import REPO
-from uibus import kinds
 from uibus.domain.feed import UI_STREAMS
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2, ui_pb2
 
 # Where each source folder is installed (see setup.py).
 ROOTS = {"uibus": REPO / "server", "uibus.clients": REPO / "clients"}
-# Layers, lowest first: a module may import its own layer and the ones below it, never above.
+# The layers are folders, lowest first: a module may import its own layer and the ones below it, never
+# above. A module is placed by the folder it is in; one the table cannot place fails the test (nothing
+# falls into a layer by default, and no module lies loose beside the folders).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("uibus", "uibus.errors", "uibus.config", "uibus.logs", "uibus.kinds", "uibus.bus", "uibus.redis",
-              "uibus.store", "uibus.sqlite_store",
-              "uibus.session", "uibus.webview", "uibus.pb", "uibus.worker_table", "uibus.proto_schema",
-              "uibus.tasks", "uibus.dialog_limits", "uibus.telemetry")),
+    # Stores, the bus and Redis, configuration, telemetry, the JSON-RPC peer: no domain meaning.
+    ("infra", ("uibus.infra",)),
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain
     # that drives them (the domain imports the agents' interface, not the other way round).
     ("agents", ("uibus.agents",)),
@@ -31,15 +31,19 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # (what it runs for other replicas, the domain objects hand it as they are built).
     ("replicas", ("uibus.replicas",)),
     ("domain", ("uibus.domain",)),
-    ("services", ("uibus.services", "uibus.codebolt", "uibus.mcp", "uibus.pipeline", "uibus.calls", "uibus.metrics",
-                  "uibus.reflection", "uibus.wiring")),
-    # uibus served to editors over ACP: a client of the public services through a channel (a grpc
-    # one for `uibus acp`, the in-process one for `/acp`), never their code.
-    ("editors", ("uibus.editors",)),
-    ("transports", ("uibus.transports",)),
-    ("app", ("uibus.app", "uibus.installers", "uibus.main", "uibus.workers")),
-    ("clients", ("uibus.clients", "uibus.__main__")),  # the `uibus` command: `serve` runs the app
+    # The edge: how the world reaches the domain. Policy and protocols first, then the editors' ACP
+    # (a client of the public services through a channel, never their code), then the framings.
+    ("edge: services", ("uibus.edge.calls", "uibus.edge.pipeline", "uibus.infra.proto_check", "uibus.edge.metrics",
+                        "uibus.edge.reflection", "uibus.edge.wiring", "uibus.edge.services", "uibus.edge.codebolt",
+                        "uibus.edge.mcp")),
+    ("edge: editors", ("uibus.edge.editors",)),
+    ("edge: transports", ("uibus.edge.transports",)),
+    ("app", ("uibus.app",)),  # App: every part set up and torn down in order; `serve` runs it
+    ("clients", ("uibus.clients", "uibus.__main__")),  # the `uibus` command
 ]
+# The package itself holds only its version (read by every layer); the folders' own __init__ modules
+# belong to no layer of their own and import nothing.
+ROOT_MODULES = {"uibus", "uibus.infra", "uibus.edge"}
 
 
 def modules() -> dict[str, Path]:
@@ -71,21 +75,36 @@ def imports(path: Path, known: set[str]) -> set[str]:
 
 
 def layer_of(module: str) -> int:
-    best = (-1, -1)
+    """The layer of the folder a module is in (the root modules: below every layer)."""
+    if module in ROOT_MODULES:
+        return -1
     for i, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best[1]:
-                best = (i, len(prefix))
-    assert best[0] >= 0, f"{module} is in no layer: add it to LAYERS"
-    return best[0]
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer's folder: move it into one (or add its folder to LAYERS)")
 
 
 GRAPH = {m: imports(p, set(modules())) for m, p in modules().items()}
 
 
 def test_the_graph_is_read() -> None:
-    assert "uibus.app" in GRAPH and "uibus.domain.feed" in GRAPH["uibus.services.ui"]
+    assert "uibus.app" in GRAPH and "uibus.domain.feed" in GRAPH["uibus.edge.services.ui"]
     assert "uibus.clients.cli" in GRAPH and len(GRAPH) > 50
+
+
+def test_every_module_is_placed_by_its_folder() -> None:
+    """No module lies loose beside the folders, and every folder is some layer's."""
+    loose = sorted(p.name for p in (REPO / "server").glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
+    assert loose == []
+    unplaced = []
+    for module in GRAPH:
+        try:
+            layer_of(module)
+        except AssertionError as exc:
+            unplaced.append(str(exc))
+    assert unplaced == []
+    for root in ROOT_MODULES - {"uibus"}:
+        assert GRAPH[root] == set(), f"{root} is a folder's marker: it imports nothing"
 
 
 def test_dependencies_point_one_way() -> None:
@@ -144,7 +163,7 @@ def test_the_domain_asks_its_placement_not_whether_it_is_replicated() -> None:
 def test_services_call_each_other_by_no_path() -> None:
     """No service or gateway reaches another through a method path string or a registry lookup."""
     for module, path in modules().items():
-        if module.startswith(("uibus.services", "uibus.codebolt", "uibus.domain")):
+        if module.startswith(("uibus.edge.services", "uibus.edge.codebolt", "uibus.domain")):
             source = path.read_text()
             assert ".lookup(" not in source, module
             for service in ("/cline.UiService/", "/uibus.v1.", "/dev.cognizant_ai."):
@@ -170,8 +189,8 @@ def test_bus_kinds_are_records_in_one_module() -> None:
     assert len(names) == len(set(names))
     assert {v for v in vars(kinds).values() if isinstance(v, kinds.Kind)} == set(kinds.ALL)
     for module, path in modules().items():
-        if module != "uibus.kinds":
-            assert "Kind(" not in path.read_text(), f"{module} defines a bus kind: they live in uibus.kinds"
+        if module != "uibus.infra.kinds":
+            assert "Kind(" not in path.read_text(), f"{module} defines a bus kind: they live in uibus.infra.kinds"
 
 
 

@@ -17,7 +17,7 @@ from tests.pikit import Model, Reply, turn_of
 from tests.test_acp_agent import fixture_log
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.neuro_san.api.grpc import mime_data_pb2
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.node]

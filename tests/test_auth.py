@@ -20,9 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.conftest import REPO, ServerProcess, start_app
 from uibus.app import App
-from uibus.auth import Tokens, parse_tokens_file
-from uibus.config import Config
-from uibus.errors import ConfigError
+from uibus.infra.auth import Tokens, parse_tokens_file
+from uibus.infra.config import Config
+from uibus.infra.errors import ConfigError
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import concierge_pb2, concierge_pb2_grpc
 from uibus.pb.uibus.v1 import host_pb2, host_pb2_grpc

@@ -15,13 +15,13 @@ import grpc
 from tests.conftest import free_port, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.support import scrape_by_name
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.redis import ReplicatedBus, shard_of
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis import ReplicatedBus, shard_of
 
 __all__ = ["redis_server"]
 

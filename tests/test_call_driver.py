@@ -1,4 +1,4 @@
-"""The one call driver (uibus.calls.drive) as every transport shows it, and answers on the HTTP port
+"""The one call driver (uibus.edge.calls.drive) as every transport shows it, and answers on the HTTP port
 that survive the connection's close.
 
 * Unknown paths answer every time: a request answered before its body was read used to lose its
@@ -33,10 +33,10 @@ from websockets.asyncio.client import connect as ws_connect
 from tests.conftest import start_app, wait_for
 from tests.webclient import call, frame
 from uibus.app import App
-from uibus.installers import CODEBOLT, INSTALLERS
+from uibus.app.installers import CODEBOLT, INSTALLERS
+from uibus.edge.wiring import Installer, Setup
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2
-from uibus.wiring import Installer, Setup
 
 PROBE = "/probe.AgentService/"
 UI = "/cline.UiService/"

@@ -12,10 +12,10 @@ import pytest
 
 from tests.chatkit import AI, FRAMEWORK, MAXIMAL, Agent, answer, chat, local, request, running, write_agents
 from tests.conftest import wait_for
-from uibus import kinds
-from uibus.calls import CallContext
 from uibus.clients.connection import Connection
 from uibus.domain.history import CONTEXT_PREFIX
+from uibus.edge.calls import CallContext
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 

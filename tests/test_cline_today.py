@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import REPO, free_port, require, running
 from tests.support import scrape_text
 from tests.test_tracing import PARENT_ID, TRACE_ID, TRACEPARENT, http_receiver, otlp_http  # noqa: F401
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.cline import ui_pb2
 
 pytestmark = pytest.mark.timeout(90)

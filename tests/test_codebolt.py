@@ -21,18 +21,18 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.conftest import REPO, Reader, free_port, next_message, wait_for
 from tests.support import ext
-from uibus import kinds
 from uibus.app import App
+from uibus.app.installers import CODEBOLT
 from uibus.clients.connection import Connection
-from uibus.config import Config
-from uibus.installers import CODEBOLT
-from uibus.kinds import CHAT_MESSAGE
+from uibus.edge.transports.codebolt_ws import PATH
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.kinds import CHAT_MESSAGE
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as xpb
-from uibus.transports.codebolt_ws import PATH
 
 
 @pytest.fixture

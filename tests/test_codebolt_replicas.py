@@ -15,13 +15,13 @@ from websockets.asyncio.client import connect
 from tests.conftest import free_port, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from uibus.app import App
+from uibus.app.installers import CODEBOLT
 from uibus.clients.connection import Connection
-from uibus.config import Config
-from uibus.installers import CODEBOLT
+from uibus.edge.transports.codebolt_ws import PATH
+from uibus.infra.config import Config
+from uibus.infra.redis import ReplicatedBus
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc
-from uibus.redis import ReplicatedBus
-from uibus.transports.codebolt_ws import PATH
 
 __all__ = ["redis_server"]
 

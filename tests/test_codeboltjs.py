@@ -25,10 +25,10 @@ import pytest
 
 from tests.conftest import REPO, Reader, next_message, require, wait_for
 from tests.support import ext
-from uibus import kinds
 from uibus.app import App
-from uibus.codebolt import protocol
-from uibus.installers import CODEBOLT
+from uibus.app.installers import CODEBOLT
+from uibus.edge.codebolt import protocol
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import codebolt_pb2 as cpb
 from uibus.pb.uibus.v1 import codebolt_pb2_grpc

@@ -24,7 +24,7 @@ from tests.conftest import REPO, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.support import ext
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2
 

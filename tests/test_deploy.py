@@ -24,7 +24,7 @@ import yaml
 
 from tests.conftest import free_port, require_binary
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"

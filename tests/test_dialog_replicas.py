@@ -22,12 +22,12 @@ from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, r
 from tests.support import scrape_by_name
 from tests.test_redis_replicas import Replica as BaseReplica
 from tests.test_redis_replicas import two_replicas
-from uibus import kinds
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.redis import RedisStore, ReplicatedBus, shard_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
-from uibus.redis import RedisStore, ReplicatedBus, shard_of
 from uibus.replicas.dialog_sharing import KEY, UNHEARD_GRACE_MS, SharedDialogs
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]

@@ -13,11 +13,11 @@ import pytest
 from tests.conftest import free_port, require, wait_for
 from tests.pikit import hosting, turn_of
 from tests.test_acp_agent import ACP_DIR, fixture_agent
-from uibus import kinds
 from uibus.agents.diffs import MAX_LINES, stats, unified
 from uibus.agents.views import acp_tool, pi_tool
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 
 OLD = "".join(f"line {i}\n" for i in range(1, 301))

@@ -16,7 +16,7 @@ import yaml
 
 from tests import docs_gen
 from tests.conftest import REPO
-from uibus.config import Config
+from uibus.infra.config import Config
 
 DOCS = REPO / "docs"
 

@@ -12,8 +12,8 @@ import pytest
 
 from tests.conftest import REPO, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
-from uibus import kinds
 from uibus.app import App
+from uibus.infra import kinds
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 # The nine request examples of pi's RPC docs ("Extension UI Protocol" in `docs/rpc.md` of the npm package

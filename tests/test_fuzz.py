@@ -60,8 +60,8 @@ from tests import fuzzgen
 from tests.conftest import REPO, ServerProcess, free_port, run_reporter
 from tests.fuzzgen import strict_json
 from tests.webclient import FrameReader, parse_trailers
-from uibus.codebolt import protocol as codebolt
-from uibus.codebolt.gateway import MAX_MESSAGE_BYTES
+from uibus.edge.codebolt import protocol as codebolt
+from uibus.edge.codebolt.gateway import MAX_MESSAGE_BYTES
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import host_pb2_grpc
@@ -384,7 +384,7 @@ _FRAME = st.one_of(
 
 def _sound_json(text: str) -> bool:
     """Whether `text` is JSON uibus may keep: RFC 8259, no lone surrogate, finite numbers (the
-    test's own check, written apart from uibus.json_input)."""
+    test's own check, written apart from uibus.infra.json_input)."""
     def bad(token: str) -> Any:
         raise ValueError(token)
     try:

@@ -26,10 +26,10 @@ from tests.fuzzgen import strict_json
 from tests.webclient import call
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.codebolt.actions import MAX_STATE_BYTES
-from uibus.codebolt.gateway import MAX_MESSAGE_BYTES
+from uibus.edge.codebolt.actions import MAX_STATE_BYTES
+from uibus.edge.codebolt.gateway import MAX_MESSAGE_BYTES
+from uibus.edge.transports.codebolt_ws import PATH as CODEBOLT
 from uibus.pb.neuro_san.api.grpc import agent_pb2, agent_pb2_grpc, chat_pb2
-from uibus.transports.codebolt_ws import PATH as CODEBOLT
 
 SURROGATE = "\ud800"  # json.dumps writes it as the escape \ud800, which RFC 8259's grammar allows
 CHAT = "/dev.cognizant_ai.neuro_san.api.grpc.agent.AgentService/StreamingChat"

@@ -27,7 +27,7 @@ from websockets.asyncio.client import connect as ws_connect
 from tests.conftest import REPO, ServerProcess, free_port, running
 from tests.webclient import call
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2
 
 HEADER_S = 1.0
@@ -304,7 +304,7 @@ def test_a_failed_start_leaves_no_noise_behind(taken_port: int) -> None:
     script = (
         "import asyncio\n"
         "from uibus.app import App\n"
-        "from uibus.config import Config\n"
+        "from uibus.infra.config import Config\n"
         "async def main():\n"
         "    try:\n"
         f"        await App(Config(host='127.0.0.1', port=0, http_port={taken_port}, store=':memory:')).start()\n"

@@ -16,14 +16,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import Reader, free_port, next_message, replace, require_binary, wait_for
-from uibus import kinds
 from uibus.app import App
+from uibus.app.installers import INSTALLERS
 from uibus.clients.connection import Connection
-from uibus.installers import INSTALLERS
+from uibus.edge.wiring import Installer, Setup
+from uibus.infra import kinds
+from uibus.infra.sqlite_store import SqliteStore
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.sqlite_store import SqliteStore
-from uibus.wiring import Installer, Setup
 
 EMPTY_REQ = common_pb2.EmptyRequest()
 

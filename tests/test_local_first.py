@@ -34,7 +34,7 @@ import pytest
 from tests.conftest import REPO, free_port, running, wait_for
 from tests.webclient import call, frame
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext

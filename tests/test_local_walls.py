@@ -28,10 +28,10 @@ import pytest
 
 from tests.conftest import free_port, require, require_binary, start_app
 from tests.redisproc import RedisProcess, _command, redis_server
-from uibus.config import Config, _default_store
-from uibus.peers import OwnUserOnly, _table_owner, diag_owner, owner_of, parse_peer
-from uibus.redis.conn import needs_no_password, without_credentials
-from uibus.sqlite_store import SqliteStore
+from uibus.infra.config import Config, _default_store
+from uibus.infra.peers import OwnUserOnly, _table_owner, diag_owner, owner_of, parse_peer
+from uibus.infra.redis.conn import needs_no_password, without_credentials
+from uibus.infra.sqlite_store import SqliteStore
 
 __all__ = ["redis_server"]  # the fixture
 
@@ -51,7 +51,7 @@ def test_the_probe_drops_every_credential_of_the_url() -> None:
 
 async def test_a_redis_that_needs_no_password_is_warned_about_at_start(
         redis_server: RedisProcess, config: Config, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="uibus.redis")
+    caplog.set_level(logging.WARNING, logger="uibus.infra.redis")
     assert await needs_no_password(redis_server.url) is True
     app = await start_app(replace(config, redis_url=redis_server.url))
     await app.aclose(grace=0.5)
@@ -61,7 +61,7 @@ async def test_a_redis_that_needs_no_password_is_warned_about_at_start(
 
 async def test_a_redis_behind_a_password_is_not_warned_about(
         redis_server: RedisProcess, config: Config, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="uibus.redis")
+    caplog.set_level(logging.WARNING, logger="uibus.infra.redis")
     _command(redis_server.port, "CONFIG", "SET", "requirepass", "s3cret-redis")
     url = f"redis://:s3cret-redis@127.0.0.1:{redis_server.port}/0"
     assert await needs_no_password(url) is False
@@ -243,7 +243,7 @@ async def test_a_new_state_directory_and_store_are_private(tmp_path: Path, monke
 async def test_an_existing_installs_loose_modes_are_fixed_at_start_and_said_once(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
-    caplog.set_level(logging.WARNING, logger="uibus.store")
+    caplog.set_level(logging.WARNING, logger="uibus.infra.store")
     folder = tmp_path / "state" / "uibus"
     folder.mkdir(parents=True)
     path = folder / "uibus.db"

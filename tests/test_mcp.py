@@ -26,11 +26,11 @@ from mcp.shared.exceptions import MCPError
 
 from tests.conftest import REPO, free_port, running, wait_for
 from tests.ext_ui_helpers import ext, open_uis, read
-from uibus import kinds
 from uibus.app import App
-from uibus.config import Config
-from uibus.installers import MCP
-from uibus.mcp import protocol
+from uibus.app.installers import MCP
+from uibus.edge.mcp import protocol
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2_grpc
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 

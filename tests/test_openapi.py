@@ -3,7 +3,7 @@
 The document is only worth serving if what the server really sends matches it: every answer of a
 live server over real HTTP (list, function, connectivity, MINIMAL and MAXIMAL chat streams, error
 bodies) is validated against the schema the document names for that path and status. The
-generator's contract (uibus.proto_schema) is checked both ways: MessageToDict output validates,
+generator's contract (uibus.infra.proto_schema) is checked both ways: MessageToDict output validates,
 and what the schema accepts ParseDict accepts.
 """
 
@@ -38,11 +38,11 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 from tests.conftest import free_port, running
-from uibus import session
-from uibus.config import Config
+from uibus.edge.transports import neurosan_http, openapi, sessions_http
+from uibus.infra import session
+from uibus.infra.config import Config
+from uibus.infra.proto_schema import SchemaBook, standalone
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2, mime_data_pb2
-from uibus.proto_schema import SchemaBook, standalone
-from uibus.transports import neurosan_http, openapi, sessions_http
 
 AGENT = "hello_world"  # the built-in local agent
 DOC_URI = "urn:uibus:openapi"

@@ -28,11 +28,11 @@ from tests.ext_ui_helpers import ext, open_uis, read
 from tests.pikit import PI, Model, Reply, agent_pids, hosting, pi_agent, scripted_model, turn_of
 from tests.redisproc import RedisProcess, redis_server
 from tests.support import needs
-from uibus import kinds
 from uibus.agents.turns import StdioSession
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
@@ -644,8 +644,8 @@ async def test_a_pi_dialog_is_answered_at_a_ui_on_another_replica(model: Model, 
 def test_an_agents_oversized_dialog_is_shown_cut_not_refused() -> None:
     """A refused dialog would block the agent's tool until it gives up, so what it asks is fitted
     into the dialogs' limits: cut (and marked), a timeout beyond a day left to the agent."""
-    from uibus import dialog_limits as checks
     from uibus.agents.rpc import RpcSession
+    from uibus.infra import dialog_limits as checks
 
     select = RpcSession.dialog_request("select", {"title": "rm -rf " + "x" * 5000, "options": ["o"] * 1200,
                                                   "timeout": 10**12})

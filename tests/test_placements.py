@@ -23,7 +23,7 @@ from tests.test_acp_agent import fixture_agent
 from tests.test_steering_replicas import api, listed_until
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb

@@ -32,9 +32,9 @@ from tests.redisproc import RedisProcess, redis_server
 from tests.support import scrape_text
 from tests.webclient import call
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
+from uibus.infra.sqlite_store import SqliteStore
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.sqlite_store import SqliteStore
 
 __all__ = ["redis_server"]
 
@@ -229,7 +229,7 @@ async def test_undecodable_input_is_invalid_argument(transport: str, matrix_conf
     with caplog.at_level(logging.INFO, logger="uibus"):
         outcome = await ATTEMPTS[transport](app, "s1", {}, True)
     await check(app, transport, outcome, "INVALID_ARGUMENT")
-    lines = [r for r in caplog.records if r.name == "uibus.calls"]
+    lines = [r for r in caplog.records if r.name == "uibus.edge.calls"]
     assert len(lines) == 1 and lines[0].getMessage() == "request refused" and lines[0].exc_info is None, lines
     # Nothing was lost: the same client's next good call works.
     assert (await ATTEMPTS[transport](app, "s1", {}, False)).code == "OK"
@@ -288,7 +288,7 @@ async def test_unexpected_exception_is_internal(transport: str, matrix_config: C
         outcome = await ATTEMPTS[transport](app, "faulty", {}, False)
     await check(app, transport, outcome, "INTERNAL")
     assert "the disk is on fire" not in outcome.message  # no internals to the client …
-    failed = [r for r in caplog.records if r.name == "uibus.calls"]
+    failed = [r for r in caplog.records if r.name == "uibus.edge.calls"]
     assert len(failed) == 1 and failed[0].getMessage() == "handler failed" and failed[0].exc_info  # … one log line
     # Every other session (and client) keeps working.
     assert (await ATTEMPTS[transport](app, "healthy", {}, False)).code == "OK"

@@ -24,17 +24,17 @@ from tests.support import scrape
 from tests.test_acp_agent import ACP_DIR, fixture_agent
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
-from uibus.jsonrpc import QUOTA_EXCEEDED
+from uibus.infra.config import Config
+from uibus.infra.jsonrpc import QUOTA_EXCEEDED
+from uibus.infra.quotas import MAX_TENANT_LABELS, OTHER, QuotaExceeded, Quotas
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
-from uibus.quotas import MAX_TENANT_LABELS, OTHER, QuotaExceeded, Quotas
 
 pytestmark = pytest.mark.timeout(90)
 TOKENS = "a-token (team-a) team-a-*\nb-token (team-b) team-b-*\nadmin-token *\n"
-A, B = "team-a", "team-b"  # the tenants the lines name (uibus.auth's Grant.tenant)
+A, B = "team-a", "team-b"  # the tenants the lines name (uibus.infra.auth's Grant.tenant)
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}
 
 

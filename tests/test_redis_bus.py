@@ -15,10 +15,10 @@ import pytest
 from tests.conftest import wait_for
 from tests.redisproc import RedisProcess
 from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
-from uibus.bus import Subscription
-from uibus.kinds import Kind
+from uibus.infra.bus import Subscription
+from uibus.infra.kinds import Kind
+from uibus.infra.redis import ReplicatedBus
 from uibus.pb.cline import common_pb2, ui_pb2
-from uibus.redis import ReplicatedBus
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 

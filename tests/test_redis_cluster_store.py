@@ -22,8 +22,8 @@ from tests.redisproc import (
     redis_cluster_clean,
     redis_sentinel,
 )
-from uibus.redis import INDEX_SHARDS, RedisStore
-from uibus.store import StoreUnavailable
+from uibus.infra.redis import INDEX_SHARDS, RedisStore
+from uibus.infra.store import StoreUnavailable
 
 __all__ = ["fresh_redis_cluster", "redis_cluster", "redis_cluster_clean", "redis_sentinel"]
 

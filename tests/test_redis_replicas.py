@@ -17,13 +17,13 @@ import pytest
 from tests.conftest import free_port, next_message, start_app, wait_for
 from tests.redisproc import RedisProcess
 from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.redis import ReplicatedBus
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis import ReplicatedBus
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server", "redis_target"]
 
@@ -90,7 +90,7 @@ async def single_replicas(redis_server: RedisProcess, tmp_path: Path) -> AsyncIt
 
 async def test_uses_redis_for_store_and_bus(replicas: tuple[Replica, Replica]) -> None:
     a, b = replicas
-    from uibus.redis import RedisStore
+    from uibus.infra.redis import RedisStore
 
     assert isinstance(a.app.store, RedisStore) and isinstance(b.app.store, RedisStore)
     assert a.bus.replica_id != b.bus.replica_id

@@ -22,13 +22,13 @@ from tests.redisproc import (
     redis_cluster_clean,
     redis_sentinel,
 )
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
+from uibus.infra.redis import RedisStore, ReplicatedBus, shard_of
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis import RedisStore, ReplicatedBus, shard_of
 
 __all__ = ["fresh_redis_cluster", "redis_cluster", "redis_cluster_clean", "redis_sentinel"]
 

@@ -1,4 +1,4 @@
-"""The parts of uibus.redis that need no Redis, each alone: the outbox (its bounds, its drops, a
+"""The parts of uibus.infra.redis that need no Redis, each alone: the outbox (its bounds, its drops, a
 failed batch back at the front), the envelope codec (round trips, and every malformed or hostile
 envelope refused as one BadEnvelope), the shards' reference counting and timers, presence's
 counts, and the bus facade's receive path and stop (which must end with Redis unreachable).
@@ -13,12 +13,12 @@ import time
 import pytest
 
 from tests.conftest import free_port, wait_for
-from uibus.kinds import Kind
+from uibus.infra.kinds import Kind
+from uibus.infra.redis import ReplicatedBus, codec
+from uibus.infra.redis.outbox import Outbox, Outgoing, ReplicationStats
+from uibus.infra.redis.presence import Presence
+from uibus.infra.redis.shards import Shards, shard_of
 from uibus.pb.cline import ui_pb2
-from uibus.redis import ReplicatedBus, codec
-from uibus.redis.outbox import Outbox, Outgoing, ReplicationStats
-from uibus.redis.presence import Presence
-from uibus.redis.shards import Shards, shard_of
 
 K = Kind("k", object)
 
@@ -280,11 +280,11 @@ async def test_presence_counts_expire_and_announcements_carry_their_hash_writes(
     assert value.startswith("2 ")
 
 
-# ---- a cancel lost inside a store operation is raised after it (uibus.redis.store.keeps_cancel) ----
+# ---- a cancel lost inside a store operation is raised after it (uibus.infra.redis.store.keeps_cancel) ----
 
 
 async def test_a_cancel_swallowed_inside_a_store_operation_still_reaches_its_caller() -> None:
-    from uibus.redis.store import keeps_cancel
+    from uibus.infra.redis.store import keeps_cancel
 
     entered = asyncio.Event()
     after: list[str] = []

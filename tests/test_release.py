@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import REPO
 from uibus import version
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 FALLBACK = PYPROJECT["tool"]["setuptools_scm"]["fallback_version"]

@@ -37,7 +37,7 @@ from tests.support import ext, needs
 from tests.test_acp_serve import CWD, EditorProc, editor
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2, webview_pb2, webview_pb2_grpc
 

@@ -23,14 +23,14 @@ from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, re
 from tests.support import scrape
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
 from uibus.domain.feed import THEME_KEY
 from uibus.domain.history import HISTORY_KEY
+from uibus.infra.config import Config
+from uibus.infra.redis import EMPTY_TAG
+from uibus.infra.sqlite_store import SqliteStore
+from uibus.infra.store import Store
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.redis import EMPTY_TAG
-from uibus.sqlite_store import SqliteStore
-from uibus.store import Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 
@@ -61,7 +61,7 @@ def redis_backend(request: pytest.FixtureRequest, config: Config) -> Config:
 
 def open_store(cfg: Config, **retention: Any) -> Store:
     if cfg.redis_url:
-        from uibus.redis import RedisStore
+        from uibus.infra.redis import RedisStore
 
         return RedisStore(cfg.redis_url, cluster=cfg.redis_cluster, **retention)
     return SqliteStore(cfg.store, **retention)

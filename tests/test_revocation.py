@@ -19,11 +19,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import start_app, wait_for
-from uibus.codebolt.gateway import REVOKED as CODEBOLT_REVOKED
-from uibus.config import Config
+from uibus.edge.codebolt.gateway import REVOKED as CODEBOLT_REVOKED
+from uibus.edge.transports.acp_ws import REVOKED
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
-from uibus.transports.acp_ws import REVOKED
 
 pytestmark = pytest.mark.timeout(60)
 INIT = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": 1}}

@@ -34,7 +34,7 @@ from uibus.agents.confinement import confinement
 from uibus.agents.workspaces import UNREADABLE, Workspaces, session_key
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config, InvalidConfig
+from uibus.infra.config import Config, InvalidConfig
 from uibus.pb.uibus.v1 import sessions_pb2, sessions_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)

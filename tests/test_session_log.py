@@ -15,12 +15,12 @@ import pytest
 from tests.conftest import Reader, running, start_app, wait_for
 from tests.redisproc import RedisProcess, redis_cluster, redis_cluster_clean, redis_server
 from uibus.clients.connection import Connection
-from uibus.config import Config
 from uibus.domain.session_log import MESSAGE, SessionLog, new_key
+from uibus.infra.config import Config
+from uibus.infra.sqlite_store import SqliteStore
+from uibus.infra.store import LogEntry, LogRetention
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2, webview_pb2, webview_pb2_grpc
-from uibus.sqlite_store import SqliteStore
-from uibus.store import LogEntry, LogRetention
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]  # the fixtures, imported to be used here
 pytestmark = pytest.mark.timeout(120)
@@ -162,7 +162,7 @@ async def _redis_log_semantics(store: Any) -> None:
 
 
 async def test_redis_streams_log(redis_server: RedisProcess) -> None:
-    from uibus.redis import RedisStore
+    from uibus.infra.redis import RedisStore
 
     store = RedisStore(redis_server.url, "logtest")
     try:
@@ -173,7 +173,7 @@ async def test_redis_streams_log(redis_server: RedisProcess) -> None:
 
 async def test_redis_streams_log_on_a_cluster(redis_cluster_clean: Any) -> None:
     """Each session's stream and index share the session's hash slot: no CROSSSLOT anywhere."""
-    from uibus.redis import RedisStore
+    from uibus.infra.redis import RedisStore
 
     store = RedisStore(redis_cluster_clean.url, "logtest", cluster=True)
     try:

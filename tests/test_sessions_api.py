@@ -18,7 +18,7 @@ from mcp.shared.exceptions import MCPError
 from tests.conftest import start_app
 from tests.webclient import call
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb

@@ -23,8 +23,8 @@ from tests.conftest import REPO, require, require_binary, running, subscriber, w
 from tests.redistarget import RedisTarget, redis_cluster, redis_cluster_clean, redis_server, redis_target
 from tests.support import scrape_text
 from tests.webclient import call
-from uibus import kinds
 from uibus.clients.connection import Connection
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2, extension_ui_pb2_grpc, host_pb2, webview_pb2, webview_pb2_grpc

@@ -20,7 +20,7 @@ from tests.pikit import Model, Reply, hosting, turn_of
 from tests.test_acp_agent import fixture_log
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
 

@@ -36,8 +36,8 @@ from tests.replicakit import (
 )
 from tests.test_acp_agent import fixture_agent, fixture_log
 from tests.test_tracing import TRACE_ID, TRACEPARENT, http_receiver, otlp_http
-from uibus import kinds
 from uibus.clients.connection import Connection
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc

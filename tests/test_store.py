@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.redisproc import RedisClusterProcess, RedisProcess, redis_cluster, redis_cluster_clean, redis_server
-from uibus.sqlite_store import SqliteStore
-from uibus.store import Store
+from uibus.infra.sqlite_store import SqliteStore
+from uibus.infra.store import Store
 
 __all__ = ["redis_cluster", "redis_cluster_clean", "redis_server"]
 
@@ -25,7 +25,7 @@ def opener(request: pytest.FixtureRequest, tmp_path: Path) -> Opener:
     if request.param == "sqlite":
         path = str(tmp_path / "store.db")
         return lambda: SqliteStore(path)
-    from uibus.redis import RedisStore
+    from uibus.infra.redis import RedisStore
 
     if request.param == "redis-cluster":
         cluster: RedisClusterProcess = request.getfixturevalue("redis_cluster_clean")
@@ -167,8 +167,8 @@ async def test_concurrent_appends_lose_nothing(store: Store) -> None:
 async def test_redis_outage_is_store_unavailable_not_a_hang(redis_server: RedisProcess) -> None:
     import asyncio
 
-    from uibus.redis import RedisStore
-    from uibus.store import StoreUnavailable
+    from uibus.infra.redis import RedisStore
+    from uibus.infra.store import StoreUnavailable
 
     store = RedisStore(redis_server.url)
     try:

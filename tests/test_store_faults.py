@@ -29,10 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.conftest import REPO, ServerProcess, free_port, require, require_binary
 from tests.redisproc import RedisProcess
 from uibus.clients.connection import Connection
-from uibus.errors import ConfigError, StoreFull
+from uibus.infra.errors import ConfigError, StoreFull
+from uibus.infra.sqlite_store import SqliteStore
 from uibus.pb.cline import common_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.sqlite_store import SqliteStore
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -186,7 +186,7 @@ async def test_unusable_store_file_fails_the_start_with_one_line(tmp_path: Path,
 async def test_unusable_store_is_a_config_error_in_process(tmp_path: Path) -> None:
     """The same through the API: App.start raises ConfigError("--store", …) and leaves nothing open."""
     from uibus.app import App
-    from uibus.config import Config
+    from uibus.infra.config import Config
 
     garbage = tmp_path / "garbage.db"
     garbage.write_bytes(b"not a database at all" * 1000)
@@ -332,7 +332,7 @@ async def test_redis_out_of_memory_is_store_full_until_it_has_room(tmp_path: Pat
     require_binary("redis-server")
     from redis.asyncio import Redis
 
-    from uibus.redis import RedisStore
+    from uibus.infra.redis import RedisStore
 
     redis = RedisProcess(tmp_path)
     admin = Redis.from_url(redis.url)
@@ -366,8 +366,8 @@ async def test_redis_refusing_writes_is_unavailable_until_it_takes_them(tmp_path
     require_binary("redis-server")
     from redis.asyncio import Redis
 
-    from uibus.errors import StoreUnavailable
-    from uibus.redis import RedisStore
+    from uibus.infra.errors import StoreUnavailable
+    from uibus.infra.redis import RedisStore
 
     redis = RedisProcess(tmp_path)
     admin = Redis.from_url(redis.url)

@@ -27,8 +27,8 @@ from tests.acpkit import need, prompt, seqs_of
 from tests.conftest import REPO, free_port, running, wait_for
 from tests.test_acp_serve import CWD, editor
 from uibus.app import App
-from uibus.config import Config
-from uibus.installers import MCP
+from uibus.app.installers import MCP
+from uibus.infra.config import Config
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = REPO / "tests" / "acp" / "mcp-resume.mjs"
@@ -359,10 +359,10 @@ async def test_acp_session_resume_from_a_cursor_replays_exactly_what_followed_th
 
 
 async def test_replay_logs_are_bounded_per_stream_and_per_group_oldest_first() -> None:
-    """The SSE writer's replay log (uibus.transports.sse): each stream keeps at most its own bound, a
+    """The SSE writer's replay log (uibus.edge.transports.sse): each stream keeps at most its own bound, a
     group of streams (a connection's, /mcp's) at most the group's, the oldest streams' events going
     first; what is resumed past the log is TooOld, and an event taken but not delivered is never lost."""
-    from uibus.transports import sse
+    from uibus.edge.transports import sse
 
     group = sse.Replay(600)
     old, new = sse.Queue(sse.Budget(10_000), "old", 600, group), sse.Queue(sse.Budget(10_000), "new", 600, group)

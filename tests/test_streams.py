@@ -9,9 +9,9 @@ import time
 import grpc
 
 from tests.conftest import Reader, next_message, replace, subscriber, wait_for
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
+from uibus.infra import kinds
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 
@@ -80,7 +80,7 @@ async def test_subscription_limit_per_session(tmp_path):
 
 
 def _config(tmp_path):
-    from uibus.config import Config
+    from uibus.infra.config import Config
 
     return Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "s.db"))
 

@@ -27,8 +27,8 @@ from websockets.exceptions import InvalidHandshake
 from tests.conftest import free_port, require_binary, running
 from tests.webclient import call
 from uibus.app import App
-from uibus.config import Config
-from uibus.errors import ConfigError
+from uibus.infra.config import Config
+from uibus.infra.errors import ConfigError
 from uibus.pb.cline import common_pb2
 
 

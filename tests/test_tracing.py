@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (uibus.telemetry), checked at real OTLP receivers on loopback.
+"""OpenTelemetry traces (uibus.infra.telemetry), checked at real OTLP receivers on loopback.
 
 The receivers decode the official opentelemetry-proto messages: one speaks OTLP/HTTP (protobuf,
 aiohttp), one OTLP/gRPC (TraceService, grpc.aio). uibus is configured only by the standard
@@ -32,9 +32,9 @@ from tests.ext_ui_helpers import open_uis, read
 from tests.redisproc import redis_server
 from tests.support import ext, scrape_text
 from tests.test_chat_backends import serve
-from uibus import telemetry
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import telemetry
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 pytestmark = pytest.mark.timeout(90)
@@ -414,7 +414,7 @@ async def test_the_codebolt_websocket_upgrade_carries_the_trace(config: Config, 
     every frame it sends are SERVER spans in that trace (transport websocket)."""
     from websockets.asyncio.client import connect as ws_connect
 
-    from uibus.transports.codebolt_ws import PATH
+    from uibus.edge.transports.codebolt_ws import PATH
 
     async with http_receiver() as (endpoint, got):
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
@@ -441,7 +441,7 @@ async def test_a_model_backend_request_continues_the_trace_and_logs_name_it(
 
     from tests.chatkit import MAXIMAL, Agent, request, write_agents
     from tests.test_chat_backends import openai_agent, sse_handler
-    from uibus.logs import JsonFormatter
+    from uibus.infra.logs import JsonFormatter
 
     class Lines(logging.Handler):  # formats as it is written, as the server's stderr handler does
         def __init__(self) -> None:
@@ -586,7 +586,7 @@ async def test_a_traced_page_of_an_allowed_origin_may_send_trace_headers(config:
 
 async def test_settings_that_cannot_work_stop_the_start_with_a_clear_error(config: Config,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from uibus.errors import ConfigError
+    from uibus.infra.errors import ConfigError
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon")
@@ -610,7 +610,7 @@ async def test_each_worker_is_its_own_service_instance(spawn: Any, redis_server:
                        "--http-port", str(free_port()), env={
                            "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
                            "OTEL_BSP_SCHEDULE_DELAY": "50", "POD_NAME": "uibus-7f9c"})
-        line = '"uibus.workers", "msg": "serving"'
+        line = '"uibus.app.workers", "msg": "serving"'
         await wait_for(lambda: line in server.log.read_text() or server.proc.poll() is not None, 15,
                        "the parent's line")
         server.target = parent_line(server, "serving")["grpc"]

@@ -20,7 +20,7 @@ from tests.pikit import hosting
 from tests.test_acp_agent import ACP_DIR, fixture_agent, fixture_log
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra.config import Config
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
 from uibus.pb.uibus.v1 import sessions_pb2 as pb

@@ -24,11 +24,11 @@ import pytest
 from tests.conftest import free_port, wait_for
 from tests.webclient import call, call_stream, frame
 from uibus.app import App
-from uibus.config import Config
-from uibus.installers import INSTALLERS
+from uibus.app.installers import INSTALLERS
+from uibus.edge.wiring import Installer, Setup
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.wiring import Installer, Setup
 
 UI = "/cline.UiService/"
 EDGE = "/test.Edge/"

@@ -12,10 +12,10 @@ import pytest
 from tests.conftest import wait_for
 from tests.support import scrape
 from tests.webclient import call_stream
-from uibus import kinds
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config
+from uibus.infra import kinds
+from uibus.infra.config import Config
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 

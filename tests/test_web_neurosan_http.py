@@ -13,7 +13,7 @@ import httpx
 
 from tests.conftest import free_port
 from uibus.app import App
-from uibus.config import Config
+from uibus.infra.config import Config
 
 AGENT = "hello_world"  # the built-in local agent
 

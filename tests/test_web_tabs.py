@@ -16,10 +16,10 @@ import grpc
 from tests.conftest import shots, wait_for
 from uibus.app import App
 from uibus.clients.connection import Connection
+from uibus.infra.quotas import ANONYMOUS
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
-from uibus.quotas import ANONYMOUS
 
 PHONE_UA = ("Mozilla/5.0 (Linux; Android 14; Pixel 8) AppleWebKit/537.36 (KHTML, like Gecko) "
             "Chrome/120.0.0.0 Mobile Safari/537.36")

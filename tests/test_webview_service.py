@@ -13,9 +13,9 @@ from tests.conftest import wait_for
 from tests.redisproc import RedisProcess, redis_server
 from tests.test_sessions_api import auth, tenants
 from uibus.app import App
-from uibus.bus import LIVE
 from uibus.clients.connection import Connection
 from uibus.domain.feed import UI_STREAMS
+from uibus.infra.bus import LIVE
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc as ext_grpc
@@ -224,7 +224,7 @@ async def test_a_webview_on_another_replica_starts_with_the_recent_messages(redi
     """With Redis, the recent messages are in the shared store: a webview subscribing on replica B
     starts with what was published on replica A, then gets A's live messages once."""
     from tests.conftest import start_app
-    from uibus.config import Config
+    from uibus.infra.config import Config
 
     apps = [await start_app(Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / f"{name}.db"),
                                    redis_url=redis_server.url, grace_seconds=1.0)) for name in ("a", "b")]

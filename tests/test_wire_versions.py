@@ -19,11 +19,11 @@ import pytest
 from tests.conftest import REPO, wait_for
 from tests.redisproc import RedisProcess
 from tests.redistarget import redis_server
-from uibus.kinds import Kind
+from uibus.infra.kinds import Kind
+from uibus.infra.redis import ReplicatedBus, codec
+from uibus.infra.redis.presence import Presence
+from uibus.infra.redis.shards import Shards
 from uibus.pb.cline import ui_pb2
-from uibus.redis import ReplicatedBus, codec
-from uibus.redis.presence import Presence
-from uibus.redis.shards import Shards
 
 __all__ = ["redis_server"]
 PREVIOUS = "477ee00"  # uibus 0.1.0, the previous release (CHANGELOG.md)

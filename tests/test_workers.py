@@ -28,10 +28,10 @@ from tests.conftest import Config, ServerProcess, free_port, replace, start_app,
 from tests.redisproc import RedisProcess, redis_server
 from tests.webclient import call, call_stream
 from uibus.app import App
+from uibus.infra.worker_table import DOWN, READY, STARTING, Worker, WorkerTable
 from uibus.pb.cline import common_pb2, ui_pb2, ui_pb2_grpc
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import host_pb2_grpc
-from uibus.worker_table import DOWN, READY, STARTING, Worker, WorkerTable
 
 __all__ = ["redis_server"]
 
@@ -58,7 +58,7 @@ def parent_line(server: ServerProcess, msg: str) -> dict[str, Any]:
     for line in server.log.read_text().splitlines():
         if line.startswith("{"):
             entry = json.loads(line)
-            if entry.get("msg") == msg and entry.get("logger") == "uibus.workers":
+            if entry.get("msg") == msg and entry.get("logger") == "uibus.app.workers":
                 return entry  # type: ignore[no-any-return]
     raise AssertionError(f"no parent {msg!r} line in: {server.log.read_text()}")
 
@@ -68,7 +68,7 @@ async def started(spawn: Any, redis: RedisProcess) -> tuple[ServerProcess, list[
     gRPC port is the one the parent's "serving" line names (logged once every worker serves)."""
     server: ServerProcess = spawn("--workers", "2", "--redis-url", redis.url, "--grace-seconds", "1",
                                   "--port", "0", "--http-port", str(free_port()))
-    line = '"uibus.workers", "msg": "serving"'
+    line = '"uibus.app.workers", "msg": "serving"'
     await wait_for(lambda: line in server.log.read_text() or server.proc.poll() is not None, 10, "the parent's line")
     serving = parent_line(server, "serving")
     server.target = serving["grpc"]

@@ -30,7 +30,7 @@ from uibus.agents.config import load_agents
 from uibus.agents.workspaces import TRUNCATED, Workspaces, session_key
 from uibus.app import App
 from uibus.clients.connection import Connection
-from uibus.config import Config, InvalidConfig
+from uibus.infra.config import Config, InvalidConfig
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc

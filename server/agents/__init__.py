@@ -104,7 +104,7 @@ class SessionUi(Protocol):
     session's webview streams."""
 
     session: str
-    # Whose session this is (uibus.auth.Tokens.tenant): a sandboxed agent's home is its tenant's.
+    # Whose session this is (uibus.infra.auth.Tokens.tenant): a sandboxed agent's home is its tenant's.
     tenant: str
     # The directory this (session, agent) works in when it has a workspace of its own (option
     # `workspace = "worktree"`: its git worktree, uibus.agents.workspaces); "" for the configured cwd.

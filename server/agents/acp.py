@@ -46,7 +46,6 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Stop, Turn, option
 from uibus.agents.attachments import acp_prompt, image_markdown
 from uibus.agents.diffs import unified
@@ -56,7 +55,8 @@ from uibus.agents.stdio import text as _str
 from uibus.agents.steer import AcpSteering
 from uibus.agents.turns import TurnRun
 from uibus.agents.views import AGENT, TOOL_RESULT, ClineView, acp_tool, message
-from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
+from uibus.infra import dialog_limits as limits
+from uibus.infra.errors import InvalidArgument, ResourceExhausted, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 

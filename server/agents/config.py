@@ -36,7 +36,7 @@ from uibus.agents.gvisor import problem as gvisor_problem
 from uibus.agents.launcher import HOME_FILES, Sandbox, forbidden_name
 from uibus.agents.limits import Limits, parse_limits, settle_limits
 from uibus.agents.workspaces import MODES, WORKTREE, default_workspaces_dir, repository_of
-from uibus.config import InvalidConfig
+from uibus.infra.config import InvalidConfig
 
 log = logging.getLogger("uibus.agents")
 

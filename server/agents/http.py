@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 
 from uibus.agents import AgentError
-from uibus.errors import InvalidArgument
-from uibus.json_input import load_json
-from uibus.telemetry.spans import http_request
+from uibus.infra.errors import InvalidArgument
+from uibus.infra.json_input import load_json
+from uibus.infra.telemetry.spans import http_request
 
 MAX_ERROR_BODY = 2_000
 

@@ -16,7 +16,7 @@ from typing import Any
 from uibus.agents import AgentError, SessionUi
 from uibus.agents.stdio import StdioBackend, text
 from uibus.agents.turns import Event, StdioSession
-from uibus.jsonrpc import METHOD_NOT_FOUND, RpcError, check
+from uibus.infra.jsonrpc import METHOD_NOT_FOUND, RpcError, check
 
 
 class JsonRpcSession(StdioSession):

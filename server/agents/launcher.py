@@ -97,7 +97,7 @@ class Launch:
 
     agent: str
     session: str
-    tenant: str  # whose agent this is (uibus.auth.Tokens.tenant): its home, when sandboxed
+    tenant: str  # whose agent this is (uibus.infra.auth.Tokens.tenant): its home, when sandboxed
     argv: tuple[str, ...]  # argv[0] resolved at start-up
     cwd: str | None
     env: dict[str, str] = field(repr=False, default_factory=dict)

@@ -141,8 +141,8 @@ def set_tenant_totals(memory_mb: int, pids: int, explicit: Iterable[str] = ()) -
 def tenant_totals(cfg: Any) -> None:
     """uibus.app at start (with hosted agents): Config's --quota-tenant-memory-mb and
     --quota-tenant-pids, an explicit one (not its default) that cannot be enforced an InvalidConfig."""
-    from uibus.config import InvalidConfig
-    from uibus.quotas import QUOTAS
+    from uibus.infra.config import InvalidConfig
+    from uibus.infra.quotas import QUOTAS
 
     values = {n: getattr(cfg, f"quota_tenant_{n}") for n in ("memory_mb", "pids")}
     explicit = [n for n, v in values.items() if v != QUOTAS[f"tenant_{n}"].default]

@@ -47,7 +47,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from uibus import dialog_limits as limits
 from uibus.agents import AgentError, Piece, SessionUi, Turn
 from uibus.agents.attachments import pi_images
 from uibus.agents.safe_files import file_beneath
@@ -59,7 +58,8 @@ from uibus.agents.views import AGENT as _AGENT
 from uibus.agents.views import TOOL_RESULT as _TOOL_RESULT
 from uibus.agents.views import ClineView, pi_tool
 from uibus.agents.views import struct as _struct
-from uibus.errors import InvalidArgument, ResourceExhausted, Unavailable
+from uibus.infra import dialog_limits as limits
+from uibus.infra.errors import InvalidArgument, ResourceExhausted, Unavailable
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -192,7 +192,7 @@ class RpcSession(PiSteering, StdioSession):
 
     @staticmethod
     def dialog_request(method: str, m: Event) -> Any:
-        """The dialog for an agent's request, fitted into the dialogs' limits (uibus.dialog_limits)."""
+        """The dialog for an agent's request, fitted into the dialogs' limits (uibus.infra.dialog_limits)."""
         kw: dict[str, Any] = {}
         timeout = limits.fit_timeout_ms(m.get("timeout"))
         if timeout is not None:

@@ -49,10 +49,10 @@ from uibus.agents.limits import Limits
 from uibus.agents.local_launcher import LOCAL
 from uibus.agents.network import loopback_port
 from uibus.agents.workspaces import borrowed_objects
-from uibus.dialog_limits import safe_text as text
-from uibus.errors import ResourceExhausted
-from uibus.tasks import Tasks
-from uibus.telemetry.spans import process_start
+from uibus.infra.dialog_limits import safe_text as text
+from uibus.infra.errors import ResourceExhausted
+from uibus.infra.tasks import Tasks
+from uibus.infra.telemetry.spans import process_start
 
 log = logging.getLogger("uibus.agents.stdio")
 

@@ -20,7 +20,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from uibus.agents import AgentError
-from uibus.errors import FailedPrecondition
+from uibus.infra.errors import FailedPrecondition
 
 STATE_TIMEOUT_S = 10.0  # how long pi may take to answer a command asking for its state
 MAX_ITEMS = 200  # modes, models or commands kept of one agent (a UI shows a picker, not a catalogue)

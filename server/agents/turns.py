@@ -1,7 +1,7 @@
 """The session part every stdio agent protocol shares: one `StdioSession` per agent process, and
 everything around a protocol's messages that is not the protocol.
 
-* `Requests`: our requests in flight to the agent, uibus.jsonrpc's one map of request id -> future
+* `Requests`: our requests in flight to the agent, uibus.infra.jsonrpc's one map of request id -> future
   (as the MCP SDK's `BaseSession` keeps): a reply settles its future, the process's end fails every one.
 * `AgentRequests`: what the agent asks of the user while it works (pi's extension-UI dialogs, ACP's
   permission requests), one owned task each by the agent's request id: a repeated id while the first
@@ -35,10 +35,10 @@ from opentelemetry.context import Context
 
 from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
 from uibus.agents.stdio import AgentProcess, StdioBackend
-from uibus.jsonrpc import Pending
-from uibus.tasks import Tasks
-from uibus.telemetry import adopted
-from uibus.telemetry.spans import tool_spans
+from uibus.infra.jsonrpc import Pending
+from uibus.infra.tasks import Tasks
+from uibus.infra.telemetry import adopted
+from uibus.infra.telemetry.spans import tool_spans
 
 log = logging.getLogger("uibus.agents.stdio")
 
@@ -47,7 +47,7 @@ _TIMED_OUT: Event = {"uibus": "the turn timed out"}  # the deadline's marker in 
 
 
 class Requests(Pending):
-    """Our requests in flight to one agent, by id: the one in-flight map of uibus.jsonrpc (bounded),
+    """Our requests in flight to one agent, by id: the one in-flight map of uibus.infra.jsonrpc (bounded),
     whose failures here are the turn's AgentError (a JSON-RPC agent's and pi's RPC alike)."""
 
     def __init__(self) -> None:

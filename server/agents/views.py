@@ -18,7 +18,7 @@ from google.protobuf import struct_pb2
 
 from uibus.agents import SessionUi
 from uibus.agents.diffs import unified
-from uibus.dialog_limits import safe_text as text
+from uibus.infra.dialog_limits import safe_text as text
 from uibus.pb.neuro_san.api.grpc import chat_pb2
 
 PARTIAL_INTERVAL_S = 0.05  # a growing Cline message is republished at most this often

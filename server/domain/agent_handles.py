@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from uibus.dialog_limits import fit_text
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
+from uibus.infra.dialog_limits import fit_text
+from uibus.infra.store import Store
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
-from uibus.store import Store
 
 log = logging.getLogger("uibus.agents")
 

@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from uibus.auth import OPERATOR, Tokens
-from uibus.errors import ResourceExhausted
-from uibus.quotas import Quotas
+from uibus.infra.auth import OPERATOR, Tokens
+from uibus.infra.errors import ResourceExhausted
+from uibus.infra.quotas import Quotas
 
 QUOTA = "agent_processes"
 

@@ -36,19 +36,19 @@ from dataclasses import dataclass, field
 
 from uibus.agents import AgentError, AgentSession, SessionBackend
 from uibus.agents.workspaces import GitError, Workspaces
-from uibus.auth import OPERATOR, Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.agent_room import MakesRoom
 from uibus.domain.changes import Changes
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
 from uibus.domain.session_bound import SessionBound
-from uibus.errors import Cancelled, Unavailable
+from uibus.infra.auth import OPERATOR, Tokens
+from uibus.infra.errors import Cancelled, Unavailable
+from uibus.infra.quotas import Quotas
+from uibus.infra.store import Store
+from uibus.infra.tasks import Tasks
 from uibus.pb.cline import ui_pb2
-from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement
-from uibus.store import Store
-from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 
@@ -61,7 +61,7 @@ class _Live:
     """One open agent session and its turn bookkeeping."""
 
     agent: AgentSession
-    tenant: str = OPERATOR  # whose it is (uibus.auth.Tokens.tenant): its quota agent_processes
+    tenant: str = OPERATOR  # whose it is (uibus.infra.auth.Tokens.tenant): its quota agent_processes
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one turn at a time
     users: int = 0  # turns running or waiting
     idle_since: float = field(default_factory=time.monotonic)

@@ -36,12 +36,12 @@ from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
-from uibus.errors import InvalidArgument, ResourceExhausted, Unimplemented
+from uibus.infra.errors import InvalidArgument, ResourceExhausted, Unimplemented
+from uibus.infra.proto_check import undefined_enum
+from uibus.infra.telemetry.spans import traced_turn
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
-from uibus.proto_check import undefined_enum
 from uibus.replicas.placement import Placement
-from uibus.telemetry.spans import traced_turn
 
 log = logging.getLogger("uibus.chat")
 
@@ -252,7 +252,7 @@ class Chat:
         forwarded = {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
         return self.placement.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
 
-    @traced_turn  # a span per turn when tracing is on (uibus.telemetry)
+    @traced_turn  # a span per turn when tracing is on (uibus.infra.telemetry)
     async def turn_here(self, session: str, agent: str, request: agent_pb2.ChatRequest,
                         metadata: Mapping[str, str] | None = None, *,
                         keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:

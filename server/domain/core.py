@@ -8,9 +8,6 @@ from pathlib import Path
 
 from uibus.agents.config import AgentTable
 from uibus.agents.workspaces import Workspaces, default_workspaces_dir
-from uibus.auth import Tokens
-from uibus.bus import Bus
-from uibus.config import Config
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.changes import Changes
 from uibus.domain.chat import Chat
@@ -20,10 +17,13 @@ from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.domain.session_log import SessionLog
 from uibus.domain.sessions import Sessions
+from uibus.infra.auth import Tokens
+from uibus.infra.bus import Bus
+from uibus.infra.config import Config
+from uibus.infra.quotas import Quotas
+from uibus.infra.store import LogRetention, Store
 from uibus.pb.cline import ui_pb2
-from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement, placement_for
-from uibus.store import LogRetention, Store
 
 
 @dataclass

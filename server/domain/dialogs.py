@@ -28,9 +28,6 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from uibus import dialog_limits as checks
-from uibus import kinds, telemetry
-from uibus.bus import LIVE, Bus, Live
 from uibus.domain.feed import REPLAY_END
 from uibus.domain.pending_dialogs import (
     ANSWERED,
@@ -44,11 +41,14 @@ from uibus.domain.pending_dialogs import (
     PendingDialogs,
 )
 from uibus.domain.session_log import SessionLog
-from uibus.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from uibus.infra import dialog_limits as checks
+from uibus.infra import kinds, telemetry
+from uibus.infra.bus import LIVE, Bus, Live
+from uibus.infra.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from uibus.infra.store import Store
+from uibus.infra.telemetry import spans
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.replicas.placement import Placement, Verdict
-from uibus.store import Store
-from uibus.telemetry import spans
 
 MAX_STATE_KEYS = 256  # status entries and widgets per session
 # A UI stream must not lose dialog requests to a burst of status updates; 1024 holds every

@@ -22,17 +22,17 @@ from urllib.parse import urlsplit
 
 from google.protobuf.message import DecodeError
 
-from uibus import kinds
-from uibus.bus import LIVE, Bus, Live
 from uibus.domain.clock import TsClock
 from uibus.domain.recent import RecentMessages
 from uibus.domain.session_log import MESSAGE, SessionLog, new_key
-from uibus.errors import FailedPrecondition, InvalidArgument
-from uibus.json_input import load_json
-from uibus.kinds import Kind
+from uibus.infra import kinds
+from uibus.infra.bus import LIVE, Bus, Live
+from uibus.infra.errors import FailedPrecondition, InvalidArgument
+from uibus.infra.json_input import load_json
+from uibus.infra.kinds import Kind
+from uibus.infra.store import Store
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
-from uibus.store import Store
 
 log = logging.getLogger("uibus.feed")
 

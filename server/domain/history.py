@@ -20,10 +20,10 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from uibus import kinds
-from uibus.bus import Bus, Subscription
+from uibus.infra import kinds
+from uibus.infra.bus import Bus, Subscription
+from uibus.infra.store import Store
 from uibus.pb.neuro_san.api.grpc import chat_pb2
-from uibus.store import Store
 
 HISTORY_KEY = "chat/history"
 CONTEXT_PREFIX = "chat/context/"

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from uibus import kinds
-from uibus.bus import Bus
 from uibus.domain.session_log import SessionLog
-from uibus.errors import ResourceExhausted, Unavailable
+from uibus.infra import kinds
+from uibus.infra.bus import Bus
+from uibus.infra.errors import ResourceExhausted, Unavailable
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.replicas.placement import Placement
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from uibus.agents import Dialog
-from uibus.auth import Tokens
 from uibus.domain.agent_handles import Handles
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
+from uibus.infra.auth import Tokens
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 

@@ -33,10 +33,10 @@ from typing import Any
 
 from google.protobuf.message import DecodeError, Message
 
-from uibus.errors import StoreFull, StoreUnavailable
+from uibus.infra.errors import StoreFull, StoreUnavailable
+from uibus.infra.store import NO_KEY, LogEntry, LogRetention, Store
+from uibus.infra.tasks import Tasks
 from uibus.pb.cline import ui_pb2
-from uibus.store import NO_KEY, LogEntry, LogRetention, Store
-from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.log")
 

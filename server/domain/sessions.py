@@ -43,12 +43,12 @@ from uibus.domain.dialogs import TITLE, Dialogs
 from uibus.domain.history import ChatHistory
 from uibus.domain.recent import RecentMessages
 from uibus.domain.steering import Steering, state_of
-from uibus.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from uibus.infra.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from uibus.infra.quotas import Quotas
+from uibus.infra.session import check_session
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
-from uibus.quotas import Quotas
 from uibus.replicas.placement import Placement
-from uibus.session import check_session
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
 TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title

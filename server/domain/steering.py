@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
-from uibus.errors import FailedPrecondition, InvalidArgument, NotFound
+from uibus.infra.errors import FailedPrecondition, InvalidArgument, NotFound
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.replicas.placement import Placement
 

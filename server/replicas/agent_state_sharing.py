@@ -29,10 +29,10 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from uibus import kinds
+from uibus.infra import kinds
+from uibus.infra.store import Store
+from uibus.infra.tasks import Tasks
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
-from uibus.store import Store
-from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 

@@ -24,9 +24,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from uibus.bus import Bus, Subscription
-from uibus.errors import STATUS_NUMBERS, UibusError, error_of
-from uibus.kinds import Kind
+from uibus.infra.bus import Bus, Subscription
+from uibus.infra.errors import STATUS_NUMBERS, UibusError, error_of
+from uibus.infra.kinds import Kind
 
 
 class Exchange:

@@ -33,13 +33,13 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from uibus import kinds, telemetry
-from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.errors import STATUS_NUMBERS, UibusError, error_of
+from uibus.infra import kinds, telemetry
+from uibus.infra.bus import Bus, BusClosed, Subscription, SubscriptionLimit
+from uibus.infra.errors import STATUS_NUMBERS, UibusError, error_of
+from uibus.infra.tasks import Tasks
+from uibus.infra.telemetry import as_caller
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.replicas.asking import Exchange, replier
-from uibus.tasks import Tasks
-from uibus.telemetry import as_caller
 
 WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
 LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed

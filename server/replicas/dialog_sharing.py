@@ -49,11 +49,11 @@ from typing import Any
 
 from google.protobuf.message import DecodeError
 
-from uibus import kinds
-from uibus.bus import Bus
+from uibus.infra import kinds
+from uibus.infra.bus import Bus
+from uibus.infra.store import Store
+from uibus.infra.tasks import Tasks, cancel_and_wait
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.store import Store
-from uibus.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.dialogs")
 

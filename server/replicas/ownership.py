@@ -28,9 +28,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from uibus.errors import Unavailable
-from uibus.store import Store
-from uibus.tasks import Tasks
+from uibus.infra.errors import Unavailable
+from uibus.infra.store import Store
+from uibus.infra.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 

@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any, Protocol
 
-from uibus.bus import Bus
+from uibus.infra.bus import Bus
+from uibus.infra.store import Store
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2
@@ -35,7 +36,6 @@ from uibus.replicas.dialog_forwarding import AnswerForwarding, Verdict
 from uibus.replicas.dialog_sharing import SharedDialogs
 from uibus.replicas.ownership import LEASE_S, HostedAgents
 from uibus.replicas.turn_forwarding import RunHere, SteerHere, TurnForwarding
-from uibus.store import Store
 
 __all__ = ["Answer", "LeasedPlacement", "LocalPlacement", "Placement", "Verdict", "placement_for"]
 

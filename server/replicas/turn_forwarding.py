@@ -41,14 +41,14 @@ from typing import Any
 
 from google.protobuf import wrappers_pb2
 
-from uibus import kinds, telemetry
-from uibus.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.errors import UibusError, Unavailable
+from uibus.infra import kinds, telemetry
+from uibus.infra.bus import Bus, BusClosed, Subscription, SubscriptionLimit
+from uibus.infra.errors import UibusError, Unavailable
+from uibus.infra.store import Store
+from uibus.infra.tasks import Tasks
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.replicas.asking import Exchange, beat, end_of, raise_end, replier
 from uibus.replicas.ownership import LEASE_S, HostedAgents, Interrupted, Ownership, interrupted
-from uibus.store import Store
-from uibus.tasks import Tasks
 
 log = logging.getLogger("uibus.agents")
 

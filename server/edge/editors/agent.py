@@ -1,0 +1,485 @@
+"""`Editor`: one editor's ACP connection to uibus, whatever carries it (stdio lines for `uibus acp`,
+WebSocket frames for `/acp`). The way in hands it each incoming message (`receive`) and gives it a
+`write` for outgoing ones; `Editor` does the rest: the methods, the sessions, the questions.
+
+Sessions are uibus sessions, named by their ACP `sessionId`: `session/new` makes a fresh one,
+`session/load` attaches to one in use (its transcript replayed as `session/update`s before the
+answer), `session/resume` attaches without the replay — or, given a cursor (`_meta`
+`{"uibus/since": <seq>}`, or the v2 draft's `replayFrom: {"type": "start"}`), replays exactly
+what the session log holds after it, then goes live on the same subscription —, `session/close`
+detaches this editor only. Every update that comes from the session log carries its position in
+`_meta` (`uibus/seq`), and the answers to session/load, resume and prompt carry the highest
+one the editor has been shown, so an editor always knows the cursor to resume from.
+A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
+(a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
+them (uibus.infra.jsonrpc, the one JSON-RPC core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from uibus import version
+from uibus.edge.editors import updates
+from uibus.edge.editors.attached import Attached
+from uibus.edge.editors.cursor import GAP_KEY, SEQ_KEY, cursor_of
+from uibus.edge.editors.uplink import Uplink
+from uibus.infra.errors import InvalidArgument
+from uibus.infra.jsonrpc import (
+    AUTH_REQUIRED,
+    CANCEL_REQUEST,
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    REQUEST_CANCELLED,
+    RESOURCE_NOT_FOUND,
+    Outgoing,
+    RpcError,
+    Running,
+    dump,
+    read,
+    valid_id,
+)
+from uibus.infra.session import check_session
+from uibus.infra.tasks import Tasks, caller_cancelled, cancel_and_wait
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
+from uibus.pb.uibus.v1 import sessions_pb2
+
+log = logging.getLogger("uibus.edge.editors")
+
+PROTOCOL_VERSION = 1
+MAX_SESSIONS = 64  # sessions one editor connection may hold at once
+DEFAULT_PREFIX = "acp-"  # of the sessions session/new makes
+LIST_PAGE = 100  # sessions per session/list answer
+MAX_IN_FLIGHT = 64  # requests of one editor running at once (each is a task); more are refused
+PASSED_STOPS = ("end_turn", "max_tokens", "max_turn_requests", "cancelled")  # ACP stop reasons passed on as said
+# What uibus takes with a prompt whatever the hosted agent: text, with embedded resources' text inlined.
+BASELINE = {"image": False, "audio": False, "embeddedContext": True}
+_STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode.PERMISSION_DENIED: AUTH_REQUIRED,
+                 grpc.StatusCode.INVALID_ARGUMENT: INVALID_PARAMS, grpc.StatusCode.NOT_FOUND: RESOURCE_NOT_FOUND,
+                 grpc.StatusCode.UNIMPLEMENTED: RESOURCE_NOT_FOUND,
+                 grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
+
+Write = Callable[[str], Awaitable[None]]
+WriteMessage = Callable[[dict[str, Any], str], Awaitable[None]]
+
+
+def _media(block: dict[str, Any], data: Any, mime: Any, what: str) -> tuple[str, bytes]:
+    if not isinstance(data, str) or not isinstance(mime, str) or "/" not in mime:
+        raise RpcError(INVALID_PARAMS, f"{what} needs its data (base64) and its mimeType")
+    try:
+        return mime, base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RpcError(INVALID_PARAMS, f"{what}'s data is not base64") from None
+
+
+def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_data_pb2.MimeData]]:
+    """A prompt's content blocks as the turn's text and attachments (neuro-san's mime_data, which
+    reach the hosted agent as its protocol has them): text as it is, an embedded resource's text
+    inlined, links as their URI; images and embedded blobs as attachments, refused (-32602) where
+    the hosted agent takes none (`accepts`, what `initialize` advertised)."""
+    if not isinstance(blocks, list) or not blocks:
+        raise RpcError(INVALID_PARAMS, "prompt must be a non-empty array of content blocks")
+    parts: list[str] = []
+    attached: list[mime_data_pb2.MimeData] = []
+    for block in blocks:
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif kind == "image" and isinstance(block, dict):
+            if not accepts.get("image"):
+                raise RpcError(INVALID_PARAMS, "the hosted agent takes no images (promptCapabilities.image is "
+                                               "false): send the prompt without the image")
+            mime, data = _media(block, block.get("data"), block.get("mimeType"), "an image block")
+            attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
+        elif kind == "resource" and isinstance(block.get("resource"), dict):
+            resource = block["resource"]
+            if isinstance(resource.get("text"), str):
+                parts.append(f"\n<resource uri=\"{resource.get('uri', '')}\">\n{resource['text']}\n</resource>\n")
+            elif isinstance(resource.get("blob"), str):
+                if not accepts.get("embeddedContext"):
+                    raise RpcError(INVALID_PARAMS, "the hosted agent takes no attached files (promptCapabilities"
+                                                   ".embeddedContext is false): embed text, or send no blob")
+                mime, data = _media(resource, resource["blob"], resource.get("mimeType"), "an embedded blob")
+                attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
+            else:
+                raise RpcError(INVALID_PARAMS, "an embedded resource must carry its text or a blob")
+        elif kind == "resource_link" and isinstance(block.get("uri"), str):
+            parts.append(block["uri"])
+        else:
+            raise RpcError(INVALID_PARAMS, f"content block of type {str(kind)[:40]!r} is not supported here "
+                                           "(text, image, resource, resource_link)")
+    return "".join(parts), attached
+
+
+def _key(ident: Any) -> tuple[str, Any]:
+    """A request id as a key: 1 and "1" are different ids."""
+    return (type(ident).__name__, ident)
+
+
+def check_prefix(prefix: str) -> str:
+    """A session-name prefix `session/new` can use (InvalidArgument, saying why, if not)."""
+    try:
+        if len(prefix) > 100:
+            raise InvalidArgument("")
+        check_session(prefix + "x")
+    except InvalidArgument:
+        raise InvalidArgument(f"{prefix[:40]!r} cannot start a session name: use at most 100 characters from "
+                              "A-Z a-z 0-9 . _ : @ / + = -") from None
+    return prefix
+
+
+def _iso(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _session_id(params: dict[str, Any]) -> str:
+    name = params.get("sessionId")
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "sessionId (a string) is required")
+    try:
+        return check_session(name)
+    except InvalidArgument as exc:
+        raise RpcError(INVALID_PARAMS, str(exc)) from None
+
+
+def _cwd(params: dict[str, Any]) -> None:
+    """cwd and mcpServers as the schema has them. The hosted agent's own working directory and
+    tools are the server's configuration: an editor's are checked, not used."""
+    if not isinstance(params.get("cwd"), str):
+        raise RpcError(INVALID_PARAMS, "cwd (an absolute path) is required")
+    if not isinstance(params.get("mcpServers", []), list):
+        raise RpcError(INVALID_PARAMS, "mcpServers must be an array")
+
+
+class Editor:
+    """One editor connection; `aclose` detaches every session it holds."""
+
+    def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX,
+                 write_message: WriteMessage | None = None) -> None:
+        """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
+        only sessions matching its patterns (`team-a-*`), so its editors name theirs to match.
+        `write_message`, instead of `write`: given the message with its text, for a way out that
+        routes by the message (ACP over HTTP) without parsing its own output again."""
+        self.uplink = uplink
+        self.prefix = prefix
+        self._write = write
+        self._write_message = write_message
+        self._lock = asyncio.Lock()  # one message at a time on the wire
+        self.outgoing = Outgoing(self.send)
+        self.tasks = Tasks("acp editor")
+        self.sessions: dict[str, Attached] = {}
+        self.client: dict[str, Any] = {}  # the editor's clientCapabilities
+        self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
+        self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
+        self._running = Running()  # the editor's requests being answered, by id ($/cancel_request finds them)
+        self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
+            "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
+            "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
+            "session/prompt": self.prompt, "session/list": self.list, "session/set_mode": self.set_mode}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        async with self._lock:
+            if self._write_message is not None:
+                await self._write_message(message, dump(message))
+            else:
+                await self._write(dump(message))
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        await self.send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def _ask(self, method: str, params: dict[str, Any], sent: Callable[[int], None]) -> Any:
+        return await self.outgoing.request(method, params, sent)
+
+    async def aclose(self) -> None:
+        self.outgoing.close()
+        await self.tasks.aclose(patience=5.0)
+        for attached in list(self.sessions.values()):
+            await attached.detach()
+        self.sessions.clear()
+
+    # ---- incoming ----
+
+    async def receive(self, data: str | bytes) -> None:
+        """One incoming message, through the one JSON-RPC reader (hostile-JSON guard, `jsonrpc`
+        and `id` checked before anything waits on it): a bad message is answered with its error
+        (-32700 / -32600) and changes nothing else."""
+        try:
+            message = read(data)
+        except RpcError as exc:
+            await self.send(exc.answer())
+            return
+        await self.handle(message)
+
+    async def handle(self, message: dict[str, Any]) -> None:
+        """One message `uibus.infra.jsonrpc.read` took. Requests run in tasks of their own."""
+        method = message.get("method")
+        if method is None:  # a response to one of ours (read checked it has its id and a result or error)
+            self.outgoing.answered(message)
+            return
+        ident = message.get("id")
+        params = message.get("params", {})
+        if "id" not in message:
+            self._notification(method, params)
+        elif len(self.tasks) >= MAX_IN_FLIGHT:
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
+            ).body()})
+        else:
+            task = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
+            self._running.add(_key(ident), task)
+
+    def _notification(self, method: str, params: Any) -> None:
+        if not isinstance(params, dict):
+            return
+        if method == "session/cancel":
+            attached = self.sessions.get(params.get("sessionId"))  # type: ignore[arg-type]
+            if attached is not None:
+                attached.cancel()
+        elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
+            requested = params.get("requestId")
+            if valid_id(requested):
+                self._running.cancel(_key(requested))
+
+    async def _request(self, ident: Any, method: str, params: Any) -> None:
+        key = _key(ident)
+        task = asyncio.current_task()
+        try:
+            await self._answer(ident, method, params)
+        except asyncio.CancelledError:
+            if not self._running.withdrawn(key):
+                raise
+            if task is not None:
+                task.uncancel()
+            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
+        finally:
+            self._running.discard(key, task)
+
+    async def _answer(self, ident: Any, method: str, params: Any) -> None:
+        try:
+            handler = self._methods.get(method)
+            if handler is None:
+                raise RpcError(METHOD_NOT_FOUND, f"{method[:80]} is not a method uibus offers")
+            if not isinstance(params, dict):
+                raise RpcError(INVALID_PARAMS, "params must be an object")
+            body: dict[str, Any] = {"jsonrpc": "2.0", "id": ident, "result": await handler(params)}
+        except RpcError as exc:
+            body = {"jsonrpc": "2.0", "id": ident, "error": exc.body()}
+        except grpc.aio.AioRpcError as exc:  # uibus refused a call: the same words the editor's user reads
+            code = _STATUS_CODES.get(exc.code(), INTERNAL_ERROR)
+            body = {"jsonrpc": "2.0", "id": ident, "error": RpcError(
+                code, f"uibus: {exc.code().name}: {exc.details()}").body()}
+        await self.send(body)
+
+    # ---- methods ----
+
+    async def initialize(self, params: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(params.get("protocolVersion"), int):
+            raise RpcError(INVALID_PARAMS, "protocolVersion (an integer) is required")
+        caps = params.get("clientCapabilities")
+        self.client = caps if isinstance(caps, dict) else {}
+        # The hosted agent's own promptCapabilities where uibus knows them (an ACP agent once it has
+        # started, pi always): images and blobs become the turn's attachments. Embedded text is
+        # inlined for any agent; audio is not carried.
+        hosted = await self.uplink.prompt_capabilities()
+        hosted = hosted or {}
+        self.accepts = {**BASELINE, "image": hosted.get("image", False)}
+        self.blobs = hosted.get("embeddedContext", False)
+        return {"protocolVersion": PROTOCOL_VERSION, "authMethods": [],
+                "agentInfo": {"name": "uibus", "title": "uibus", "version": version()},
+                "agentCapabilities": {
+                    "loadSession": True,
+                    "promptCapabilities": {k: self.accepts[k] for k in BASELINE},
+                    "mcpCapabilities": {"http": False, "sse": False},
+                    "sessionCapabilities": {"list": {}, "resume": {}, "close": {}}}}
+
+    async def authenticate(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {}  # no methods are offered: the token is the transport's (--token, the upgrade's header)
+
+    def _elicitation(self) -> bool:
+        elicitation = self.client.get("elicitation")
+        return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
+
+    async def _attach(self, name: str, *, replay: bool, since: int | None = None) -> Attached:
+        """A fresh attachment of `name`, replacing the one this connection held. Each attachment is
+        owned by its own object, not by the name: a load and a resume of one session at once each
+        detach only what they replaced and remove only themselves (a failed one never takes the
+        other's attachment out of `sessions`, where `aclose` would no longer find it)."""
+        while (old := self.sessions.pop(name, None)) is not None:  # another may slip in while we detach
+            await old.detach()
+        if len(self.sessions) >= MAX_SESSIONS:
+            raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
+        attached = Attached(name, self.uplink, self.notify, self._ask, self.outgoing.cancel,
+                            elicitation=self._elicitation())
+        self.sessions[name] = attached
+        try:
+            await attached.attach(replay=replay, since=since)
+        except BaseException:
+            self._forget(attached)
+            await attached.detach()
+            raise
+        return attached
+
+    def _forget(self, attached: Attached) -> None:
+        """Removes `attached` from `sessions` if it is still the one held under its name."""
+        if self.sessions.get(attached.name) is attached:
+            del self.sessions[attached.name]
+
+    async def new(self, params: dict[str, Any]) -> dict[str, Any]:
+        _cwd(params)
+        name = f"{self.prefix}{secrets.token_hex(8)}"
+        await self.uplink.create(name)  # listed at once (session/list, every UI's ListSessions)
+        await self._attach(name, replay=False)
+        return {"sessionId": name}
+
+    async def load(self, params: dict[str, Any]) -> dict[str, Any]:
+        _cwd(params)
+        name = _session_id(params)
+        attached = await self._attach(name, replay=True)
+        if not attached.replayed:
+            self._forget(attached)
+            await attached.detach()
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} has no conversation to load "
+                                               "(session/new starts one, session/resume attaches to any)")
+        return await self._offers(attached)
+
+    async def resume(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Attaches; with a cursor, what the session log holds after it comes first. A cursor below
+        the log's floor (retention dropped what follows it) is never a silent hole: the answer's
+        `_meta` says `uibus/gap: true` and the replay is the session's recent history, whole."""
+        _cwd(params)
+        since = cursor_of(params)
+        attached = await self._attach(_session_id(params), replay=since is not None, since=since)
+        answer = await self._offers(attached)
+        if since is not None and attached.gap:
+            answer.setdefault("_meta", {})[GAP_KEY] = True
+        return answer
+
+    async def _offers(self, attached: Attached) -> dict[str, Any]:
+        """The agent's modes (the answer's `modes`) and commands (an update) where it has run in
+        the session; an agent that never ran there offers nothing yet."""
+        state = await self.uplink.agent_state(attached.name)
+        for update in attached.offered(state):
+            if update["sessionUpdate"] != "current_mode_update":  # the answer's `modes` says it
+                await attached.update(update)
+        offered = updates.modes(state)
+        answer: dict[str, Any] = {"modes": offered} if offered is not None else {}
+        if attached.seq:
+            answer["_meta"] = {SEQ_KEY: attached.seq}
+        return answer
+
+    async def set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The hosted agent's mode (its ACP `session/set_mode`), for every UI of the session."""
+        name = _session_id(params)
+        attached = self.sessions.get(name)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection")
+        mode = params.get("modeId")
+        if not isinstance(mode, str) or not mode:
+            raise RpcError(INVALID_PARAMS, "modeId (a string) is required")
+        agent = self.uplink.agent or (await self.uplink.agent_state(name) or sessions_pb2.AgentState()).agent
+        if not agent:
+            raise RpcError(INVALID_REQUEST, "no agent has run in this session yet: it offers no modes")
+        state = await self.uplink.set_mode(name, agent, mode)
+        now = state.current_mode or mode
+        if attached.now_in_mode(now):
+            await attached.update({"sessionUpdate": "current_mode_update", "currentModeId": now})
+        return {}
+
+    async def close(self, params: dict[str, Any]) -> dict[str, Any]:
+        attached = self.sessions.pop(_session_id(params), None)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, "this connection holds no session of that id")
+        await attached.detach()
+        return {}
+
+    async def list(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The caller's sessions (every session its token may use), most recently active first, a
+        page at a time. uibus keeps no working directory per session: `cwd` is the filter's, or /."""
+        cursor, cwd = params.get("cursor"), params.get("cwd")
+        if cursor is not None and not (isinstance(cursor, str) and cursor.isdigit()):
+            raise RpcError(INVALID_PARAMS, "cursor must be a nextCursor this agent returned")
+        if cwd is not None and not isinstance(cwd, str):
+            raise RpcError(INVALID_PARAMS, "cwd must be an absolute path")
+        start = int(cursor or 0)
+        found = (await self.uplink.sessions()).sessions
+        page = [{"sessionId": s.session, "cwd": cwd or "/", "title": s.title or None,
+                 "updatedAt": _iso(s.last_activity_ms) if s.last_activity_ms else None}
+                for s in found[start:start + LIST_PAGE]]
+        result: dict[str, Any] = {"sessions": page}
+        if start + LIST_PAGE < len(found):
+            result["nextCursor"] = str(start + LIST_PAGE)
+        return result
+
+    async def prompt(self, params: dict[str, Any]) -> dict[str, Any]:
+        name = _session_id(params)
+        attached = self.sessions.get(name)
+        if attached is None:
+            raise RpcError(RESOURCE_NOT_FOUND, f"session {name} is not open on this connection: "
+                                               "session/new, session/load or session/resume it first")
+        text, attached_files = prompt_of(params.get("prompt"), {
+            "image": self.accepts["image"], "embeddedContext": self.blobs})
+        if not text.strip() and not attached_files:
+            raise RpcError(INVALID_PARAMS, "the prompt has no text")
+        request = agent_pb2.ChatRequest(
+            user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text=text, mime_data=attached_files),
+            chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
+        turn = asyncio.ensure_future(self._turn(attached, request))
+        try:
+            attached.begin_turn(turn)
+        except RpcError:
+            turn.cancel()
+            raise
+        try:
+            final, streamed, stop = await asyncio.shield(turn)
+        except asyncio.CancelledError:
+            if caller_cancelled():  # the connection is closing, or the editor withdrew the request
+                attached.forget_turn()
+                await cancel_and_wait(turn)
+                raise
+            await attached.end_turn(None)  # session/cancel (or session/close) cancelled the turn
+            return {"stopReason": "cancelled"}
+        except grpc.aio.AioRpcError as exc:
+            await attached.end_turn(None)
+            if exc.code() == grpc.StatusCode.CANCELLED:  # another UI stopped the turn (SessionService StopTurn)
+                return {"stopReason": "cancelled"}
+            raise
+        except BaseException:
+            await attached.end_turn(None)
+            raise
+        await attached.end_turn(final)
+        # The turn's own messages are streamed from the call, not the feed: the answer says how far
+        # the session log has come with them (the cursor a later session/resume gives).
+        meta = {"_meta": {SEQ_KEY: attached.seq}} if attached.seq else {}
+        if stop == "refusal" or (final is not None and "(stopReason refusal)" in final):  # (the text: an older uibus)
+            return {"stopReason": "refusal", **meta}
+        if final is not None and final.startswith("Error from "):  # the agent failed: the turn's answer says so
+            await attached.update(updates.chunk("agent_message_chunk", f"\n\n{final}" if streamed else final))
+        elif final and not streamed:  # an agent that streams no pieces: its answer at once
+            await attached.update(updates.chunk("agent_message_chunk", final))
+        return {"stopReason": stop if stop in PASSED_STOPS else "end_turn", **meta}
+
+    async def _turn(self, attached: Attached, request: agent_pb2.ChatRequest) -> tuple[str | None, bool, str]:
+        """Streams one turn's updates to the editor; (the final answer, whether reply text streamed,
+        the hosted agent's own stop reason: the final message's `structure.stop_reason`, or "")."""
+        final, streamed, stop = None, False, ""
+        async for response in self.uplink.chat(attached.name, request):
+            if updates.is_final(response):
+                final = response.response.text
+                stop = updates.stop_reason(response)
+                continue
+            for u in updates.turn_updates(response):
+                streamed = streamed or u["sessionUpdate"] == "agent_message_chunk"
+                await attached.update(u)
+        return final, streamed, stop

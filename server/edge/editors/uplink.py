@@ -1,0 +1,141 @@
+"""The editor's way to uibus: the public services, called through a channel, as any UI calls them.
+
+`channel` is anything with grpc.aio's `unary_unary` / `unary_stream`: a grpc.aio channel (`uibus
+acp`, to a local or remote uibus) or the app's in-process channel (`/acp`, whose calls the call
+driver runs through the pipeline). The session is named on every call (`x-uibus-session`), so one
+editor connection can hold several sessions over one channel; the token rides on the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from uibus.infra.session import SESSION_KEY, SINCE_KEY
+from uibus.pb.neuro_san.api.grpc import agent_pb2
+from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
+from uibus.pb.uibus.v1 import sessions_pb2, webview_pb2
+
+CANONICAL_AGENT = agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name
+_EXT = ext_pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
+_SESSIONS = sessions_pb2.DESCRIPTOR.services_by_name["SessionService"].full_name
+_WEBVIEW = webview_pb2.DESCRIPTOR.services_by_name["WebviewService"].full_name
+CONNECTIVITY_S = 3.0  # initialize waits at most this long to learn what the hosted agent takes
+
+
+async def each(call: Any) -> AsyncIterator[Any]:
+    """The messages of a server-streaming call; leaving early cancels the call on either kind of
+    channel (a grpc.aio call is cancelled, an in-process one closed: the handler's `finally` runs)."""
+    try:
+        async for message in call:
+            yield message
+    finally:
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        else:
+            with contextlib.suppress(RuntimeError):  # already closing
+                await call.aclose()
+
+
+def _rpc(channel: Any, path: str, request: type[Message], reply: type[Message], streaming: bool = False) -> Any:
+    """A callable for one method at `path` (unary or server-streaming) on either kind of channel."""
+    make = channel.unary_stream if streaming else channel.unary_unary
+    return make(path, request_serializer=request.SerializeToString, response_deserializer=reply.FromString)
+
+
+class Uplink:
+    def __init__(self, channel: Any, agent: str = "") -> None:
+        self.channel = channel
+        self.agent = agent  # "" = the server's default agent (the canonical AgentService path)
+        service = f"{agent}.AgentService" if agent else CANONICAL_AGENT
+        self._chat = _rpc(channel, f"/{service}/StreamingChat", agent_pb2.ChatRequest, agent_pb2.ChatResponse,
+                          streaming=True)
+        self._connectivity = _rpc(channel, f"/{service}/Connectivity", agent_pb2.ConnectivityRequest,
+                                  agent_pb2.ConnectivityResponse)
+        self._webview = _rpc(channel, f"/{_WEBVIEW}/Subscribe", webview_pb2.WebviewSubscribeRequest,
+                             webview_pb2.WebviewEvent, streaming=True)
+        self._dialogs = _rpc(channel, f"/{_EXT}/Subscribe", ext_pb.SubscribeRequest, ext_pb.ExtensionUiEvent,
+                             streaming=True)
+        self._respond = _rpc(channel, f"/{_EXT}/Respond", ext_pb.RespondRequest, ext_pb.RespondReply)
+        self._set_mode = _rpc(channel, f"/{_SESSIONS}/SetMode", sessions_pb2.SetModeRequest, sessions_pb2.AgentState)
+        self._watch = _rpc(channel, f"/{_SESSIONS}/WatchSessions", sessions_pb2.ListSessionsRequest,
+                           sessions_pb2.SessionList, streaming=True)
+        self._list = _rpc(channel, f"/{_SESSIONS}/ListSessions", sessions_pb2.ListSessionsRequest,
+                          sessions_pb2.SessionList)
+        self._create = _rpc(channel, f"/{_SESSIONS}/CreateSession", sessions_pb2.CreateSessionRequest,
+                            sessions_pb2.SessionEntry)
+
+    @staticmethod
+    def _md(session: str) -> tuple[tuple[str, str], ...]:
+        return ((SESSION_KEY, session),)
+
+    def chat(self, session: str, request: agent_pb2.ChatRequest) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """One turn of the configured agent on `session` (neuro-san's StreamingChat)."""
+        return each(self._chat(request, metadata=self._md(session)))
+
+    async def prompt_capabilities(self) -> dict[str, bool] | None:
+        """What the configured agent takes with a prompt besides text (ACP's promptCapabilities,
+        from Connectivity's metadata); None where uibus does not know (yet) or cannot be reached."""
+        try:
+            reply = await asyncio.wait_for(self._connectivity(agent_pb2.ConnectivityRequest()), CONNECTIVITY_S)
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return None
+        found = json_format.MessageToDict(reply.metadata).get("prompt_capabilities")
+        if not isinstance(found, dict):
+            return None
+        return {k: found.get(k) is True for k in ("image", "audio", "embeddedContext")}
+
+    def feed(self, session: str, client_id: str, since: int | None = None) -> Any:
+        """The session's UI feed as a webview gets it: its recent messages first (`replayed`; with
+        `since`, those that changed after that seq, or a `gap` event and the recent ones when the log
+        no longer reaches back to it), then one `replay_complete` event, then live. The call itself
+        (read it with `each`): a grpc.aio call's headers say it is subscribed."""
+        metadata = self._md(session) if since is None else (*self._md(session), (SINCE_KEY, str(since)))
+        return self._webview(webview_pb2.WebviewSubscribeRequest(client_id=client_id, mark_replay_end=True),
+                             metadata=metadata)
+
+    def dialogs(self, session: str) -> AsyncIterator[ext_pb.ExtensionUiEvent]:
+        """The session's dialogs (those waiting first, `replayed`) and their closings."""
+        return each(self._dialogs(ext_pb.SubscribeRequest(), metadata=self._md(session)))
+
+    async def respond(self, session: str, answer: ext_pb.RespondRequest) -> None:
+        await self._respond(answer, metadata=self._md(session))
+
+    async def sessions(self, prefix: str = "") -> sessions_pb2.SessionList:
+        """The sessions the channel's token may use (named `prefix…`), most recently active first."""
+        return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
+
+    async def create(self, session: str) -> None:
+        """Makes `session` exist (CreateSession: listed at once, counted in the tenant's sessions
+        per minute), naming the configured agent."""
+        await self._create(sessions_pb2.CreateSessionRequest(agent=self.agent), metadata=self._md(session))
+
+    def _state_in(self, listed: sessions_pb2.SessionList, session: str) -> sessions_pb2.AgentState | None:
+        for entry in listed.sessions:
+            if entry.session == session:
+                agent = self.agent or entry.agent
+                return next((state for state in entry.agents if state.agent == agent), None)
+        return None
+
+    async def agent_state(self, session: str) -> sessions_pb2.AgentState | None:
+        """What the session's agent (the configured one, else the one it last talked to) offers
+        now: modes, commands. None before it ever ran there."""
+        return self._state_in(await self.sessions(session), session)
+
+    async def agent_states(self, session: str) -> AsyncIterator[sessions_pb2.AgentState | None]:
+        """`agent_state` now and again each time the session's listing changes (WatchSessions:
+        a mode set from any UI, the agent's own mode or commands, a turn starting or ending)."""
+        async for listed in each(self._watch(sessions_pb2.ListSessionsRequest(prefix=session),
+                                             metadata=self._md(session))):
+            yield self._state_in(listed, session)
+
+    async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
+        return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),
+                                    metadata=self._md(session))

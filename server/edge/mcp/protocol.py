@@ -1,0 +1,140 @@
+"""The Model Context Protocol's wire vocabulary, as uibus speaks it: versions, JSON-RPC envelopes,
+error codes, and the translation between JSON-RPC and the gRPC status names every other transport
+uses (so one failure has one meaning, whichever way it came in).
+
+Pure data and functions: no I/O, no domain objects. `uibus.edge.mcp.server` runs the methods,
+`uibus.edge.transports.mcp_http` carries them over streamable HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from uibus.infra.errors import InvalidArgument, UibusError, Unimplemented
+from uibus.infra.jsonrpc import INTERNAL_ERROR as INTERNAL_ERROR
+from uibus.infra.jsonrpc import INVALID_PARAMS as INVALID_PARAMS
+from uibus.infra.jsonrpc import INVALID_REQUEST as INVALID_REQUEST
+from uibus.infra.jsonrpc import METHOD_NOT_FOUND as METHOD_NOT_FOUND
+from uibus.infra.jsonrpc import PARSE_ERROR as PARSE_ERROR
+from uibus.infra.jsonrpc import SERVER_ERROR as SERVER_ERROR
+from uibus.infra.jsonrpc import RpcError, check
+
+# The initialize-handshake revisions uibus speaks, oldest first. neuro-san 0.7's client asks for
+# 2025-06-18 and accepts only that answer; a client asking for another one we know gets it back,
+# any other request gets the newest (the spec's negotiation). The methods served here are the
+# same in all four revisions.
+VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
+LATEST = VERSIONS[-1]
+
+# JSON-RPC 2.0 error codes: the one table (uibus.infra.jsonrpc). SERVER_ERROR is for everything that is
+# a uibus status rather than a protocol mistake; its `data.status` names that status.
+
+# Every MCP method runs as a call of this service in the handler pipeline: `/mcp/<method>` is its
+# label in metrics and logs, its access rule is the session's (uibus.edge.pipeline.access_of).
+SERVICE = "mcp"
+INVALID = f"/{SERVICE}/invalid"          # a body that is not a JSON-RPC message (answered with its error)
+UNKNOWN = f"/{SERVICE}/unknown"          # a method uibus does not serve (-32601)
+NOTIFICATION = f"/{SERVICE}/notification"  # notifications and responses from the client (202)
+
+
+def path_of(method: str) -> str:
+    return f"/{SERVICE}/{method}"
+
+
+class ProtocolError(InvalidArgument):
+    """Input that is not a JSON-RPC message uibus can take; `rpc_code` is its JSON-RPC code."""
+
+    rpc_code = INVALID_REQUEST
+
+
+class ParseError(ProtocolError):
+    rpc_code = PARSE_ERROR
+
+
+class InvalidParams(InvalidArgument):
+    """The method exists, its params do not fit (including an unknown tool name)."""
+
+
+class MethodNotFound(Unimplemented):
+    pass
+
+
+@dataclass
+class Message:
+    """One JSON-RPC message from the client, checked for shape (not yet for its params)."""
+
+    method: str | None  # None: a response to a request of ours (we send none, so it is ignored)
+    id: Any = None  # str | int for requests; None for notifications
+    params: dict[str, Any] = field(default_factory=dict)
+    is_request: bool = False
+
+    @property
+    def progress_token(self) -> str | int | None:
+        meta = self.params.get("_meta")
+        token = meta.get("progressToken") if isinstance(meta, dict) else None
+        return token if isinstance(token, str | int) and not isinstance(token, bool) else None
+
+
+def parse_message(value: Any) -> Message:
+    """The JSON-RPC message `value` is, or ProtocolError saying why it is none: the one JSON-RPC
+    check (uibus.infra.jsonrpc.check; MCP ids are never null)."""
+    try:
+        checked = check(value, null_id=False)
+    except RpcError as exc:
+        raise ProtocolError(exc.message) from None
+    ident = checked.get("id")
+    method = checked.get("method")
+    if method is None:
+        return Message(None, ident)  # a client's response: nothing of ours is waiting for it
+    params = checked.get("params")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise ProtocolError(f'"params" of {method} must be an object')
+    return Message(method, ident, params, is_request="id" in checked)
+
+
+def response(ident: Any, result: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": ident, "result": result}
+
+
+def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "method": method, "params": params}
+
+
+def error(ident: Any, status: str, message: str, rpc_code: int | None = None) -> dict[str, Any]:
+    """A JSON-RPC error for a uibus status; `data.status` names the status as every transport does."""
+    return {"jsonrpc": "2.0", "id": ident, "error": {
+        "code": rpc_code if rpc_code is not None else rpc_code_of(status), "message": message or status,
+        "data": {"status": status}}}
+
+
+def rpc_code_of(status: str) -> int:
+    """The JSON-RPC code of a status: bad params and unknown methods have standard codes; every
+    other failure (no room, store down, shutting down, …) is a server error naming its status."""
+    if status == "INVALID_ARGUMENT":
+        return INVALID_PARAMS
+    if status == "UNIMPLEMENTED":
+        return METHOD_NOT_FOUND
+    if status == "INTERNAL":
+        return INTERNAL_ERROR
+    return SERVER_ERROR
+
+
+def rpc_code_of_error(exc: UibusError) -> int:
+    return exc.rpc_code if isinstance(exc, ProtocolError) else rpc_code_of(exc.code)
+
+
+def negotiate(requested: Any) -> str:
+    """The revision to speak: the client's when uibus knows it, else the newest (the client then
+    decides whether it can go on)."""
+    return requested if requested in VERSIONS else LATEST
+
+
+def text_result(text: str, structured: dict[str, Any] | None = None, is_error: bool = False) -> dict[str, Any]:
+    """A tools/call result: the text for the model, the structured part for programs."""
+    result: dict[str, Any] = {"content": [{"type": "text", "text": text}], "isError": is_error}
+    if structured is not None:
+        result["structuredContent"] = structured
+    return result

@@ -1,0 +1,436 @@
+"""`/mcp`: the Model Context Protocol's streamable HTTP transport, framing only (uibus.edge.mcp.server
+has the methods).
+
+* `POST /mcp` carries one JSON-RPC message. A request is answered with `application/json`, or —
+  for a client that accepts `text/event-stream`, on `tools/call` — with an event stream that
+  opens once the call is admitted and carries progress notifications, keep-alive comments (so
+  proxies and clients do not give up on a person who takes minutes to answer) and the response.
+  Notifications and responses from the client get 202.
+* `DELETE /mcp` ends the `Mcp-Session-Id` it names: its calls in flight are cancelled and the id
+  is answered 404 from then on. `GET /mcp` without `Last-Event-ID` is 405: uibus sends nothing
+  unasked.
+* Resumability (the MCP spec's "Resumability and Redelivery"): a call's event stream starts with
+  a priming event (an `id:`, no data) and every event has an id, `<stream>.<n>`, unique across
+  streams. A client whose stream broke sends `GET /mcp` with `Last-Event-ID` (and the POST's
+  `Mcp-Session-Id` and `Authorization`) and gets exactly the events after it, once, in order, then
+  the rest of the call live. A broken stream is not a cancellation: the call goes on for
+  `RESUME_S` without a reader (then it is cancelled, as a client that left), and a finished
+  stream is kept as long for a client that lost its last events. The events come from the
+  stream's replay log (uibus.edge.transports.sse, bounded in bytes): an id older than it keeps gets
+  the call's JSON-RPC error (`DATA_LOSS`) as the resumed stream's one event and the call is
+  cancelled; an id of no stream kept here (ended longer ago, another replica, before a restart)
+  is 404 — never a silent hole.
+
+Every message runs through the handler pipeline as `/mcp/<method>`, so the token, the session
+binding (`x-uibus-session`), limits, metrics (transport `mcp`) and error policy are the ones of
+every other transport. Input that is no JSON-RPC message goes to the pipeline as `Rejected`.
+Statuses are JSON-RPC errors whose `data.status` names the gRPC status; at the HTTP level a call
+refused for its token is 401/403 (MCP's authorization rules), input that is not a message is
+400 (or 429 over the size limit), and every answered request is 200 — never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from typing import Any
+
+import grpc
+
+from uibus.edge.calls import CallContext, Metadata, Outcome, Rejected, drive, unary
+from uibus.edge.mcp import protocol
+from uibus.edge.mcp.protocol import InvalidParams, Message, ProtocolError
+from uibus.edge.mcp.server import Call, McpServer, Reply
+from uibus.edge.transports import sse
+from uibus.edge.transports.asgi import (
+    CHALLENGE,
+    BodyTooLarge,
+    ClientGone,
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    header,
+    http_status,
+    read_body,
+    refuse,
+    respond,
+    wait_disconnect,
+)
+from uibus.edge.transports.grpcweb import metadata_of, peer_of
+from uibus.infra.errors import UibusError
+from uibus.infra.json_input import PoisonedJson, check_json, dump_json_bytes, load_json
+from uibus.infra.tasks import cancel_and_wait
+
+PATH = "/mcp"
+KEEPALIVE_S = 15.0
+RESUME_S = 30.0  # a call whose stream broke waits this long for a resume; an ended stream is kept as long
+MAX_STREAMS = 1024  # ended streams kept for a late resume (the oldest go first past it)
+MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # events of one call waiting for a reader; more and the call is cut
+MAX_REPLAY_BYTES = 64 * 1024 * 1024  # sent events all calls' streams keep for a resume (each at most 1 MiB)
+_AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
+
+
+def _json(obj: Any) -> bytes:
+    # One line (neuro-san's client reads the answer as JSON lines), RFC 8259 only.
+    return dump_json_bytes(obj)
+
+
+class McpHttp:
+    def __init__(self, server: McpServer, max_body: int = 4 * 1024 * 1024, keepalive_s: float = KEEPALIVE_S) -> None:
+        self.server = server
+        self.max_body = max_body
+        self.keepalive_s = keepalive_s
+        self.resume_s = RESUME_S
+        self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
+        self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
+        self.replay = sse.Replay(MAX_REPLAY_BYTES)  # their replay logs, together: the oldest streams' go first
+
+    def _sweep(self) -> None:
+        """Forgets the streams of calls that ended more than `resume_s` ago (and the oldest ended
+        ones past MAX_STREAMS), and those of ended sessions."""
+        now = time.monotonic()
+        ended = [k for k, x in self.streams.items() if x.ended_at is not None]
+        for key in ended:
+            x = self.streams[key]
+            if (now - x.ended_at > self.resume_s or len(self.streams) > MAX_STREAMS  # type: ignore[operator]
+                    or (x.session_id is not None and self.server.ended(x.session_id))):
+                del self.streams[key]
+                if x.stream is not None:
+                    self.replay.remove(x.stream)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await refuse(scope, send, 404, f"{PATH} is not a WebSocket endpoint (POST JSON-RPC to it)\n")
+            return
+        if scope["path"] != PATH:
+            await respond(send, 404, f"not found: {scope['path']} (the MCP endpoint is {PATH})\n")
+            return
+        method = scope["method"]
+        self._sweep()
+        if method == "POST":
+            await self._post(scope, receive, send)
+        elif method == "DELETE":
+            await self._delete(scope, receive, send)
+        elif method == "GET" and header(scope, b"last-event-id").strip():
+            await self._resume(scope, receive, send)
+        else:
+            await respond(send, 405, _json(protocol.error(None, "UNIMPLEMENTED", f"{method} {PATH} is not served: "
+                                                          "POST a JSON-RPC message, DELETE to end a session, or GET "
+                                                          "with Last-Event-ID to resume a call's event stream",
+                                                          protocol.INVALID_REQUEST)),
+                          "application/json", [(b"allow", b"GET, POST, DELETE")])
+
+    # ---- POST: one JSON-RPC message ------------------------------------------------------------
+
+    def _read(self, scope: Scope, body: bytes) -> tuple[Message | Rejected, Any]:
+        """The message, or why there is none; and the id to answer with (None when unknown)."""
+        content_type = header(scope, b"content-type").split(";")[0].strip().lower()
+        if content_type != "application/json":
+            # Also what keeps a web page from posting here without a CORS preflight.
+            return Rejected(ProtocolError(f"POST {PATH} takes Content-Type: application/json (a JSON-RPC message), "
+                                          f"not {content_type or 'none'}")), None
+        try:
+            value = load_json(body, "the body")
+        except PoisonedJson as exc:
+            return self._poisoned(exc)
+        except UibusError as exc:
+            return Rejected(protocol.ParseError(str(exc))), None
+        try:
+            message = protocol.parse_message(value)
+        except ProtocolError as exc:
+            return Rejected(exc), None
+        version = header(scope, b"mcp-protocol-version").strip()
+        # Checked for the methods served here only: an unknown method is "method not found" in any
+        # version, which is what a client probing for a newer protocol era (server/discover) needs.
+        if (version and version not in protocol.VERSIONS and message.method != "initialize"
+                and self.server.serves(message)):
+            return Rejected(ProtocolError(f"MCP-Protocol-Version {version[:40]!r} is not supported; uibus speaks "
+                                          f"{', '.join(protocol.VERSIONS)}")), None
+        return message, message.id
+
+    @staticmethod
+    def _poisoned(exc: PoisonedJson) -> tuple[Rejected, Any]:
+        """JSON that parsed but cannot be kept (uibus.infra.json_input): inside `params` it is the
+        request's invalid params (-32602, answered with its id, which is sound); anywhere else the
+        message itself is invalid (-32600; an id that is the poison cannot be echoed)."""
+        if exc.path[:1] == ("params",) and isinstance(exc.value, dict):
+            with contextlib.suppress(UibusError):  # the id is poisoned too, or the message is none
+                message = protocol.parse_message(exc.value)
+                check_json(message.id, "id")
+                if message.is_request:
+                    return Rejected(InvalidParams(str(exc))), message.id
+        return Rejected(ProtocolError(str(exc))), None
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            body = await read_body(receive, self.max_body)
+        except ClientGone:
+            return
+        except BodyTooLarge as exc:
+            request: Message | Rejected = Rejected(exc)
+            ident: Any = None
+        else:
+            request, ident = self._read(scope, body)
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        message = request if isinstance(request, Message) else None
+        starting = message is not None and message.method == "initialize"
+        if session_id is not None and self.server.ended(session_id) and not starting:
+            await respond(send, 404, _json(protocol.error(ident, "NOT_FOUND", f"MCP session {session_id[:64]} has "
+                                                          "ended: initialize a new one", protocol.INVALID_REQUEST)),
+                          "application/json")
+            return
+        handler = self.server.handler(message)
+        streamable = (message is not None and message.method == "tools/call" and message.is_request
+                      and "text/event-stream" in header(scope, b"accept"))
+        call = Call(message or Message(None), session_id, streamable)
+        posted_gone = asyncio.ensure_future(wait_disconnect(receive))
+        exchange = _Exchange(send, ident, streamable, self.keepalive_s, call,
+                             request.error if isinstance(request, Rejected) else None, posted_gone)
+        exchange.authorization = header(scope, b"authorization")
+        exchange.registry = self.streams
+        exchange.replay_bytes, exchange.replay = self.replay_bytes, self.replay
+
+        async def gone() -> None:
+            """The client went away: at once when no event stream was open; else once no reader has
+            resumed the stream for `resume_s` (a broken stream is not a cancellation). At once
+            when the stream was cut."""
+            cut = asyncio.ensure_future(exchange.was_cut.wait())
+            try:
+                await asyncio.wait((posted_gone, cut), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_and_wait(cut)
+            if exchange.streaming:
+                await exchange.abandoned(self.resume_s)
+
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
+        try:
+            outcome = await drive(handler, request if message is None else call, ctx, exchange, gone=gone,
+                                  within=lambda: self.server.tracking(session_id, ident))
+            if outcome is Outcome.CANCELLED and not exchange.done:  # by the client's notifications/cancelled
+                await exchange.cancelled()
+        finally:
+            await exchange.close()
+            await cancel_and_wait(posted_gone)
+
+    # ---- GET with Last-Event-ID: resume a call's event stream ----------------------------------
+
+    async def _resume(self, scope: Scope, receive: Receive, send: Send) -> None:
+        last = header(scope, b"last-event-id").strip()
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        found = self.streams.get(last.rpartition(".")[0])
+        if (found is None or found.stream is None or found.session_id != session_id
+                or found.authorization != header(scope, b"authorization")):
+            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", f"no event stream of this session has "
+                          f"event {last[:80]!r}: its call ended more than {self.resume_s:g} s ago, its session was "
+                          "deleted, or it was served by another uibus replica or before a restart",
+                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        stream = found.stream
+        if not await stream.take_over():  # the reader it lost, if the server has not seen it go yet
+            await respond(send, 409, _json(protocol.error(None, "ABORTED", "this event stream already has a reader",
+                                                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        try:
+            stream.resume(last)
+        except sse.TooOld as exc:  # said, and the call ends: its client can no longer have all it sent
+            await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+            error = protocol.error(found.ident, "DATA_LOSS", f"{exc}; the call was cancelled")
+            await send({"type": "http.response.body", "body": sse.frame(_json(error), None, "message")})
+            found.cut()
+            return
+        except sse.ResumeError as exc:
+            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", str(exc), protocol.INVALID_REQUEST)),
+                          "application/json")
+            return
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+            await found.read(send, gone)
+        finally:
+            await cancel_and_wait(gone)
+
+    # ---- DELETE: end a session -----------------------------------------------------------------
+
+    async def _delete(self, scope: Scope, receive: Receive, send: Send) -> None:
+        session_id = header(scope, b"mcp-session-id").strip() or None
+        if session_id is None:
+            await respond(send, 400, _json(protocol.error(None, "INVALID_ARGUMENT", f"DELETE {PATH} ends the session "
+                                                          "its Mcp-Session-Id header names; none was sent",
+                                                          protocol.INVALID_REQUEST)), "application/json")
+            return
+        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
+        await unary(self.server.handlers[protocol.path_of("delete")], Call(Message("delete"), session_id), ctx)
+        code, details = ctx.status()
+        if code == grpc.StatusCode.OK:
+            await respond(send, 204, b"")
+        else:
+            await _refuse(send, None, code, details, None)
+
+
+class _Exchange:
+    """The answer to one POST (the call's `Sink`): a JSON body, or an event stream opened when the
+    call is admitted (the handler sends its initial metadata then). The stream's events go through
+    a uibus.edge.transports.sse queue, so a client that loses the POST's stream resumes it with a GET."""
+
+    encode = None
+    headers_after = None
+
+    def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float, call: Call,
+                 rejection: UibusError | None, posted_gone: asyncio.Future[Any]) -> None:
+        self.send = send
+        self.ident = ident
+        self.streamable = streamable
+        self.keepalive_s = keepalive_s
+        self.call = call
+        self.session_id = call.session_id
+        self.rejection = rejection  # why the transport could not read the input, if it could not
+        self.posted_gone = posted_gone  # the POST's client went away
+        self.authorization = ""  # the POST's, which a resuming GET must carry too
+        self.registry: dict[str, _Exchange] = {}
+        self.replay_bytes = sse.REPLAY_BYTES
+        self.replay: sse.Replay | None = None
+        self.reply: Reply | None = None
+        self.streaming = False
+        self.done = False
+        self.stream: sse.Queue | None = None
+        self.ended_at: float | None = None  # when the call's last event was queued
+        self._readers = asyncio.Event()  # a reader came or went, or the stream was cut
+        self.was_cut = asyncio.Event()
+        self._pumping: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """The call was admitted and is about to wait: start the event stream (when the client takes
+        one), with its priming event (an id and no data: resumable from the first moment)."""
+        if not self.streamable or self.streaming:
+            return
+        self.streaming = True
+        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes,
+                                self.replay)
+        self.registry[self.stream.name] = self
+        self.stream.push(b"")
+        await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
+        self._pumping = asyncio.create_task(self.read(self.send, self.posted_gone), name="uibus-mcp-stream")
+
+    async def read(self, send: Send, gone: asyncio.Future[Any]) -> None:
+        """One reader of the stream (the POST, or a GET resuming it) until it ends or its client goes."""
+        assert self.stream is not None
+        stop = self.stream.begin_reading()
+        self._readers.set()
+        try:
+            await sse.pump(self.stream, send, gone, self.keepalive_s, stop)
+        finally:
+            self.stream.end_reading()
+            self._readers.set()
+
+    async def abandoned(self, patience: float) -> None:
+        """Returns once the stream has had no reader for `patience` seconds (or was cut)."""
+        while not self.was_cut.is_set():
+            self._readers.clear()
+            if self.stream is not None and self.stream.reading:
+                await self._readers.wait()
+                continue
+            try:
+                await asyncio.wait_for(self._readers.wait(), patience)
+            except TimeoutError:
+                return
+
+    def cut(self) -> None:
+        """The stream cannot go on (its client stopped reading, or asked for events no longer
+        kept): it ends, and the call with it."""
+        self.was_cut.set()
+        self._readers.set()
+        if self.stream is not None:
+            self.stream.drop()
+            self.stream.close()
+
+    def _push(self, message: dict[str, Any]) -> None:
+        assert self.stream is not None
+        try:
+            self.stream.push(_json(message), "message")
+        except sse.Overflow:
+            self.cut()
+
+    async def message(self, item: Reply | dict[str, Any]) -> None:
+        """The method's result, or a notification for the client on the way to it."""
+        if isinstance(item, Reply):
+            self.reply = item
+        else:
+            await self.event(item)
+
+    async def event(self, message: dict[str, Any]) -> None:
+        """A notification for the client: sent on the stream; without one there is no way to send it."""
+        if self.streaming:
+            self._push(message)
+
+    def _end(self, message: dict[str, Any] | None) -> None:
+        self.done = True
+        if message is not None:
+            self._push(message)
+        if self.stream is not None:
+            self.stream.close()
+        self.ended_at = time.monotonic()
+
+    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
+        """The response: the result, 202 for a notification, or the error (`rejection`: why the
+        transport could not read the input, which the pipeline answered unless it refused the token)."""
+        reply, call, rejection = self.reply, self.call, self.rejection
+        if code == grpc.StatusCode.OK and reply is None and call.message.is_request:
+            code, details = grpc.StatusCode.INTERNAL, "the method gave no result"
+        if code == grpc.StatusCode.OK:
+            if reply is None:  # a notification or a client's response: accepted, nothing to say
+                await self._whole(202, b"", ())
+                return
+            body = protocol.response(self.ident, reply.result)
+            extra: Headers = [(b"mcp-session-id", call.new_session.encode())] if call.new_session else []
+        else:
+            if not self.streaming:
+                await _refuse(self.send, self.ident, code, details, rejection)
+                self.done = True
+                return
+            body = protocol.error(self.ident, code.name, details)
+            extra = []
+        if self.streaming:
+            self._end(body)
+        else:
+            await self._whole(200, _json(body), extra)
+
+    async def cancelled(self) -> None:
+        """The client cancelled the request: it waits for no answer (the spec says to send none), but
+        the HTTP exchange must still end, so a stream just ends and a plain POST gets the error."""
+        if self.streaming:
+            self._end(None)
+        else:
+            await self._whole(200, _json(protocol.error(self.ident, "CANCELLED", "cancelled by the client")), ())
+
+    async def _whole(self, status: int, data: bytes, extra: Headers) -> None:
+        self.done = True
+        await respond(self.send, status, data, "application/json", list(extra))
+
+    async def close(self) -> None:
+        """The call is over: the POST's reader gets what is left (while its client stays), the
+        stream stays registered for a late resume (`McpHttp._sweep` forgets it)."""
+        if self.stream is not None and not self.stream.closed:  # abandoned: a late resume learns it
+            self._end(protocol.error(self.ident, "CANCELLED", "the call's event stream broke and no reader resumed "
+                                     "it in time: the call was cancelled"))
+        if self.ended_at is None:  # (a stream that was cut): forgotten like any other
+            self.ended_at = time.monotonic()
+        if self._pumping is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._pumping), self.keepalive_s)
+            except TimeoutError:  # a client that does not read: what it did not take stays for a resume
+                pass
+            finally:
+                await cancel_and_wait(self._pumping)
+
+
+async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, rejection: UibusError | None) -> None:
+    """A failure before any answer went out: the JSON-RPC error, at the HTTP status MCP clients act on."""
+    ours = rejection is not None and code.name == rejection.code  # the pipeline answered the transport's Rejected
+    status = _AUTH_STATUS.get(code) or (http_status(code) if ours else 200)
+    rpc_code = protocol.rpc_code_of_error(rejection) if ours and rejection is not None else None
+    body = protocol.error(ident, code.name, details, rpc_code)
+    headers: Headers = [CHALLENGE] if status == 401 else []
+    await respond(send, status, _json(body), "application/json", headers)

@@ -1,1 +1,0 @@
-"""Model Context Protocol: the agents and the people at the UIs as MCP tools (see uibus.mcp.server)."""
