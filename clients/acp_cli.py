@@ -58,24 +58,24 @@ async def serve(ns: argparse.Namespace) -> int:
     reader, write = await _stdio()
     async with Connection(ns.target, token=ns.token, tls=ns.tls) as conn:
         editor = Editor(Uplink(conn.channel, ns.agent), write, prefix=ns.session_prefix)  # type: ignore[arg-type]
-        try:
+
+        async def line() -> bytes | None:
+            """The next message: one line (framing only); None once the editor closed our stdin."""
             while True:
                 try:
-                    line = await reader.readuntil(b"\n")
+                    found = await reader.readuntil(b"\n")
                 except asyncio.IncompleteReadError as exc:  # the editor closed our stdin
-                    if exc.partial.strip():
-                        await editor.receive(exc.partial)
-                    break
+                    return exc.partial if exc.partial.strip() else None
                 except asyncio.LimitOverrunError:
-                    await editor.send({"jsonrpc": "2.0", "id": None, "error": RpcError(
-                        INVALID_REQUEST, f"a message longer than {MAX_LINE} bytes was dropped").body()})
+                    await editor.send(RpcError(INVALID_REQUEST,
+                                               f"a message longer than {MAX_LINE} bytes was dropped").answer())
                     if not await _skip_line(reader):
-                        break
+                        return None
                     continue
-                if line.strip():
-                    await editor.receive(line)
-        finally:
-            await editor.aclose()
+                if found.strip():
+                    return found
+
+        await editor.serve(line)  # the one receive loop (uibus.infra.peer), then the editor's end
     return 0
 
 

@@ -44,7 +44,7 @@ async def replicas(tmp_path: Path, redis: RedisProcess, agents: list[dict[str, A
     for app in apps:
         assert app.core.agent_sessions.count() == 0
         assert app.bus.count() == 0, "a subscription was left behind"
-        assert app.core.placement.ownership is not None and not app.core.placement.ownership.held
+        assert app.placement.ownership is not None and not app.placement.ownership.held
 
 
 def started(apps: list[App], agent: str) -> int:
@@ -53,7 +53,7 @@ def started(apps: list[App], agent: str) -> int:
 
 
 def owner_of(apps: list[App], session: str, agent: str) -> App:
-    (owner,) = [a for a in apps if a.core.placement.ownership and (session, agent) in a.core.placement.ownership.held]
+    (owner,) = [a for a in apps if a.placement.ownership and (session, agent) in a.placement.ownership.held]
     return owner
 
 

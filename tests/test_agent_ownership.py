@@ -195,7 +195,7 @@ async def test_a_forwarded_turns_cancel_and_deadline_reach_the_agent(tmp_path: P
                            what="session/cancel of the late turn, on A")
             assert await final(on_b, "acp", "next") == "Turn 4: next"  # the same agent session goes on
             assert started(apps, "acp") == 1
-            await wait_for(lambda: b.bus.count(kinds.AGENT_TURN_REPLY) == 0 and not a.core.placement.forwarding._turns,  # type: ignore[attr-defined]
+            await wait_for(lambda: b.bus.count(kinds.AGENT_TURN_REPLY) == 0 and not a.placement.forwarding._turns,  # type: ignore[attr-defined]
                            what="the forwarded turns' subscriptions and tasks gone")
 
 
@@ -217,7 +217,7 @@ async def test_a_dialog_of_a_forwarded_turn_is_answered_on_a_third_replica(tmp_p
             responses = await asyncio.wait_for(call, 30)
             assert "Permission: reject." in responses[-1].response.text  # the answer given on C reached the agent on A
             assert started(apps, "acp") == 1 and owner_of(apps, "d", "acp") is a
-            assert b.core.placement.forwarding is not None and b.core.placement.forwarding.forwarded == 1
+            assert b.placement.forwarding is not None and b.placement.forwarding.forwarded == 1
             del ui
 
 
@@ -276,7 +276,7 @@ async def test_the_owner_killed_mid_turn_ends_it_unavailable_and_the_next_turn_t
                     assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
             assert answer.endswith(": again")
             assert time.monotonic() - killed < 3 * LEASE_S + 3
-            assert b.core.placement.ownership is not None and b.core.placement.ownership.taken_over == 1
+            assert b.placement.ownership is not None and b.placement.ownership.taken_over == 1
             assert owner_of(apps, "k", "acp") is b and b.core.agent_sessions.count() == 1
 
 
@@ -297,7 +297,7 @@ async def test_a_forwarder_killed_mid_turn_stops_the_turn_at_the_owner(
                            what="session/cancel at the agent, on A")
             assert time.monotonic() - killed < LEASE_S * 1.5 + 1
             assert await final(on_a, "acp", "two") == "Turn 3: two"  # the agent session goes on at A
-            assert a.core.placement.forwarding is not None and not a.core.placement.forwarding._turns
+            assert a.placement.forwarding is not None and not a.placement.forwarding._turns
 
 
 class CutProxy:
@@ -364,7 +364,7 @@ async def test_an_owner_cut_off_from_redis_past_its_lease_stops_running_the_agen
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert "the conversation is kept" in str(error.value.details())
                 assert time.monotonic() - cut < LEASE_S * 1.25 + 1.5
-                assert a.core.placement.ownership is not None and a.core.placement.ownership.fenced == 1
+                assert a.placement.ownership is not None and a.placement.ownership.fenced == 1
                 await wait_for(lambda: a.core.agent_sessions.count() == 0, timeout=10, what="A's agent closed")
                 # A runs no turn of the session now: it cannot even learn who owns it.
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -379,7 +379,7 @@ async def test_an_owner_cut_off_from_redis_past_its_lease_stops_running_the_agen
                     except grpc.aio.AioRpcError as exc:
                         assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
                 assert answer == "Turn 1: on b"
-                assert owner_of([a, b], "f", "acp") is b and b.core.placement.ownership.taken_over == 1  # type: ignore[attr-defined]
+                assert owner_of([a, b], "f", "acp") is b and b.placement.ownership.taken_over == 1  # type: ignore[attr-defined]
                 assert a.core.agent_sessions.count() == 0
     finally:
         await a.aclose(grace=0.5)
@@ -404,7 +404,7 @@ async def test_an_owner_whose_renewal_is_refused_stops_at_once(tmp_path: Path, r
                     pass
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "the conversation is kept" in str(error.value.details())
-            assert a.core.placement.ownership is not None and a.core.placement.ownership.fenced == 1
+            assert a.placement.ownership is not None and a.placement.ownership.fenced == 1
             await wait_for(lambda: a.core.agent_sessions.count() == 0, timeout=10, what="A's agent closed")
             _command(redis_server.port, "DEL", key)
 

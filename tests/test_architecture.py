@@ -26,11 +26,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Hosted agents know processes, protocols and the limits of what they relay, never the domain
     # that drives them (the domain imports the agents' interface, not the other way round).
     ("agents", ("uibus.agents",)),
-    # The replicas wing: where hosted agents run and what other replicas hear of (leases, forwarding,
-    # sharing). The domain asks its placement; the wing uses the bus and the store, never the domain
-    # (what it runs for other replicas, the domain objects hand it as they are built).
-    ("replicas", ("uibus.replicas",)),
+    # The domain: Chat, Dialogs, the UI feed, the sessions and the hosted agents' sessions, the
+    # session log. It runs what it is given here.
     ("domain", ("uibus.domain",)),
+    # Replication at the edge: where a turn, a steering call or an answer runs (here, or at its
+    # agent's or dialog's replica over the bus), and what the domain tells other replicas through
+    # its Sharing. It calls the domain; the domain never calls it (it knows nothing of replicas).
+    ("replicas", ("uibus.replicas",)),
     # The edge: how the world reaches the domain. Policy and protocols first, then the editors' ACP
     # (a client of the public services through a channel, never their code), then the framings.
     ("edge: services", ("uibus.edge.calls", "uibus.edge.pipeline", "uibus.infra.proto_check", "uibus.edge.metrics",
@@ -143,21 +145,32 @@ def test_the_domain_knows_no_transport() -> None:
             assert not names & {"grpc", "uvicorn", "websockets", "httpx"}, (module, names)
 
 
-def test_the_domain_asks_its_placement_not_whether_it_is_replicated() -> None:
-    """Replication is the replicas wing's business: the domain imports the wing's one interface
-    (uibus.replicas.placement) and nothing else of it, reads no bus's `replicated` or `replica_id`,
-    duck-types no bus (`getattr(bus, …)`) and names no particular placement: it asks the
-    `Placement` it was built with. The wing duck-types no bus either (the bus answers)."""
+def test_the_domain_knows_nothing_of_replicas() -> None:
+    """Replication is at the edge: the domain imports nothing of uibus.replicas, reads no bus's
+    `replicated` or `replica_id`, duck-types no bus and registers nothing with anyone (no `serve_`
+    callbacks, no placement): it runs what it is given here, and tells the store/bus layer's
+    `Sharing` what other processes must see. The wing duck-types no bus either (the bus answers)."""
     for module, path in modules().items():
         if module.startswith("uibus.domain"):
             wing = {dep for dep in GRAPH[module] if dep.startswith("uibus.replicas")}
-            assert wing <= {"uibus.replicas.placement"}, (module, wing)
+            assert wing == set(), (module, wing)
             source = path.read_text()
-            for asked in (".replicated", "replica_id", "getattr(bus", "getattr(self.bus", "LocalPlacement",
-                          "LeasedPlacement"):
+            for asked in (".replicated", "replica_id", "getattr(bus", "getattr(self.bus", "Placement",
+                          "placement.", ".serve_", "serve_turns", "serve_answers", "serve_steering"):
                 assert asked not in source, (module, asked)
         if module.startswith("uibus.replicas"):
             assert "getattr(bus" not in path.read_text() and "getattr(self.bus" not in path.read_text(), module
+
+
+def test_only_the_edge_places_calls() -> None:
+    """Every turn, steering call and answer a service takes goes through the placement: no service
+    calls the domain's here-only `Chat.turn`, `Steering` calls or `Dialogs.respond` itself."""
+    for module, path in modules().items():
+        if module.startswith(("uibus.edge.services", "uibus.edge.mcp", "uibus.edge.codebolt")):
+            source = path.read_text()
+            for direct in ("chat.turn(", "steering.stop(", "steering.set_mode(", "steering.set_model(",
+                           "steering.new_conversation(", "dialogs.respond(", "sessions.delete("):
+                assert direct not in source, (module, direct)
 
 
 def test_services_call_each_other_by_no_path() -> None:
@@ -203,3 +216,115 @@ def test_no_module_does_several_jobs_by_size() -> None:
     long = {m: n for m, p in modules().items() if m.startswith("uibus.") and not m.startswith("uibus.clients")
             and (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}
+
+
+JSONRPC_CORE = {"uibus.infra.jsonrpc", "uibus.infra.peer"}
+
+
+def test_only_the_jsonrpc_core_builds_or_parses_frames() -> None:
+    """JSON-RPC request/reply is written once (uibus.infra.peer on uibus.infra.jsonrpc): no other
+    module builds a frame (a `"jsonrpc"` key in a dict, a `jsonrpc=` keyword) or reads one by hand
+    (`["jsonrpc"]`, `.get("jsonrpc")`), and a module that speaks JSON-RPC (imports the core) hands
+    text to the core's `read` rather than decoding frames itself with `json.loads`."""
+    def is_key(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and node.value == "jsonrpc"
+
+    found: list[tuple[str, int, str]] = []
+    for module, path in modules().items():
+        if module in JSONRPC_CORE:
+            continue
+        tree = ast.parse(path.read_text())
+        speaks = any(dep in JSONRPC_CORE for dep in GRAPH[module])
+        loads_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                       and n.module in ("json", "orjson", "ujson") for a in n.names if a.name == "loads"}
+        for node in ast.walk(tree):
+            line = getattr(node, "lineno", 0)
+            if isinstance(node, ast.Dict) and any(is_key(k) for k in node.keys):
+                found.append((module, line, "builds a frame"))
+            elif isinstance(node, ast.keyword) and node.arg == "jsonrpc":
+                found.append((module, line, "builds a frame"))
+            elif isinstance(node, ast.Subscript) and is_key(node.slice):
+                found.append((module, line, "reads a frame's version"))
+            elif isinstance(node, ast.Call):
+                func = node.func
+                if isinstance(func, ast.Attribute) and func.attr == "get" and node.args and is_key(node.args[0]):
+                    found.append((module, line, "reads a frame's version"))
+                decodes = ((isinstance(func, ast.Attribute) and func.attr == "loads"
+                            and isinstance(func.value, ast.Name) and func.value.id in ("json", "orjson", "ujson"))
+                           or (isinstance(func, ast.Name) and func.id in loads_names))
+                if speaks and decodes:
+                    found.append((module, line, "decodes JSON itself (give the text to uibus.infra.jsonrpc.read)"))
+        if '"jsonrpc": "2.0"' in path.read_text() or "'jsonrpc': '2.0'" in path.read_text():
+            found.append((module, 0, 'contains "jsonrpc": "2.0"'))
+    assert found == [], found
+
+
+def _request_path_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to the whole request path (`path = scope["path"]`)."""
+    return {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign | ast.AnnAssign)
+            and node.value is not None and _is_request_path(node.value, set())
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            if isinstance(target, ast.Name)}
+
+
+def _is_request_path(node: ast.AST, names: set[str]) -> bool:
+    """`scope["path"]`, `scope.get("path", …)` or a name bound to one: the whole path, not a part below
+    a route's prefix (an API's endpoint names are its framing, `scope["path"][len(PREFIX):]`)."""
+    if isinstance(node, ast.Name):
+        return node.id in names
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "path"
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+            and bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value == "path")
+
+
+def test_the_http_port_routes_by_one_table() -> None:
+    """Which door a request goes through (and so which token and browser policy it meets) is decided
+    by one table, uibus.edge.transports.routes.TABLE: no other module tests the request's whole path
+    (an if/elif chain, a `match`, a prefix loop, a `startswith`: a second router), builds `Route`s or
+    puts the browser policy in front of anything."""
+    table = "uibus.edge.transports.routes"
+    found = []
+    for module, path in modules().items():
+        if module == table:
+            continue
+        tree = ast.parse(path.read_text())
+        names = _request_path_names(tree)
+        for node in ast.walk(tree):
+            tested: list[ast.AST] = []
+            if isinstance(node, ast.Compare):
+                tested = [node.left, *node.comparators]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("startswith", "endswith", "removeprefix", "partition", "split"):
+                tested = [node.func.value]
+            elif isinstance(node, ast.Match):
+                tested = [node.subject]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("Route", "BrowserGuard"):
+                found.append(f"{module}:{node.lineno}: {node.func.id}(…) outside the route table's module")
+            if any(_is_request_path(t, names) for t in tested):
+                found.append(f"{module}:{node.lineno}: tests the request path (route it in {table}.TABLE)")
+    assert found == []
+    # And the table's module routes by its table: no path test of its own outside `Route.takes`.
+    source = (REPO / "server/edge/transports/routes.py").read_text()
+    assert source.count('scope["path"]') <= 3 and "TABLE" in source and "elif path" not in source
+
+
+def test_one_place_reads_bearer_tokens() -> None:
+    """Tokens are read in one module: uibus.edge.pipeline (`Pipeline.authorize` for every call,
+    `check_bearer` for the HTTP doors the route table sends it), over uibus.infra.auth's primitives. A
+    transport (or anything else) that reads `Authorization: Bearer` itself is a second token check,
+    which drifts from the first (a revoked or minted token treated differently on one door)."""
+    allowed = {"uibus.edge.pipeline", "uibus.infra.auth"}
+    readers = ("bearer", "grant", "may_read_metrics")
+    found = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in readers and module not in allowed:
+                found.append(f"{module}:{node.lineno}: {name}(…) reads a bearer token")
+            if name == "check_bearer" and module not in {*allowed, "uibus.edge.transports.routes"}:
+                found.append(f"{module}:{node.lineno}: check_bearer(…) outside the route table's gate")
+    assert found == []

@@ -42,7 +42,7 @@ async def sides(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         app = await start_app(Config(host="127.0.0.1", port=0, http_port=0, store=str(tmp_path / "one.db"),
                                      grace_seconds=1.0, agents=write_agents(tmp_path, [fixture_agent(tmp_path)])))
         try:
-            assert isinstance(app.core.placement, LocalPlacement)
+            assert isinstance(app.placement, LocalPlacement)
             yield [app, app]
         finally:
             await app.aclose(grace=0.5)
@@ -50,7 +50,7 @@ async def sides(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         return
     redis: RedisProcess = request.getfixturevalue("redis_server")
     async with replicas(tmp_path, redis, [fixture_agent(tmp_path)], n=2) as apps:
-        assert all(isinstance(a.core.placement, LeasedPlacement) for a in apps)
+        assert all(isinstance(a.placement, LeasedPlacement) for a in apps)
         yield apps
 
 
@@ -63,7 +63,7 @@ async def test_one_behaviour_whatever_the_placement(sides: list[App]) -> None:
         assert await final(on_here, "acp", "one") == "Turn 1: one"
         assert await final(on_there, "acp", "two") == "Turn 2: two"
         assert started(apps, "acp") == 1
-        assert sum(a.core.placement.forwarded for a in apps) == len(apps) - 1  # leased: the second turn went over
+        assert sum(a.placement.forwarded for a in apps) == len(apps) - 1  # leased: the second turn went over
 
         # steering from the other side acts on that agent; its errors keep their status
         assert (await api(on_there).StopTurn(pb.AgentRequest(agent="acp"))).stopped is False

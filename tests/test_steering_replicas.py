@@ -241,7 +241,7 @@ async def test_steering_a_name_that_is_no_hosted_agent_claims_nothing(tmp_path: 
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
             assert "nobody is not running in session 'n'" in (err.value.details() or "")
             assert (await api(on_a).StopTurn(pb.AgentRequest(agent="nobody"))).stopped is False
-            assert a.core.placement.ownership is not None and not a.core.placement.ownership.held
+            assert a.placement.ownership is not None and not a.placement.ownership.held
             # a hosted agent that runs nowhere: the same answer, from whichever replica claims it
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await api(on_a).SetMode(pb.SetModeRequest(agent="acp", mode_id="plan"))

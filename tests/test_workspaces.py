@@ -211,7 +211,7 @@ async def test_a_second_replica_resumes_into_the_same_workspace(tmp_path: Path, 
         async with replicas(tmp_path, redis_server, [entry], workspaces_dir=str(spaces_dir)) as apps:
             a, b = apps
             assert await final(f"127.0.0.1:{a.port}", "rep", "note hazel") == "Noted."
-            await wait_for(lambda: a.core.agent_sessions.count() == 0 and not a.core.placement.ownership.held,  # type: ignore[attr-defined]
+            await wait_for(lambda: a.core.agent_sessions.count() == 0 and not a.placement.ownership.held,  # type: ignore[attr-defined]
                            timeout=20, what="the idle agent on A to close and give its lease up")
             assert await final(f"127.0.0.1:{b.port}", "rep", "what did you note?") == "Read it."
             assert b.core.agent_sessions.count() == 1  # hosted on B now

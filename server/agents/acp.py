@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from uibus.agents import AgentError, Piece, SessionUi, Stop, Turn, option
@@ -57,6 +57,7 @@ from uibus.agents.turns import TurnRun
 from uibus.agents.views import AGENT, TOOL_RESULT, ClineView, acp_tool, message
 from uibus.infra import dialog_limits as limits
 from uibus.infra.errors import InvalidArgument, ResourceExhausted, Unavailable
+from uibus.infra.peer import Method
 from uibus.pb.cline import ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 
@@ -66,6 +67,7 @@ PROTOCOL_VERSION = 1
 _UPDATES = frozenset({"agent_message_chunk", "agent_thought_chunk", "tool_call", "tool_call_update", "plan",
                       "user_message_chunk", "available_commands_update", "current_mode_update",
                       "config_option_update", "session_info_update", "usage_update"})
+_CANCELLED: dict[str, Any] = {"outcome": {"outcome": "cancelled"}}  # a permission request's, unanswered
 _ANSWERED: dict[str, Any] = {"uibus": "the prompt was answered"}  # a turn's queue marker, compared by identity
 
 
@@ -128,11 +130,13 @@ class AcpSession(AcpSteering, JsonRpcSession):
 
     # ---- messages ----
 
-    def on_request(self, ident: Any, method: Any, params: dict[str, Any]) -> None:
-        if method == "session/request_permission":
-            self.asks.open(ident, self._ask_permission(ident, params), name="acp permission")
-        else:
-            super().on_request(ident, method, params)
+    def methods(self) -> Mapping[str, Method]:
+        return {"session/request_permission": self._ask_permission}
+
+    def cancelled_result(self, method: str, params: dict[str, Any]) -> Any:
+        """A permission request whose turn was cancelled (or whose process went) is answered
+        `cancelled`, as the protocol requires."""
+        return _CANCELLED if method == "session/request_permission" else None
 
     def on_notification(self, method: Any, params: dict[str, Any]) -> None:
         if method == "session/update":
@@ -228,21 +232,18 @@ class AcpSession(AcpSteering, JsonRpcSession):
                 labels[label] = o["optionId"]
         return ext_pb.SelectRequest(title=title, options=list(labels)[:limits.MAX_OPTIONS]), labels
 
-    async def _ask_permission(self, ident: Any, params: dict[str, Any]) -> None:
+    async def _ask_permission(self, params: dict[str, Any]) -> dict[str, Any]:
+        """One dialog at every UI of the session; the answer is the agent's outcome (a cancel of
+        it is answered `cancelled` by the peer: `cancelled_result`)."""
         request, labels = self.permission_dialog(params)
         try:
             result = await self.ui.ask(request)
-        except asyncio.CancelledError:  # its turn was cancelled or the process went
-            self.reply(ident, {"outcome": {"outcome": "cancelled"}})
-            raise
         except (InvalidArgument, ResourceExhausted, Unavailable) as exc:
             self.log.warn("ui", "permission dialog refused", error=str(exc))
-            self.reply(ident, {"outcome": {"outcome": "cancelled"}})
-            return
+            return _CANCELLED
         if result.outcome == ext_pb.DIALOG_OUTCOME_ANSWERED and result.value in labels:
-            self.reply(ident, {"outcome": {"outcome": "selected", "optionId": labels[result.value]}})
-        else:
-            self.reply(ident, {"outcome": {"outcome": "cancelled"}})
+            return {"outcome": {"outcome": "selected", "optionId": labels[result.value]}}
+        return _CANCELLED
 
     # ---- a turn ----
 

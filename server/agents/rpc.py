@@ -184,7 +184,7 @@ class RpcSession(PiSteering, StdioSession):
             self.log.warn("ui", "extension_ui_request without an id; ignored")
             return
         if method in _DIALOGS:
-            self.asks.open(ident, self._dialog(ident, method, message))
+            self.asks.open(ident, self._dialog(ident, method, message), name="agent dialog")
         elif method in _FIRE:
             self._fires.put_nowait(message)
         else:

@@ -309,7 +309,9 @@ class AgentProcess:
         """Writes one JSON line (buffered by the transport; `drain` waits for the pipe)."""
         proc = self.proc
         if proc is None or proc.stdin is None or not self.alive or proc.stdin.is_closing():
-            raise AgentError(self.gone or "the agent process is not running")
+            exited = f"the agent process exited (code {proc.returncode})" if proc is not None \
+                and proc.returncode is not None else "the agent process is not running"
+            raise AgentError(self.gone or exited)  # its stderr is in the log ("agent stderr")
         proc.stdin.write(json.dumps(message, ensure_ascii=False).encode() + b"\n")
 
     async def drain(self) -> None:

@@ -3,10 +3,11 @@ everything around a protocol's messages that is not the protocol.
 
 * `Requests`: our requests in flight to the agent, uibus.infra.jsonrpc's one map of request id -> future
   (as the MCP SDK's `BaseSession` keeps): a reply settles its future, the process's end fails every one.
-* `AgentRequests`: what the agent asks of the user while it works (pi's extension-UI dialogs, ACP's
-  permission requests), one owned task each by the agent's request id: a repeated id while the first
-  is open is the same dialog; a cancelled turn or the process's end closes them all (each answers
-  the agent `cancelled` while it still runs); closing the session joins them.
+* `asks`: what the agent asks of the user while it works (pi's extension-UI dialogs, ACP's
+  permission requests): uibus.infra.peer's `Incoming`, the one map of the peer's requests, one owned
+  task each by the agent's request id (for a JSON-RPC agent, its `Peer`'s own): a repeated id while
+  the first is open is the same dialog; a cancelled turn or the process's end cancels them all
+  (each answers the agent `cancelled` while it still runs); closing the session joins them.
 * The turn loop (`StdioSession.stream`): one turn at a time (the engine's `AgentSessions` sees to
   that), a queue of the agent's events for it, one deadline timer per turn (`turn_timeout_seconds`;
   one timer rather than a timeout per line: bench/README.md measured a few percent of a piece for
@@ -27,15 +28,16 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Coroutine, Hashable
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, aclosing
 from typing import Any
 
 from opentelemetry.context import Context
 
 from uibus.agents import AgentError, AgentSession, Piece, SessionUi, Turn
-from uibus.agents.stdio import AgentProcess, StdioBackend
+from uibus.agents.stdio import AgentProcess, StdioBackend, text
 from uibus.infra.jsonrpc import Pending
+from uibus.infra.peer import Incoming
 from uibus.infra.tasks import Tasks
 from uibus.infra.telemetry import adopted
 from uibus.infra.telemetry.spans import tool_spans
@@ -48,36 +50,12 @@ _TIMED_OUT: Event = {"uibus": "the turn timed out"}  # the deadline's marker in 
 
 class Requests(Pending):
     """Our requests in flight to one agent, by id: the one in-flight map of uibus.infra.jsonrpc (bounded),
-    whose failures here are the turn's AgentError (a JSON-RPC agent's and pi's RPC alike)."""
+    whose failures here are the turn's AgentError (a JSON-RPC agent's and pi's RPC alike): a JSON-RPC
+    error answer says "message (JSON-RPC code)", which a turn shows as its error."""
 
     def __init__(self) -> None:
-        super().__init__(gone=AgentError)
-
-
-class AgentRequests:
-    """The agent's requests of the user in progress, one owned task each, by the agent's request id."""
-
-    def __init__(self, tasks: Tasks) -> None:
-        self._tasks = tasks
-        self._open: dict[Hashable, asyncio.Task[None]] = {}
-        self.trace: Context | None = None  # with tracing on: the context of the turn running now
-
-    def open(self, ident: Hashable, coro: Coroutine[Any, Any, None], *, name: str = "agent dialog") -> None:
-        """Runs `coro` for request `ident`, unless that request is open already (or the session closing)."""
-        if ident in self._open or self._tasks.closed:
-            coro.close()
-            return
-        if self.trace is not None:  # the dialog is part of the turn that caused it
-            coro = adopted(self.trace, coro)
-        task = self._tasks.spawn(coro, name=name)
-        self._open[ident] = task
-        task.add_done_callback(lambda _t: self._open.pop(ident, None))
-
-    def cancel(self) -> None:
-        """Closes every one (each at every UI, answered `cancelled` to a live agent). Not waited
-        for: they stay in the session's task set, which closing the session joins."""
-        for task in list(self._open.values()):
-            task.cancel()
+        super().__init__(gone=AgentError,
+                         failed=lambda e: AgentError(f"{text(e.message) or 'error'} (JSON-RPC {e.code})"))
 
 
 class TurnRun:
@@ -125,7 +103,9 @@ class StdioSession(AgentSession):
         self.log = self.process.log
         self.requests = Requests()
         self.tasks = Tasks(f"agent {backend.spec.name} session")
-        self.asks = AgentRequests(self.tasks)
+        self.asks = Incoming(f"agent {backend.spec.name} requests")
+        self.asks.wrap = self._traced
+        self.trace: Context | None = None  # with tracing on: the context of the turn running now
         # The agent's run the next turn must wait for (a cancelled turn's, or one the agent started).
         self.run: asyncio.Future[Any] | None = None
         self._turn: TurnRun | None = None
@@ -135,6 +115,11 @@ class StdioSession(AgentSession):
         self._owned = AsyncExitStack()
         self._owned.callback(backend.released)
         self._owned.push_async_callback(self.tasks.aclose)
+        self._owned.push_async_callback(self.asks.aclose)
+
+    def _traced(self, coro: Coroutine[Any, Any, Any]) -> Coroutine[Any, Any, Any]:
+        """An agent's request is part of the turn that caused it (with tracing on)."""
+        return adopted(self.trace, coro) if self.trace is not None else coro
 
     @property
     def alive(self) -> bool:
@@ -185,7 +170,7 @@ class StdioSession(AgentSession):
         if self._turn is not None:
             self._turn.lost()
         self.run_ended()
-        self.asks.cancel()  # closes each dialog for every UI
+        self.asks.cancel_all()  # closes each dialog for every UI
 
     async def start(self) -> None:
         await self._owned.enter_async_context(self.process)
@@ -243,7 +228,7 @@ class StdioSession(AgentSession):
         timer = asyncio.get_running_loop().call_later(self.options.turn_timeout, queue.put_nowait, _TIMED_OUT)
         tools = tool_spans()  # None unless this turn is traced
         if tools is not None:
-            self.asks.trace = tools.parent
+            self.trace = tools.parent
         try:
             async with aclosing(self.run_turn(turn, run)) as pieces:
                 async for piece in pieces:
@@ -254,9 +239,9 @@ class StdioSession(AgentSession):
             timer.cancel()
             if tools is not None:
                 tools.close()
-                self.asks.trace = None
+                self.trace = None
             self._turn = None
             if not run.ended:  # cancelled or failed in the middle: the protocol's cancel
-                self.asks.cancel()
+                self.asks.cancel_all()
                 if self.alive:
                     self.cancel_run()

@@ -32,8 +32,8 @@ from grpc_health.v1._async import HealthServicer
 
 from uibus.agents.config import load_agents
 from uibus.agents.limits import tenant_totals
+from uibus.app.figures import figures
 from uibus.app.installers import INSTALLERS
-from uibus.domain.agent_metrics import agent_metrics
 from uibus.domain.core import Core
 from uibus.edge import reflection
 from uibus.edge.metrics import Metrics
@@ -42,7 +42,7 @@ from uibus.edge.transports.http import HttpServer, read_pem, server_tls
 from uibus.edge.transports.inprocess import Channel
 from uibus.edge.transports.mcp_http import PATH as MCP_PATH
 from uibus.edge.transports.routes import Routes
-from uibus.edge.wiring import AppKey, Gauges, Installer, Labelled, Registry, Setup
+from uibus.edge.wiring import AppKey, Installer, Labelled, Registry, Setup
 from uibus.infra import telemetry
 from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
@@ -55,6 +55,7 @@ from uibus.infra.store import Store
 from uibus.infra.tasks import Tasks, cancel_and_wait
 from uibus.infra.webview import webview_html
 from uibus.infra.worker_table import Worker
+from uibus.replicas.placement import Placement, placement_for, sharing_for
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
@@ -171,6 +172,7 @@ class App:
         self._resources = Resources()
         self.health = HealthServicer()
         self.core: Core | None = None
+        self.placement: Placement | None = None  # built with the core (uibus.replicas.placement)
         self.registry: Registry | None = None
         self.metrics: Metrics | None = None
         self.tokens = Tokens()  # the tokens in force once started (see `reload_tokens`)
@@ -292,35 +294,22 @@ class App:
         # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
         quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
+        # What other replicas must see of this one (shared store entries), when there are replicas.
         core = self.core = Core.build(cfg, bus, store, agents, tokens=tokens, quotas=quotas,
-                                      mcp_url=lambda: self.mcp_url, observe_wait=self._dialog_wait)
+                                      mcp_url=lambda: self.mcp_url, observe_wait=self._dialog_wait,
+                                      sharing=sharing_for(bus, store))
+        # Where turns, steering calls and answers run: here, or at their agent's or dialog's replica.
+        placement = self.placement = placement_for(core, lease_s=cfg.agent_lease_seconds)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
         # agent process is stopped while what it reports can still be written.
-        # The placement's sharing is closed after the agent sessions (their removals are written), its
-        # hosting (leases, forwarded turns) before them (uibus.replicas.placement).
-        await res.enter("agent state sharing", core.placement.sharing())
+        # The agents' shared states are closed after the agent sessions (their removals are written),
+        # the placement's hosting (leases, forwarded turns) before them (uibus.replicas.placement).
+        await res.enter("agent state sharing", core.sharing.agent_states())
         await res.enter("agent sessions", core.agent_sessions)
-        await res.enter("agent ownership and turn forwarding", core.placement.hosting())
+        await res.enter("agent ownership and turn forwarding", placement.hosting())
         # Undone after the servers stop and before the store closes: the last states are written.
         res.callback("session log", self._flush_recent)
-        gauges: Gauges = {
-            "uibus_ready": ("1 while this process is ready (store and replication working, not shutting down; "
-                            "with --workers, every worker ready)",
-                            lambda: 0.0 if self.not_ready() else 1.0),
-            "uibus_store_up": ("1 while the session store answers, 0 while it fails (see /readyz for why)",
-                               lambda: 0.0 if store.problem else 1.0),
-        }
-        agent_gauges, counters = agent_metrics(core, agents)
-        gauges.update(agent_gauges)
-        session_log = core.feed.log
-        counters.update({
-            "uibus_log_entries": ("Session log entries committed (after coalescing: one per growing message)",
-                                  lambda: session_log.appended),
-            "uibus_log_commits": ("Session log transactions; fewer than acknowledged events when callers waiting "
-                                  "at once share one (group commit)", lambda: session_log.commits),
-            "uibus_log_write_failures": ("Session log writes that failed (kept queued and retried while the store "
-                                         "fails)", lambda: session_log.write_failures),
-        })
+        gauges, counters = figures(core, agents, placement, self.not_ready)
         worker = self.worker
         labelled: Labelled = {}
         metrics = self.metrics = Metrics(bus, gauges, counters, labelled=labelled, store=store,
@@ -343,7 +332,7 @@ class App:
             *keepalive_options(cfg),
         ])
         registry = self.registry = Registry(server, pipeline)
-        setup = self._setup = Setup(cfg, core, registry, pipeline, gauges=gauges, counters=counters,
+        setup = self._setup = Setup(cfg, core, placement, registry, pipeline, gauges=gauges, counters=counters,
                                     labelled=labelled)
         for install in self._installers:
             await res.enter(getattr(install, "__name__", "installer"), install(setup))

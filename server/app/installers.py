@@ -41,7 +41,8 @@ async def ui_feed(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
     dialogs = setup.core.dialogs
-    setup.serve(extension_ui.add_to(setup.registry, dialogs, setup.pipeline.quotas, setup.pipeline.tenant_of))
+    setup.serve(extension_ui.add_to(setup.registry, dialogs, setup.placement, setup.pipeline.quotas,
+                                      setup.pipeline.tenant_of))
     setup.gauge("uibus_extension_ui_pending_dialogs", "Extension-UI dialogs waiting for an answer", dialogs.count)
     yield
     await dialogs.aclose()  # before the bus and the store close: the last closed events go out
@@ -51,7 +52,7 @@ async def extension_ui_dialogs(setup: Setup) -> AsyncIterator[None]:
 async def agents(setup: Setup) -> AsyncIterator[None]:
     """neuro-san's AgentService (per agent and canonical) and ConciergeService."""
     chat = setup.core.chat
-    servicer = agent.AgentServicer(chat)
+    servicer = agent.AgentServicer(chat, setup.placement)
     setup.serve(*agent.add_to(setup.registry, chat, servicer))
     setup.counter("uibus_chat_context_dropped_messages_total",
                   "ChatContext messages dropped (oldest first) to keep a context within --chat-context-bytes",
@@ -64,7 +65,7 @@ async def agents(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def session_api(setup: Setup) -> AsyncIterator[None]:
     """uibus.v1.SessionService: the sessions of the caller's tenant, and steering their agents."""
-    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.pipeline.visible_sessions,
+    setup.serve(sessions.add_to(setup.registry, setup.core.sessions, setup.placement, setup.pipeline.visible_sessions,
                                 setup.pipeline.tenant_of, setup.pipeline.quotas))
     setup.mount(SESSIONS_PATH, SessionsHttp(setup.registry.lookup, setup.config.max_message_bytes))
     yield
@@ -103,9 +104,9 @@ async def codebolt_gateway(setup: Setup) -> AsyncIterator[None]:
 @asynccontextmanager
 async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     """`/mcp` on the HTTP port: the agents and the session's UIs as Model Context Protocol tools."""
-    server = McpServer(setup.core, setup.pipeline.wrap, version(), visible=setup.pipeline.visible_sessions,
-                       quotas=setup.pipeline.quotas, tenant_of=setup.pipeline.tenant_of,
-                       tools_for=setup.pipeline.tools_for)
+    server = McpServer(setup.core, setup.placement, setup.pipeline.wrap, version(),
+                       visible=setup.pipeline.visible_sessions, quotas=setup.pipeline.quotas,
+                       tenant_of=setup.pipeline.tenant_of, tools_for=setup.pipeline.tools_for)
     endpoint = McpHttp(server, setup.config.max_message_bytes)
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",

@@ -1,5 +1,5 @@
 """The hosted agents' figures on /metrics: agent sessions open, processes started, sessions closed
-and why, turns forwarded between replicas, leases taken over or fenced, conversations resumed.
+and why, conversations resumed (where turns ran among replicas: uibus.replicas.placement's).
 
 They are read from the domain's objects when /metrics is scraped (callables, nothing counted twice);
 the app hands them to the metrics registry beside its own. A module of their own because naming
@@ -18,7 +18,7 @@ Family = dict[str, tuple[str, Callable[[], float]]]  # metric name -> (help, rea
 
 def agent_metrics(core: Core, agents: Any) -> tuple[Family, Family]:
     """(gauges, counters) of the hosted agents. `agents`: the loaded agents (their backends count the
-    processes they started); the placement's counters read 0 alone (no replicas)."""
+    processes they started)."""
     sessions = core.agent_sessions
     gauges: Family = {"uibus_agent_sessions": (
         "agent sessions open now: hosted agents (backend rpc) that live across turns, one per (session, agent), "
@@ -36,22 +36,6 @@ def agent_metrics(core: Core, agents: Any) -> tuple[Family, Family]:
             lambda: float(sessions.closed_reclaimed)),
         "uibus_agent_sessions_closed_dead_total": ("agent sessions whose agent process had exited by itself",
                                                    lambda: float(sessions.closed_dead)),
-        "uibus_agent_turns_forwarded_total": (
-            "hosted agent turns carried from this replica to the replica owning the agent",
-            lambda: float(core.placement.forwarded)),
-        "uibus_agent_turns_served_total": (
-            "hosted agent turns other replicas carried here, to the agent this replica owns",
-            lambda: float(core.placement.served)),
-        "uibus_agent_turns_interrupted_total": (
-            "forwarded turns ended UNAVAILABLE because the owning replica went silent",
-            lambda: float(core.placement.interrupted)),
-        "uibus_agent_leases_taken_over_total": (
-            "agent ownership leases this replica took over from a replica whose lease had expired",
-            lambda: float(core.placement.taken_over)),
-        "uibus_agent_leases_fenced_total": (
-            "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
-            "their turns cut, their agent closed",
-            lambda: float(core.placement.fenced)),
         "uibus_agent_conversations_resumed_total": (
             "hosted agents' conversations picked up again by a new process (option resume)",
             lambda: float(sessions.handles.resumed)),

@@ -14,13 +14,14 @@ turn RESOURCE_EXHAUSTED. So:
 
 Only agent sessions running or awaiting a turn are never closed.
 
-A mixin of `AgentSessions` (uibus.domain.agent_sessions), whose `_live`, `_open` and `_close` it uses:
-its own module because it is its own job (who gives way), not the sessions' lifecycle.
+`Room` is owned by `AgentSessions` (uibus.domain.agent_sessions) and handed what it acts on — the
+live agent sessions, how to open one and how to close one — when it is built: its own object
+because it is its own job (who gives way), not the sessions' lifecycle.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,24 +31,36 @@ from uibus.infra.quotas import Quotas
 
 QUOTA = "agent_processes"
 
+Key = tuple[str, str]  # (uibus session, agent name)
 
-class MakesRoom:
-    closed_reclaimed = 0  # idle agent sessions closed to make room for a turn (a /metrics counter)
-    _live: dict[tuple[str, str], Any]
-    tokens: Tokens | None  # whose each session is (AgentSessions.tokens)
-    # The quotas in force (the app's); None: no per-tenant share, only max_processes.
-    quotas: Quotas | None = None
-    # (tenant, agent) -> agent sessions being opened now: counted in the share before they are live,
-    # so two first turns of one tenant at once cannot both take its last place.
-    _starting: dict[tuple[str, str], int]
+
+class Room:
+    """Who gives way when a turn needs a process: the agent's max_processes and each tenant's share."""
+
+    def __init__(self, live: Callable[[], dict[Key, Any]], open_: Callable[[str, Any], Awaitable[Any]],
+                 close: Callable[[Key, Any, str], Awaitable[None]], tokens: Tokens | None,
+                 quotas: Quotas | None) -> None:
+        """`live()`: the live agent sessions by key (each with `tenant`, `users`, `task`, `idle_since`,
+        `agent`); `open_(session, backend)`: opens one (ResourceExhausted at max_processes);
+        `close(key, agent, why)`: closes one taken out of `live()`; `tokens`: whose each session is;
+        `quotas`: the quotas in force (None: no per-tenant share, only max_processes)."""
+        self._live = live
+        self._open = open_
+        self._close = close
+        self.tokens = tokens
+        self.quotas = quotas
+        self.reclaimed = 0  # idle agent sessions closed to make room for a turn (a /metrics counter)
+        # (tenant, agent) -> agent sessions being opened now: counted in the share before they are
+        # live, so two first turns of one tenant at once cannot both take its last place.
+        self._starting: dict[Key, int] = {}
 
     def _share_of(self, tenant: str, name: str) -> int:
         """What `tenant` holds of agent `name`: its live agent sessions and those being opened."""
-        live = sum(1 for key, entry in self._live.items() if key[1] == name and entry.tenant == tenant)
+        live = sum(1 for key, entry in self._live().items() if key[1] == name and entry.tenant == tenant)
         return live + self._starting.get((tenant, name), 0)
 
     @asynccontextmanager
-    async def _within_share(self, session: str, name: str) -> AsyncIterator[str]:
+    async def within_share(self, session: str, name: str) -> AsyncIterator[str]:
         """A place in the share of agent `name` of `session`'s tenant (yielded), held while its agent
         session is opened (it counts as live once opened). At the share, the tenant's own least
         recently used idle one is closed first; QuotaExceeded when none of its own is idle."""
@@ -67,28 +80,28 @@ class MakesRoom:
             else:
                 del self._starting[key]
 
-    async def _open_reclaiming(self, session: str, backend: Any) -> Any:
-        """`_open`; at the agent's max_processes, its least recently used idle agent session is
-        closed first and the open tried once more (ResourceExhausted when none is idle)."""
+    async def open(self, session: str, backend: Any) -> Any:
+        """Opens an agent session; at the agent's max_processes, its least recently used idle agent
+        session is closed first and the open tried once more (ResourceExhausted when none is idle)."""
         try:
-            return await self._open(session, backend)  # type: ignore[attr-defined]
+            return await self._open(session, backend)
         except ResourceExhausted:
             if not await self._reclaim(backend.spec.name):
                 raise
-        return await self._open(session, backend)  # type: ignore[attr-defined]
+        return await self._open(session, backend)
 
     async def _reclaim(self, name: str, tenant: str | None = None) -> bool:
         """Closes the least recently used idle agent session of agent `name` (of `tenant` alone when
         given); False when none is idle."""
-        idle = [(entry.idle_since, key) for key, entry in self._live.items()
+        live = self._live()
+        idle = [(entry.idle_since, key) for key, entry in live.items()
                 if key[1] == name and not entry.users and entry.task is None
                 and (tenant is None or entry.tenant == tenant)]
         if not idle:
             return False
         key = min(idle)[1]
-        entry = self._live.pop(key)
-        self.closed_reclaimed += 1
+        entry = live.pop(key)
+        self.reclaimed += 1
         why = "max_processes" if tenant is None else f"its tenant's quota {QUOTA}"
-        await self._close(key, entry.agent, "closed (the least recently used idle one) to make room "  # type: ignore[attr-defined]
-                                            f"under {why}")
+        await self._close(key, entry.agent, f"closed (the least recently used idle one) to make room under {why}")
         return True

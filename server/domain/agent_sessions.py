@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from uibus.agents import AgentError, AgentSession, SessionBackend
 from uibus.agents.workspaces import GitError, Workspaces
 from uibus.domain.agent_handles import Handles
-from uibus.domain.agent_room import MakesRoom
+from uibus.domain.agent_room import Room
 from uibus.domain.changes import Changes
 from uibus.domain.dialogs import Dialogs
 from uibus.domain.feed import UiFeed
@@ -45,10 +45,10 @@ from uibus.domain.session_bound import SessionBound
 from uibus.infra.auth import OPERATOR, Tokens
 from uibus.infra.errors import Cancelled, Unavailable
 from uibus.infra.quotas import Quotas
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.infra.store import Store
 from uibus.infra.tasks import Tasks
 from uibus.pb.cline import ui_pb2
-from uibus.replicas.placement import Placement
 
 log = logging.getLogger("uibus.agents")
 
@@ -76,14 +76,14 @@ def cut_by_shutdown(agent: str) -> str:
             "conversation is kept, send the turn again")
 
 
-class AgentSessions(MakesRoom):
+class AgentSessions:
     """Every live agent session of this process, by (uibus session, agent name)."""
 
-    def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, placement: Placement, *,
+    def __init__(self, dialogs: Dialogs, feed: UiFeed, store: Store, sharing: Sharing | None = None, *,
                  changes: Changes | None = None, workspaces: Workspaces | None = None, tokens: Tokens | None = None,
                  quotas: Quotas | None = None, mcp_url: Callable[[], str] = str, sweep_s: float = SWEEP_S) -> None:
-        """`placement` hears when an agent's state may have changed (a turn, a steering call, it closed)
-        and closes an agent whose lease was lost; `changes` is poked when a turn starts or ends (watches
+        """`sharing` hears when an agent's state may have changed (a turn, a steering call, it closed:
+        other processes list it; none: alone); `changes` is poked when a turn starts or ends (watches
         re-list at once); `workspaces`: where agents with option `workspace = "worktree"` get theirs;
         `tokens`: agents' /mcp tokens are minted there, tenants named by it; `quotas`: each tenant's
         share of processes; `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens ("": none)."""
@@ -94,18 +94,23 @@ class AgentSessions(MakesRoom):
         self.sweep_s = sweep_s
         self._live: dict[tuple[str, str], _Live] = {}
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
-        self._starting: dict[tuple[str, str], int] = {}  # (tenant, agent) -> opening now (MakesRoom)
         self._one_shot = 0  # agent sessions of callers that named no session, open now
         self._stopping = 0  # agent sessions being closed now (their processes still stopping)
         self._sweeper = Tasks("agent sessions sweep")
         self._closing = False
         self.closed_idle = self.closed_evicted = self.closed_dead = 0
         self.changes = changes or Changes()
-        self.placement = placement
-        placement.host(self)
+        self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
         self.mcp_url, self.tokens, self.quotas = mcp_url, tokens, quotas
+        # who gives way when a turn needs a process (max_processes, each tenant's share)
+        self.room = Room(lambda: self._live, self._open, self._close, tokens, quotas)
         self._bound: dict[AgentSession, SessionBound] = {}  # each open agent session's SessionUi
         self.workspaces = workspaces
+
+    @property
+    def closed_reclaimed(self) -> int:
+        """Idle agent sessions closed to make room for a turn (a /metrics counter)."""
+        return self.room.reclaimed
 
     def count(self) -> int:
         """Agent sessions open or closing now (each may hold a process)."""
@@ -176,7 +181,7 @@ class AgentSessions(MakesRoom):
                 if marker:
                     await self.store.put(key[0], MARKER + key[1], None)
             if marker and key not in self._live:  # not another replica's now, nor replaced here
-                self.placement.agent_changed(*key)
+                self.sharing.agent_changed(*key)
 
     def _ensure_sweeper(self, idle_seconds: float) -> None:
         self.sweep_s = min(self.sweep_s, max(0.05, idle_seconds / 2))
@@ -362,8 +367,8 @@ class AgentSessions(MakesRoom):
                 async with opening:  # two first turns at once start one agent
                     entry = self._live.get(key)
                     if entry is None:
-                        async with self._within_share(session, name) as tenant:  # the tenant's share first
-                            agent = await self._open_reclaiming(session, backend)
+                        async with self.room.within_share(session, name) as tenant:  # the tenant's share first
+                            agent = await self.room.open(session, backend)
                             try:  # the marker first: a sweep must never find a live agent without one
                                 await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
                             except BaseException:
@@ -385,17 +390,17 @@ class AgentSessions(MakesRoom):
                     self.closed_dead += 1
                     await self._close(key, old, "its agent exited")
                     await self.store.put(session, MARKER + name, {"since": int(time.time() * 1000)})
-                    entry.agent = await self._open_reclaiming(session, backend)
+                    entry.agent = await self.room.open(session, backend)
                 task = asyncio.current_task()
                 entry.task = task
                 self.changes.poke()
-                self.placement.agent_changed(session, name)
+                self.sharing.agent_changed(session, name)
                 try:
                     yield entry.agent
                 finally:
                     entry.task = None
                     self.changes.poke()
-                    self.placement.agent_changed(session, name)
+                    self.sharing.agent_changed(session, name)
                     stopped = entry.stopping is task
                     if stopped:
                         entry.stopping = None

@@ -41,7 +41,6 @@ from uibus.infra.proto_check import undefined_enum
 from uibus.infra.telemetry.spans import traced_turn
 from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, concierge_pb2
-from uibus.replicas.placement import Placement
 
 log = logging.getLogger("uibus.chat")
 
@@ -174,10 +173,9 @@ def _struct(value: dict[str, Any]) -> struct_pb2.Struct:
 
 
 class Chat:
-    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, sessions: AgentSessions,
-                 placement: Placement, *, context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
-        """`placement`: where each hosted agent's turns run (here, or at its one owner among the
-        replicas: uibus.replicas); `context_bytes` bounds each (session, agent) ChatContext, stored and
+    def __init__(self, agents: AgentTable, history: ChatHistory, feed: UiFeed, sessions: AgentSessions, *,
+                 context_bytes: int = 1024 * 1024, send_limit: int = 4 * 1024 * 1024) -> None:
+        """`context_bytes` bounds each (session, agent) ChatContext, stored and
         returned; `send_limit` is the largest message the transports send (the final reply is fitted to it)."""
         self.agents = agents
         self.history = history
@@ -186,8 +184,6 @@ class Chat:
         self.context_bytes = context_bytes
         self.send_limit = send_limit
         self.context_dropped = 0  # ChatContext messages dropped to keep contexts within budget
-        self.placement = placement
-        placement.serve_turns(self.turn_here)  # the turns of the agents this replica owns, wherever they arrived
         self.directory = concierge_pb2.ConciergeResponse(agents=[
             concierge_pb2.AgentInfo(agent_name=s.name, description=s.description, tags=list(s.tags))
             for s in agents.specs.values()])
@@ -241,22 +237,22 @@ class Chat:
         self.spec(agent)
         check_request(request)
 
-    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
-             metadata: Mapping[str, str] | None = None, *, keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """The ChatResponses of one turn (see `turn_here`). A hosted agent's turn of a named session
-        runs where the placement puts it (with replicas: at the one replica owning that agent,
-        wherever it arrived); every other turn runs here."""
-        backend = self.agents.backends.get(agent)
-        if not keep or not request.user_message.text or not isinstance(backend, SessionBackend):
-            return self.turn_here(session, agent, request, metadata, keep=keep)
-        forwarded = {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
-        return self.placement.turn(session, agent, request, forwarded, lambda: self.check(agent, request))
+    def placed(self, agent: str, request: agent_pb2.ChatRequest, keep: bool = True) -> bool:
+        """Whether this turn belongs to one hosted agent process of its session (a kept turn with
+        text, of a hosted agent): such a turn runs where that process lives, so the edge places it
+        (uibus.replicas.placement); every other turn runs wherever it arrived."""
+        return keep and bool(request.user_message.text) and self.hosted(agent)
+
+    @staticmethod
+    def carried(metadata: Mapping[str, str] | None) -> dict[str, str]:
+        """The part of a placed turn's metadata that reaches its agent (wherever it runs)."""
+        return {k: v for k, v in (metadata or {}).items() if k in _FORWARD}
 
     @traced_turn  # a span per turn when tracing is on (uibus.infra.telemetry)
-    async def turn_here(self, session: str, agent: str, request: agent_pb2.ChatRequest,
-                        metadata: Mapping[str, str] | None = None, *,
-                        keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """The ChatResponses of one turn run by this replica. Bad input fails (with `check`'s errors) before anything
+    async def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                   metadata: Mapping[str, str] | None = None, *,
+                   keep: bool = True) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """The ChatResponses of one turn, run here. Bad input fails (with `check`'s errors) before anything
         happens; after that an agent failure is an answer, and only a store failure or a
         cancellation ends the stream otherwise. `keep=False` (a caller that named no session): the
         stored conversation is neither continued nor written; the turn goes on from the request's

@@ -21,9 +21,8 @@ from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
 from uibus.infra.config import Config
 from uibus.infra.quotas import Quotas
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.infra.store import LogRetention, Store
-from uibus.pb.cline import ui_pb2
-from uibus.replicas.placement import Placement, placement_for
 
 
 @dataclass
@@ -38,15 +37,16 @@ class Core:
     dialogs: Dialogs
     agent_sessions: AgentSessions
     sessions: Sessions
-    # Where the hosted agents run and what other replicas hear of (uibus.replicas): local alone,
-    # leased on a replicated bus. The domain objects above ask it; none asks whether it is replicated.
-    placement: Placement
+    # What other processes must see of this one (waiting dialogs, hosted agents' states): told to
+    # the store/bus layer as it changes (uibus.infra.sharing); alone, nothing is kept.
+    sharing: Sharing
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable, *, tokens: Tokens | None = None,
               quotas: Quotas | None = None, mcp_url: Callable[[], str] = str,
-              observe_wait: Callable[[str, str, float], None] | None = None) -> Core:
+              observe_wait: Callable[[str, str, float], None] | None = None, sharing: Sharing | None = None) -> Core:
         """Every domain object built once, each handed what it uses (no hook is set afterwards).
+        `sharing`: what other processes are told of this one's dialogs and agents (None: alone);
         `tokens`, `quotas`: the app's (agents' /mcp tokens, tenants' shares of processes);
         `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens, offered to ACP agents;
         `observe_wait(kind, outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
@@ -56,12 +56,10 @@ class Core:
                                  max_age_s=config.log_max_age_seconds)
         feed = UiFeed(bus, store, clock, log=SessionLog(store, retention=retention))
         history = ChatHistory(store, bus, max_bytes=config.history_bytes)
-        # one owner per hosted agent across replicas and workers, when there are replicas
-        placement = placement_for(bus, store, lease_s=config.agent_lease_seconds,
-                                  say_error=lambda session, text: feed.say(session, text, ui_pb2.ERROR))
+        sharing = sharing if sharing is not None else LocalSharing()
         # a turn starting or ending, a dialog opening or closing, shows in every sessions watch at once
         changes = Changes()
-        dialogs = Dialogs(bus, store, placement, config.queue_size, log=feed.log, on_change=changes.poke,
+        dialogs = Dialogs(bus, store, sharing, config.queue_size, log=feed.log, on_change=changes.poke,
                           observe_wait=observe_wait)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store
@@ -69,15 +67,13 @@ class Core:
         workspaces = Workspaces(str(Path(root).expanduser()),
                                 enabled=any(getattr(b, "workspace_repo", None) is not None
                                             for b in agents.backends.values()))
-        sessions = AgentSessions(dialogs, feed, store, placement, changes=changes, workspaces=workspaces,
+        sessions = AgentSessions(dialogs, feed, store, sharing, changes=changes, workspaces=workspaces,
                                  tokens=tokens, quotas=quotas, mcp_url=mcp_url)
-        chat = Chat(agents, history, feed, sessions, placement, context_bytes=config.chat_context_bytes,
+        chat = Chat(agents, history, feed, sessions, context_bytes=config.chat_context_bytes,
                     send_limit=config.max_message_bytes)
-        # steering concerns hosted agents only: any other name is answered here
-        listing = Sessions(store, dialogs, sessions, history, placement, changes=changes, recent=feed.recent,
-                           hosted=chat.hosted)
+        listing = Sessions(store, dialogs, sessions, history, sharing, changes=changes, recent=feed.recent)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
-                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, placement=placement)
+                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, sharing=sharing)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

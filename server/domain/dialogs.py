@@ -11,12 +11,13 @@ events reach the UIs through the bus (kind EXTENSION_UI); status, widgets and ti
 to the store before they are published, so a UI that subscribes later starts from the current
 state.
 
-A dialog lives in the replica its agent called; the placement (uibus.replicas) makes it known to
-the others: with Redis, answers given on other replicas are forwarded to it
-(uibus.replicas.dialog_forwarding) and each waiting dialog is written to the shared store, so a UI
-subscribing on any replica replays every waiting dialog of the session, whichever replica holds
-it (uibus.replicas.dialog_sharing). The dialog is shared between `prepare` and `open`, and its
-closed event is published once it is unshared (alone: at once).
+A dialog lives in the process its agent called. This module applies answers given here to the
+dialogs held here, nothing else: where an answer to a dialog held elsewhere goes is the edge's
+business (uibus.replicas.placement asks `answer` here first, then the holder). What other processes
+must see of the dialogs held here is told to the store/bus layer (`Sharing`, uibus.infra.sharing:
+with Redis each waiting dialog is written to the shared store, so a UI subscribing on any replica
+replays every waiting dialog of the session); the dialog is shared between `prepare` and `open`,
+and its closed event is published once it is unshared (alone: at once).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -44,11 +46,19 @@ from uibus.domain.session_log import SessionLog
 from uibus.infra import dialog_limits as checks
 from uibus.infra import kinds, telemetry
 from uibus.infra.bus import LIVE, Bus, Live
-from uibus.infra.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from uibus.infra.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    UibusError,
+    Unavailable,
+)
+from uibus.infra.replay import Catchup
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.infra.store import Store
 from uibus.infra.telemetry import spans
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.replicas.placement import Placement, Verdict
 
 MAX_STATE_KEYS = 256  # status entries and widgets per session
 # A UI stream must not lose dialog requests to a burst of status updates; 1024 holds every
@@ -74,6 +84,14 @@ DialogRequest = pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | pb.Edit
 _DIALOG_METHODS = frozenset(method for method, _ in _ASK.values())  # the requests that wait for an answer
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What became of an answer: taken (error None), refused (error), or the dialog is not held
+    here (`unknown`: another process may hold it)."""
+    error: UibusError | None = None
+    unknown: bool = False
+
+
 def _event(replayed: bool = False, **method: Any) -> pb.ExtensionUiEvent:
     return pb.ExtensionUiEvent(request=pb.ExtensionUiRequest(
         id=str(uuid.uuid4()), ts=int(time.time() * 1000), replayed=replayed, **method))
@@ -96,20 +114,19 @@ def state_events(state: dict[str, Any]) -> list[pb.ExtensionUiEvent]:
 
 
 class Dialogs:
-    def __init__(self, bus: Bus, store: Store, placement: Placement, queue_size: int = UI_QUEUE, *,
+    def __init__(self, bus: Bus, store: Store, sharing: Sharing | None = None, queue_size: int = UI_QUEUE, *,
                  log: SessionLog | None = None, on_change: Callable[[], None] = lambda: None,
                  observe_wait: Callable[[str, str, float], None] | None = None) -> None:
-        """`placement`: shares waiting dialogs with other replicas and brings their answers here;
+        """`sharing`: where the waiting dialogs are told, for other processes' UIs (none: alone);
         `log`: the session log the UIs' events are stamped into (resumable streams; without one
         events carry no seq); `on_change`: told when a dialog opens or closes; `observe_wait(kind,
         outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
         self.bus = bus
         self.store = store
         self.log = log
-        self.placement = placement
-        self.pending = PendingDialogs(bus, placement, log=log, on_change=on_change)
+        self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
+        self.pending = PendingDialogs(bus, self.sharing, log=log, on_change=on_change)
         self.ui_queue = max(UI_QUEUE, queue_size)
-        placement.serve_answers(self._verdict, self.settled)  # answers given on other replicas to dialogs held here
         self.observe_wait = observe_wait
 
     def count(self, session: str | None = None) -> int:
@@ -119,12 +136,12 @@ class Dialogs:
     def shutdown(self) -> None:
         """Refuse new dialogs and release every waiting agent (answered "shutdown")."""
         self.pending.shutdown()
-        self.placement.close_dialogs()
+        self.sharing.close_dialogs()
 
     async def aclose(self) -> None:
         """After `shutdown`, before the bus and the store close: lets the last store writes and
         closed events go out, so other replicas neither replay nor keep showing these dialogs."""
-        await self.placement.aclose_dialogs()
+        await self.sharing.aclose_dialogs()
 
     # ---- agents: dialogs ----
 
@@ -142,18 +159,18 @@ class Dialogs:
         traced = telemetry.tracer is not None
         span = spans.dialog_start(method, session, dialog.id, dialog.timeout_ms) if traced else None
         started = time.monotonic()
-        placement = self.placement
+        sharing = self.sharing
         opened = False
         answer: Answer | None = None
         try:
-            await placement.share_dialog(session, dialog.request)  # before it is published: a late UI reads it
+            await sharing.share_dialog(session, dialog.request)  # before it is published: a late UI reads it
             self.pending.open(dialog)
             opened = True
             answer = await self.pending.wait(dialog)
         finally:
             if not opened:  # refused or cancelled before it opened
-                placement.unshare_dialog(session, dialog.id)
-            placement.dialog_done(session)
+                sharing.unshare_dialog(session, dialog.id)
+            sharing.dialog_done(session)
             if opened:
                 self._waited(dialog, answer, time.monotonic() - started, span)
             elif span is not None:
@@ -252,17 +269,14 @@ class Dialogs:
             yield LIVE  # subscribed: the pipeline sends the response headers now
             if since is not None and self.log is not None:
                 await self._close_orphans(session)  # closes it makes reach `sub` and the log: sent once
-                missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, sub)
+                catchup: Catchup[pb.ExtensionUiEvent] = Catchup(sub)  # replay then live (uibus.infra.replay)
+                missed, gap = await self.log.resume(session, since, EXT_UI, pb.ExtensionUiEvent, catchup)
                 if not gap:  # exactly what came after the cursor, then live
-                    sent = {event.seq for event in missed}  # queued meanwhile too: sent once
                     for event in missed:
                         yield event
                     if mark_end:
                         yield REPLAY_END
-                    async for event in sub:
-                        if sent and event.seq in sent:
-                            sent.discard(event.seq)
-                            continue
+                    async for event in catchup.live():  # what was replayed, queued meanwhile too: sent once
                         yield event
                     return
                 yield pb.ExtensionUiEvent(gap=True)  # too old: the snapshot follows
@@ -270,7 +284,7 @@ class Dialogs:
             for event in state_events(kept):
                 yield event
             requests: list[tuple[pb.ExtensionUiRequest, Dialog | None]] = [(d.request, d) for d in waiting]
-            elsewhere = self.placement.dialogs_elsewhere(session, kept)
+            elsewhere = self.sharing.dialogs_elsewhere(session, kept)
             if elsewhere:
                 requests += [(request, None) for request in elsewhere]
                 requests.sort(key=lambda pair: pair[0].ts)
@@ -319,7 +333,7 @@ class Dialogs:
         if not orphans:
             return
         # ... or by a live replica (it shares a dialog before it is logged; a dead one's are not read)
-        elsewhere = {request.id for request in await self.placement.read_dialogs_elsewhere(session)}
+        elsewhere = {request.id for request in await self.sharing.read_dialogs_elsewhere(session)}
         closed = False
         for dialog_id in orphans:
             if dialog_id in elsewhere or self.pending.find(session, dialog_id) is not None:
@@ -331,19 +345,24 @@ class Dialogs:
         if closed:
             await self.log.flush(session)
 
+    async def answer(self, session: str, request: pb.RespondRequest) -> Verdict:
+        """Applies an answer to a dialog held here and commits it: once this returns a taken answer,
+        the dialog's close is in the log (acknowledged is durable). `unknown` when no dialog of that
+        id is held here."""
+        verdict = self.verdict(session, request)
+        if verdict.error is None and not verdict.unknown:
+            await self.settled(session)
+        return verdict
+
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
-        """Answers a dialog of the session (here or, with Redis, on the replica that holds it)."""
-        verdict = self._verdict(session, request)
-        if verdict.unknown:  # perhaps another replica holds it (which commits its close before it replies)
-            verdict = await self.placement.forward_answer(session, request, verdict)
-        elif verdict.error is None:
-            await self.settled(session)  # the dialog's close is in the log before the answer is acknowledged
+        """Answers a dialog held here, raising what was wrong (NOT_FOUND when none is)."""
+        verdict = await self.answer(session, request)
         if verdict.error is not None:
             raise verdict.error
 
-    def _verdict(self, session: str, request: pb.RespondRequest) -> Verdict:
+    def verdict(self, session: str, request: pb.RespondRequest) -> Verdict:
         """Applies an answer if it fits the open dialog; else why not. Synchronous, so the first
-        answer wins; also used for answers forwarded from other replicas."""
+        answer wins (an answer carried here from another process is applied the same way)."""
         if not request.id:
             return Verdict(InvalidArgument("id is required: the id of the extension_ui_request being answered"))
         kind = request.WhichOneof("answer")

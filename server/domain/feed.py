@@ -30,6 +30,7 @@ from uibus.infra.bus import LIVE, Bus, Live
 from uibus.infra.errors import FailedPrecondition, InvalidArgument
 from uibus.infra.json_input import load_json
 from uibus.infra.kinds import Kind
+from uibus.infra.replay import Catchup
 from uibus.infra.store import Store
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
@@ -244,10 +245,11 @@ class UiFeed:
                 if theme is not None:
                     value = common_pb2.String(value=theme)
                     yield Replayed(value) if replay else value
-            # The seq of each message (by ts) this stream has replayed: a live state of it that is not
-            # newer was queued before the replay was read and is sent no more. By ts, not a seq
-            # threshold: another replica's publisher may stamp a newer message with a lower seq.
-            sent: dict[int, int] = {}
+            # Replay then live (uibus.infra.replay), a message's states keyed by its ts: a live state of
+            # a message this stream has replayed that is not newer (by seq) was queued before the
+            # replay was read and is sent no more. By ts, not a seq threshold: another replica's
+            # publisher may stamp a newer message with a lower seq.
+            catchup: Catchup[ui_pb2.ClineMessage] = Catchup(sub, key=_by_ts, version=_by_seq)
             if stream.kind is kinds.PARTIAL_MESSAGE and (replay or since is not None):
                 # Read after subscribing, so nothing published meanwhile is missed. What the mailbox
                 # got since then is taken into the replay (the higher seq of a ts wins), so it is
@@ -259,11 +261,7 @@ class UiFeed:
                     log_read = await self.log.read(session, since, kind=MESSAGE)
                     gap = log_read.gap
                     found = {} if gap else _messages(log_read.entries)
-                while len(sub):
-                    item = await anext(sub)
-                    known = found.get(item.ts)
-                    if known is None or item.seq >= known.seq:
-                        found[item.ts] = item
+                await catchup.merge(found, live_wins_ties=True)
                 if gap:
                     # The cursor is older than what the log keeps: say so, never a silent hole. A
                     # webview (replay) gets GAP then the recent messages; a Cline stream gets the
@@ -278,18 +276,12 @@ class UiFeed:
                         found = self._resnapshot(session, await self.recent.read(session))
                 # A snapshot in ts order (the conversation as shown), a resume in log (seq) order.
                 for message in sorted(found.values(), key=_by_ts if since is None or gap else _by_seq):
-                    sent[message.ts] = message.seq
+                    catchup.sent(message)
                     yield Replayed(message) if replay else message
             if mark_end:
                 yield REPLAY_END
-            if sent:
-                async for item in sub:
-                    if sent and item.seq <= sent.get(item.ts, 0):  # replayed already (queued before the read)
-                        continue
-                    yield item
-            else:
-                async for item in sub:
-                    yield item
+            async for item in catchup.live():  # without what the replay sent (queued before the read)
+                yield item
         finally:
             bus.unsubscribe(sub)
 
@@ -302,18 +294,14 @@ class UiFeed:
         try:
             await bus.ready(session)
             yield LIVE
-            sent: set[int] = set()  # the seqs replayed: the same requests queued meanwhile come no more
+            catchup: Catchup[host_pb2.HostRequest] = Catchup(sub)  # replay then live (uibus.infra.replay), by seq
             if since is not None:
-                missed, gap = await self.log.resume(session, since, HOST_REQUESTS, host_pb2.HostRequest, sub)
+                missed, gap = await self.log.resume(session, since, HOST_REQUESTS, host_pb2.HostRequest, catchup)
                 if gap:
                     yield host_pb2.HostRequest(gap=True, seq=self.log.head(session))
                 for item in missed:
-                    sent.add(item.seq)
                     yield item
-            async for item in sub:
-                if sent and item.seq in sent:
-                    sent.discard(item.seq)
-                    continue
+            async for item in catchup.live():  # the requests replayed, queued meanwhile too, come no more
                 yield item
         finally:
             bus.unsubscribe(sub)

@@ -25,8 +25,8 @@ from uibus.domain.session_log import SessionLog
 from uibus.infra import kinds
 from uibus.infra.bus import Bus
 from uibus.infra.errors import ResourceExhausted, Unavailable
+from uibus.infra.sharing import Sharing
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.replicas.placement import Placement
 
 ANSWERED = pb.DIALOG_OUTCOME_ANSWERED
 CANCELLED = pb.DIALOG_OUTCOME_CANCELLED
@@ -71,13 +71,13 @@ EXT_UI = "ext_ui"  # the kind of extension-UI events in the session log
 class PendingDialogs:
     """The open dialogs of every session, and a bounded memory of closed ones."""
 
-    def __init__(self, bus: Bus, placement: Placement, max_per_session: int = MAX_PENDING_PER_SESSION,
+    def __init__(self, bus: Bus, sharing: Sharing, max_per_session: int = MAX_PENDING_PER_SESSION,
                  remember: int = 4096, log: SessionLog | None = None,
                  on_change: Callable[[], None] = lambda: None) -> None:
         """`on_change`: told when a dialog opens or closes here (the sessions API's watches re-list)."""
         self.bus = bus
         self.log = log  # the session log: every event a UI gets is stamped and kept there first
-        self.placement = placement  # closing unshares the dialog (with Redis: its store entry) before telling UIs
+        self.sharing = sharing  # closing unshares the dialog (with Redis: its store entry) before telling UIs
         self.max_per_session = max_per_session
         self._remember = remember
         self._open: dict[str, Dialog] = {}
@@ -154,7 +154,7 @@ class PendingDialogs:
         if self.log is not None:
             self.log.stamp_event(session, EXT_UI, dialog.id, event)  # replaces the dialog's request
         # unshared first: a UI that subscribes after the event must not replay it from another replica
-        self.placement.unshare_dialog(session, dialog.id,
+        self.sharing.unshare_dialog(session, dialog.id,
                                       lambda: self.bus.publish(session, kinds.EXTENSION_UI, event, key=dialog.id))
         self.on_change()
         return True

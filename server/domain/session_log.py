@@ -34,6 +34,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 
 from uibus.infra.errors import StoreFull, StoreUnavailable
+from uibus.infra.replay import Catchup
 from uibus.infra.store import NO_KEY, LogEntry, LogRetention, Store
 from uibus.infra.tasks import Tasks
 from uibus.pb.cline import ui_pb2
@@ -209,11 +210,12 @@ class SessionLog:
             pending.pop((kind, key), None)
 
     async def resume(self, session: str, since: int, kind: str, payload: type[Message],
-                     sub: Any) -> tuple[list[Any], bool]:
-        """What a stream resuming after `since` sends before going live: the events of `kind`
-        after the cursor from the log, merged with what its subscription `sub` (taken before
-        this read) queued meanwhile, each seq once, in seq order; and whether the cursor was
-        older than the log keeps (a gap: the caller sends its snapshot instead)."""
+                     catchup: Catchup[Any]) -> tuple[list[Any], bool]:
+        """What a stream resuming after `since` sends before going live (uibus.infra.replay): the
+        events of `kind` after the cursor from the log, merged with what its subscription (taken
+        before this read) queued meanwhile, each seq once, in seq order, each noted as sent to
+        `catchup` (so `catchup.live()` drops them); and whether the cursor was older than the log
+        keeps (a gap: the caller sends its snapshot instead)."""
         replay = await self.read(session, since, kind=kind)
         by_seq: dict[int, Any] = {}
         if not replay.gap:
@@ -222,11 +224,11 @@ class SessionLog:
                     by_seq[entry.seq] = payload.FromString(entry.data)
                 except DecodeError:
                     continue
-        while len(sub):
-            item = await anext(sub)
-            if item.seq > since:
-                by_seq.setdefault(item.seq, item)
-        return [by_seq[seq] for seq in sorted(by_seq)], replay.gap
+        await catchup.merge(by_seq, after=since)
+        missed = [by_seq[seq] for seq in sorted(by_seq)]
+        for item in missed:
+            catchup.sent(item)
+        return missed, replay.gap
 
     def _note(self, session: str, entry: LogEntry, message: Message | None) -> None:
         pending = self._pending.get(session)

@@ -27,7 +27,6 @@ sends a list only when it differs from the last one sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -46,9 +45,9 @@ from uibus.domain.steering import Steering, state_of
 from uibus.infra.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from uibus.infra.quotas import Quotas
 from uibus.infra.session import check_session
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
-from uibus.replicas.placement import Placement
 
 META = "session/meta"  # {"title", "agent", "created"}: what CreateSession was given
 TITLE_CHARS = 80  # a first user message longer than this is shortened to be a title
@@ -98,12 +97,11 @@ class Sessions:
     """The sessions API over the store, the chat history, the dialogs and the hosted agents."""
 
     def __init__(self, store: Any, dialogs: Dialogs, agents: AgentSessions, history: ChatHistory,
-                 placement: Placement, *, hosted: Callable[[str], bool] = lambda name: True,
+                 sharing: Sharing | None = None, *,
                  changes: Changes | None = None, watch_s: float = WATCH_S,
                  recent: RecentMessages | None = None) -> None:
         """`recent`: the feed's write-behind recent messages, dropped first when a session is deleted;
-        `placement`: where the agents run and what other replicas hold (their dialogs and agents are
-        listed too); `hosted(name)`: whether `name` is a hosted agent (steering is for those);
+        `sharing`: what other processes hold (their dialogs and agents are listed too; none: alone);
         `changes`: poked by whatever changes what is listed (every watch wakes)."""
         self.store = store
         self.recent = recent
@@ -111,8 +109,8 @@ class Sessions:
         self.agents = agents
         self.history = history
         self.watch_s = watch_s
-        self.placement = placement
-        self.steering = Steering(agents, placement, hosted=hosted)
+        self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
+        self.steering = Steering(agents, self.sharing)
         self._static: OrderedDict[str, _Static] = OrderedDict()
         self.changes = changes or Changes()
         self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
@@ -157,7 +155,7 @@ class Sessions:
         """Whether other replicas' parts of a cached entry are read again although its stamp did not
         move: at most every REMOTE_S, and only for an entry that lists some or a session active in
         the last RECENT_S (the few a person watches), so an idle listing of hundreds of sessions
-        costs no store reads (alone, the placement reads nothing at all)."""
+        costs no store reads (alone, the sharing reads nothing at all)."""
         if time.monotonic() - known.read_at < REMOTE_S:
             return False
         return bool(known.remote or known.agents) or time.time() * 1000 - known.stamp < RECENT_S * 1000
@@ -167,11 +165,11 @@ class Sessions:
         writes stamp the session, so they are read again whenever one opens or closes anywhere."""
         return tuple(pb.WaitingDialog(id=r.id, kind=r.WhichOneof("method") or "",
                                       title=getattr(r, r.WhichOneof("method") or "select").title)
-                     for r in await self.placement.read_dialogs_elsewhere(session))
+                     for r in await self.sharing.read_dialogs_elsewhere(session))
 
     async def _remote_agents(self, session: str) -> tuple[pb.AgentState, ...]:
         """With replicas, the state of the agents other replicas host (uibus.replicas.agent_state_sharing)."""
-        return tuple(await self.placement.agents_elsewhere(session))
+        return tuple(await self.sharing.agents_elsewhere(session))
 
     async def _first_user_message(self, session: str, recent: list[dict[str, Any]]) -> str:
         entries = recent
@@ -331,13 +329,8 @@ class Sessions:
         its agents' workspaces (a branch with commits beyond its base is kept, and named).
 
         Agents go first, so none writes into a workspace being removed: the ones hosted here are
-        closed; a turn another replica's agent runs is stopped there (steering is carried to the
-        owner), and that replica closes the agent at its next sweep, its live marker being gone
-        with the session's state."""
-        for remote in await self._remote_agents(session):
-            if remote.running and self.agents.live_agent(session, remote.agent) is None:
-                with contextlib.suppress(Exception):  # gone meanwhile, or its replica too: nothing runs
-                    await self.steering.stop(session, remote.agent)
+        closed. (With replicas the edge first stops the turns other replicas' agents run, and those
+        replicas close the agents at their next sweep, their live markers gone with the state.)"""
         closed = await self.agents.close_session(session)
         for dialog in self.dialogs.pending.waiting(session):
             self.dialogs.pending.close(dialog, ext_pb.DIALOG_OUTCOME_CANCELLED)

@@ -9,22 +9,20 @@ the control and a script learns why. Stopping needs nothing of the agent: it can
 running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP
 `session/cancel`) exactly as when the turn's caller goes away.
 
-With replicas the agent lives at one replica only (its lease owner, uibus.replicas.ownership): a
-steering call of an agent not open here is asked of the placement (`Placement.steer`), which
-carries it to the owner and answers with the owner's result or error (or None: act here); the
-owner runs it with `here`, handed to the placement when the Steering is built.
+Every call here acts on the agents open in this process. With replicas an agent lives at one
+replica only (its lease owner): the edge (uibus.replicas.placement) decides where a steering call
+runs and, for an agent open elsewhere, carries it to the owner, which runs it with `here`.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.infra.errors import FailedPrecondition, InvalidArgument, NotFound
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
-from uibus.replicas.placement import Placement
 
 
 @runtime_checkable
@@ -66,36 +64,27 @@ def state_of(name: str, agent: Any, running: bool) -> pb.AgentState:
     return state
 
 
-def _state_from(result: dict[str, Any]) -> pb.AgentState:
+def state_from(result: dict[str, Any]) -> pb.AgentState:
+    """The state a steering call's result (`here`'s) carries."""
     return pb.AgentState.FromString(base64.b64decode(str(result.get("state", ""))))
 
 
 class Steering:
-    """The steering calls of the sessions API, on the hosted agents of this process, or (with
-    replicas) of the replica hosting the agent."""
+    """The steering calls of the sessions API, on the hosted agents of this process."""
 
-    def __init__(self, agents: AgentSessions, placement: Placement, *,
-                 hosted: Callable[[str], bool] = lambda name: True) -> None:
-        """`hosted(name)`: whether `name` is a hosted agent; any other name is answered here, so a bad
-        name never claims a lease in the shared store."""
+    def __init__(self, agents: AgentSessions, sharing: Sharing | None = None) -> None:
+        """`sharing`: told when a call changed an agent's state (other processes list it)."""
         self.agents = agents
-        self.placement = placement
-        self.hosted = hosted
-        placement.serve_steering(self.here, self._state_or_none)  # the calls other replicas carry here
+        self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
 
-    async def _remote(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
-        """The owner's answer when `name` is hosted by another replica; None: act here."""
-        if self.agents.live_agent(session, name) is not None or not self.hosted(name):
-            return None
-        return await self.placement.steer(session, name, action, args)
-
-    def _state_or_none(self, session: str, name: str) -> pb.AgentState | None:
+    def state_or_none(self, session: str, name: str) -> pb.AgentState | None:
         """The state of (`session`, `name`) open here, None when it is not (shared with other replicas)."""
         agent = self.agents.live_agent(session, name)
         return None if agent is None else state_of(name, agent, self.agents.running(session, name))
 
     async def here(self, session: str, name: str, action: str, args: dict[str, str]) -> dict[str, Any]:
-        """Runs a steering call another replica carried here (this replica hosts the agent)."""
+        """Runs a steering call named by its action (one carried here from another replica), its
+        result as the wire carries it (`state_from` reads the state back)."""
         if action == "stop":
             return {"stopped": self._stop_here(session, name)}
         if action == "set_mode":
@@ -125,8 +114,7 @@ class Steering:
     async def stop(self, session: str, name: str) -> bool:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent whose turn to stop")
-        remote = await self._remote(session, name, "stop", {})
-        return bool(remote.get("stopped")) if remote is not None else self._stop_here(session, name)
+        return self._stop_here(session, name)
 
     def _stop_here(self, session: str, name: str) -> bool:
         return self.agents.stop(session, name)
@@ -134,20 +122,17 @@ class Steering:
     async def set_mode(self, session: str, name: str, mode_id: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        remote = await self._remote(session, name, "set_mode", {"mode_id": mode_id})
-        return _state_from(remote) if remote is not None else await self._set_mode_here(session, name, mode_id)
+        return await self._set_mode_here(session, name, mode_id)
 
     async def set_model(self, session: str, name: str, model_id: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        remote = await self._remote(session, name, "set_model", {"model_id": model_id})
-        return _state_from(remote) if remote is not None else await self._set_model_here(session, name, model_id)
+        return await self._set_model_here(session, name, model_id)
 
     async def new_conversation(self, session: str, name: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        remote = await self._remote(session, name, "new_conversation", {})
-        return _state_from(remote) if remote is not None else await self._new_conversation_here(session, name)
+        return await self._new_conversation_here(session, name)
 
     @staticmethod
     def _offered(agent: Any, name: str, what: str, method: str) -> Any:
@@ -166,7 +151,7 @@ class Steering:
         if mode_id not in ids:
             raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
         await call(mode_id)
-        self.placement.agent_changed(session, name)
+        self.sharing.agent_changed(session, name)
         return self.state(session, name)
 
     async def _set_model_here(self, session: str, name: str, model_id: str) -> pb.AgentState:
@@ -178,7 +163,7 @@ class Steering:
         if ids and model_id not in ids:
             raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
         await call(model_id)
-        self.placement.agent_changed(session, name)
+        self.sharing.agent_changed(session, name)
         return self.state(session, name)
 
     async def _new_conversation_here(self, session: str, name: str) -> pb.AgentState:
@@ -187,5 +172,5 @@ class Steering:
         if self.agents.running(session, name):
             raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
         await call()
-        self.placement.agent_changed(session, name)
+        self.sharing.agent_changed(session, name)
         return self.state(session, name)

@@ -12,16 +12,15 @@ The policies, outermost first:
    stream: while it makes each message), ended with the call's status and how it ended;
 1. metrics — the call is timed and counted under its final status and its transport;
 2. errors — a domain error (uibus.infra.errors) becomes its status with its message; an unexpected
-   exception becomes INTERNAL with a short message and one log line, never a traceback to the
-   client;
+   exception becomes INTERNAL with a short message and one log line, never a traceback to the client;
 3. authentication and authorization — with tokens configured (uibus.infra.auth), `authorization:
    Bearer <token>` (health stays open for probes, which send no metadata); a call that names a
    session (the `x-uibus-session` key; "default" when absent) must use one its token may use,
-   else PERMISSION_DENIED; calls about no session (reflection, agent descriptions) need any
-   valid token, process-wide ones (bus statistics) an all-sessions token; a token minted for a
+   else PERMISSION_DENIED; calls about no session (reflection, agent descriptions) need any valid
+   token, process-wide ones (bus statistics) an all-sessions token; a token minted for a
    hosted agent makes only the calls an agent needs (`agent_check`: default-deny, PERMISSION_DENIED);
-   without tokens on a loopback bind, the caller's socket must be uibus's own user's (the peer's
-   uid, uibus.infra.peers), else UNAUTHENTICATED;
+   without tokens on a loopback bind, the caller's socket must be uibus's own user's (uibus.infra.peers),
+   else UNAUTHENTICATED. HTTP doors that run no call (the page, /metrics, /acp) ask `check_bearer`;
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
    gets its error's status before the handler runs, with one short log line;
 5. liveness — a stream that yields `uibus.infra.bus.LIVE` (its subscription is registered) has its
@@ -75,7 +74,7 @@ PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
 # What a method's token must allow (see `access_of`); OWN_USER: no tokens, loopback: the caller's
 # socket must be uibus's own user's (uibus.infra.peers).
 OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION, OWN_USER = "open", "any token", "all sessions", "its session", "own user"
-
+METRICS_READER = "metrics reader"  # an HTTP door's only other need: --metrics-token or an all-sessions token
 
 REVOKE_RETRY_S = 0.05  # a revoked stream whose cancel was lost is cancelled again this often ...
 REVOKE_RETRIES = 100  # ... this many times at most (5 s)
@@ -86,6 +85,23 @@ def _authorization(metadata: Any) -> Any:
         if key == "authorization":
             return value
     return None
+
+
+def check_bearer(tokens: Tokens, access: str, authorization: str | bytes | None) -> Grant | None:
+    """Policy 3 at an HTTP door, as the HTTP port's route table declares it (uibus.edge.transports.routes),
+    beside `Pipeline.authorize` for calls: one token reading for both. The token's grant (None: tokens
+    off, or the metrics token, which has none); Unauthenticated / PermissionDenied say what is needed."""
+    if not tokens.enabled:
+        return None
+    token = bearer(authorization)
+    grant = tokens.grant(token)
+    if access == METRICS_READER and not tokens.may_read_metrics(token):
+        if grant is not None:  # a tenant's token: /metrics shows every tenant's traffic
+            raise PermissionDenied("needs --metrics-token or a token that may use all sessions")
+        raise Unauthenticated("needs `Authorization: Bearer <token>` (--metrics-token or an all-sessions token)")
+    if grant is None and access != METRICS_READER:
+        raise Unauthenticated("needs `Authorization: Bearer <token>`")
+    return grant
 
 
 def _every_session(session: str) -> bool:
@@ -209,10 +225,8 @@ class Pipeline:
     def authenticate(self, metadata: Any) -> Grant:
         """The grant of the call's `authorization: Bearer <token>`; Unauthenticated without one."""
         for key, value in metadata or ():
-            if key == "authorization":
-                grant = self.tokens.grant(bearer(value))
-                if grant is not None:
-                    return grant
+            if key == "authorization" and (grant := self.tokens.grant(bearer(value))) is not None:
+                return grant
         raise Unauthenticated("missing or wrong bearer token (metadata `authorization: Bearer <token>`)")
 
     def authorize(self, access: str, metadata: Any) -> Grant:

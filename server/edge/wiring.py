@@ -18,6 +18,7 @@ import grpc
 from uibus.domain.core import Core
 from uibus.edge.pipeline import Pipeline
 from uibus.infra.config import Config
+from uibus.replicas.placement import Placement
 
 T = TypeVar("T")
 Gauges = dict[str, tuple[str, Callable[[], float]]]
@@ -112,6 +113,7 @@ class Setup:
 
     config: Config
     core: Core
+    placement: Placement  # where turns, steering calls and answers run (the services ask it)
     registry: Registry
     pipeline: Pipeline
     mounts: dict[str, Any] = field(default_factory=dict)  # ASGI apps on the HTTP port, by path prefix

@@ -9,8 +9,12 @@ What lives here is what those protocols share, so each of their doors has the sa
   that is a string, an integer (or null where the protocol allows it), a method that is a string —
   all *before* anything waits on the message, so a malformed one is answered at once with -32700 /
   -32600 and never holds a slot;
-* `Pending`: one in-flight map of our own requests to the peer (id -> future), bounded, with
-  `$/cancel_request` to withdraw one (`Outgoing`).
+* the frames (`request_frame`, `notification_frame`, `result_frame`, `error_frame`, `dump`): no
+  other module builds one;
+* `Pending`: one in-flight map of our own requests to the peer (id -> future), bounded.
+
+The session loop on top — one receive loop, outgoing requests, incoming requests as owned tasks with
+cancel, the end — is `uibus.infra.peer.Peer`.
 
 The models were the MCP SDK's `BaseSession` and the ACP SDKs' `Connection` (one reader, one map of
 response streams by request id); this is written for uibus's limits, not copied. Framing (lines,
@@ -20,7 +24,6 @@ WebSocket frames, HTTP bodies, SSE) belongs to each way in.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Any
 
@@ -68,7 +71,26 @@ class RpcError(Exception):
 
     def answer(self) -> dict[str, Any]:
         """The whole error response."""
-        return {"jsonrpc": "2.0", "id": self.ident, "error": self.body()}
+        return error_frame(self.ident, self)
+
+
+# ---- the frames: built here only (tests/test_architecture.py holds every other module to that) -----
+
+def request_frame(ident: Any, method: str, params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": ident, "method": method, "params": params}
+
+
+def notification_frame(method: str, params: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "method": method, "params": params}
+
+
+def result_frame(ident: Any, result: Any) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": ident, "result": result}
+
+
+def error_frame(ident: Any, error: RpcError | dict[str, Any]) -> dict[str, Any]:
+    """An error response: `error` as RpcError, or its body (code, message, data) as a protocol words it."""
+    return {"jsonrpc": "2.0", "id": ident, "error": error.body() if isinstance(error, RpcError) else error}
 
 
 def valid_id(ident: Any, null: bool = True) -> bool:
@@ -76,17 +98,18 @@ def valid_id(ident: Any, null: bool = True) -> bool:
     return (null and ident is None) or (isinstance(ident, str | int) and not isinstance(ident, bool))
 
 
-def check(value: Any, *, null_id: bool = True) -> dict[str, Any]:
+def check(value: Any, *, null_id: bool = True, version_optional: bool = False) -> dict[str, Any]:
     """`value` as a JSON-RPC 2.0 message (request, notification or response), or RpcError
     (-32600, with the id when it is sound) saying what is wrong. No batches: neither ACP nor MCP
-    (since 2025-06-18) sends them."""
+    (since 2025-06-18) sends them. `version_optional`: a message without `"jsonrpc"` is taken (the
+    agents uibus runs, as the ACP SDKs tolerate them); one with another version never is."""
     if isinstance(value, list):
         raise RpcError(INVALID_REQUEST, "JSON-RPC batches are not supported: send one message at a time")
     if not isinstance(value, dict):
         raise RpcError(INVALID_REQUEST, f"a JSON-RPC message is a JSON object, not {type(value).__name__}")
     ident = value.get("id")
     sound = ident if "id" in value and valid_id(ident, null_id) and len(str(ident)) <= MAX_ID_CHARS else None
-    if value.get("jsonrpc") != "2.0":
+    if value.get("jsonrpc", "2.0" if version_optional else None) != "2.0":
         raise RpcError(INVALID_REQUEST, 'a JSON-RPC message needs "jsonrpc": "2.0"', ident=sound)
     if "id" in value and not valid_id(ident, null_id):
         raise RpcError(INVALID_REQUEST, '"id" must be a string or an integer' + (" (or null)" if null_id else ""))
@@ -140,13 +163,21 @@ class Pending:
     """Our requests in flight to one peer, by id, at most `limit` at once. A future leaves the map
     when it is done (answered, failed, or cancelled by its waiter)."""
 
-    def __init__(self, limit: int = MAX_OUTSTANDING, gone: Callable[[str], BaseException] | None = None) -> None:
+    def __init__(self, limit: int = MAX_OUTSTANDING, gone: Callable[[str], BaseException] | None = None,
+                 failed: Callable[[RpcError], BaseException] | None = None) -> None:
+        """`gone(why)`: the error every wait ends with when the peer goes; `failed(error)`: the
+        error a waiter gets for the peer's error answer (a protocol may say it in its own words)."""
         self._waiting: dict[Hashable, asyncio.Future[Any]] = {}
         self.limit = limit
         self._gone = gone or (lambda why: RpcError(INTERNAL_ERROR, why))
+        self._failed = failed or (lambda error: error)
 
     def __len__(self) -> int:
         return len(self._waiting)
+
+    def gone(self, why: str) -> BaseException:
+        """The error a wait on a peer that is gone ends with (`why` it is)."""
+        return self._gone(why)
 
     def open(self, ident: Hashable) -> asyncio.Future[Any]:
         """The future of request `ident`, which the caller is sending (a reply is read by the
@@ -186,9 +217,9 @@ class Pending:
         error = message.get("error")
         if isinstance(error, dict):
             code = error.get("code")
-            return self.reject(message.get("id"), RpcError(
+            return self.reject(message.get("id"), self._failed(RpcError(
                 code if isinstance(code, int) and not isinstance(code, bool) else INTERNAL_ERROR,
-                str(error.get("message") or "error"), error.get("data")))
+                str(error.get("message") or "error"), error.get("data"))))
         return self.resolve(message.get("id"), message.get("result"))
 
     def fail_all(self, why: str) -> None:
@@ -201,80 +232,3 @@ class Pending:
         for future in list(self._waiting.values()):
             future.cancel()
         self._waiting.clear()
-
-
-class Running:
-    """The peer's requests being answered now, one task each, by key (the request's id, with what
-    scopes it: MCP's session): the one map a peer's cancel finds them in (ACP's `$/cancel_request`,
-    MCP's `notifications/cancelled`). A cancelled request's task learns it was the peer's cancel
-    (`withdrawn`) and answers accordingly (ACP: -32800; MCP: nothing)."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[Hashable, asyncio.Task[Any]] = {}
-        self._withdrawn: set[Hashable] = set()
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    def items(self) -> list[tuple[Hashable, asyncio.Task[Any]]]:
-        return list(self._tasks.items())
-
-    def add(self, key: Hashable, task: asyncio.Task[Any]) -> bool:
-        """Registers `task` as answering `key`; False (not registered) when another task has it."""
-        if key in self._tasks:
-            return False
-        self._tasks[key] = task
-        return True
-
-    def discard(self, key: Hashable, task: asyncio.Task[Any] | None) -> None:
-        if self._tasks.get(key) is task:
-            del self._tasks[key]
-            self._withdrawn.discard(key)
-
-    def cancel(self, key: Any) -> bool:
-        """The peer withdraws request `key`: its task is cancelled; False when none runs."""
-        task = self._tasks.get(key) if isinstance(key, Hashable) else None
-        if task is None or task.done():
-            return False
-        self._withdrawn.add(key)
-        task.cancel()
-        return True
-
-    def withdrawn(self, key: Hashable) -> bool:
-        """Whether the task of `key` was cancelled by the peer's cancel (not by its connection closing)."""
-        return key in self._withdrawn
-
-
-class Outgoing:
-    """Our requests to a peer over a connection uibus answers on (ACP's editor: session/request_permission,
-    elicitation/create), their answers, and `cancel`, which withdraws one with `$/cancel_request`."""
-
-    def __init__(self, send: Send, limit: int = MAX_OUTSTANDING) -> None:
-        self._send = send
-        self._ids = itertools.count(1)
-        self.pending = Pending(limit)
-
-    async def request(self, method: str, params: dict[str, Any], sent: Callable[[int], None] | None = None) -> Any:
-        """The peer's result; RpcError for its error answer. `sent(id)` is told the request's id
-        (so the caller can withdraw it). Cancelling the awaiting task forgets the request."""
-        ident = next(self._ids)
-        future = self.pending.open(ident)
-        try:
-            await self._send({"jsonrpc": "2.0", "id": ident, "method": method, "params": params})
-            if sent is not None:
-                sent(ident)
-            return await future
-        finally:
-            future.cancel()  # no-op once answered; a wait given up leaves nothing behind
-
-    async def cancel(self, ident: int) -> None:
-        """Withdraws a request the peer has not answered yet (`$/cancel_request`)."""
-        if self.pending.reject(ident, RpcError(REQUEST_CANCELLED, "withdrawn: another UI answered first")):
-            await self._send({"jsonrpc": "2.0", "method": CANCEL_REQUEST, "params": {"requestId": ident}})
-
-    def answered(self, message: dict[str, Any]) -> None:
-        """A response from the peer (unknown ids are ignored: a late answer to a withdrawn request)."""
-        self.pending.answered(message)
-
-    def close(self) -> None:
-        self.pending.cancel_all()

@@ -74,9 +74,14 @@ CHAT_MESSAGE = Kind("chat_message", dict)
 # and JSON dicts for accepted, heartbeat, moved and the end (status and message).
 AGENT_TURN = Kind("agent_turn", dict, presence=True)
 AGENT_TURN_REPLY = Kind("agent_turn_reply", dict)
+# The events of a `/mcp` call's event stream (JSON dicts: number, framed event, end), targeted at the
+# stream's name, so a client resuming that stream on another replica gets the rest of the call live
+# (uibus.edge.transports.mcp_resume); and its "a reader is reading" notices back to the call's replica
+# (target: the name + "/reader"), so the call is not cancelled as abandoned. New in wire protocol 2.
+MCP_EVENT = Kind("mcp_event", dict, since=2)
 
 ALL: tuple[Kind, ...] = (ADD_TO_INPUT, MCP_BUTTON, HISTORY_BUTTON, CHAT_BUTTON, ACCOUNT_BUTTON, SETTINGS_BUTTON,
                          MARKETPLACE_BUTTON, WORKTREES_BUTTON, SHOW_WEBVIEW,
                          PARTIAL_MESSAGE, THEME, RELINQUISH_CONTROL, FOCUS_CHAT_INPUT, DID_BECOME_VISIBLE,
                          HOST_REQUEST, EXTENSION_UI, EXT_UI_ANSWER, EXT_UI_ANSWER_RESULT, CHAT_MESSAGE,
-                         AGENT_TURN, AGENT_TURN_REPLY)
+                         AGENT_TURN, AGENT_TURN_REPLY, MCP_EVENT)

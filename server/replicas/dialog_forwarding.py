@@ -31,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
+from uibus.domain.dialogs import Verdict
 from uibus.infra import kinds, telemetry
 from uibus.infra.bus import Bus, BusClosed, Subscription, SubscriptionLimit
 from uibus.infra.errors import STATUS_NUMBERS, UibusError, error_of
@@ -45,14 +45,6 @@ WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
 LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed
 # A listener's reply "I do not hold it": NOT_FOUND with no details (a verdict always has details).
 _NOT_HERE = STATUS_NUMBERS["NOT_FOUND"]
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """What became of an answer: taken (error None), refused (error), or the dialog is not here."""
-
-    error: UibusError | None = None
-    unknown: bool = False  # this replica does not know the dialog (another one may)
 
 
 class AnswerForwarding:

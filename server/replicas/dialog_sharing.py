@@ -51,6 +51,7 @@ from google.protobuf.message import DecodeError
 
 from uibus.infra import kinds
 from uibus.infra.bus import Bus
+from uibus.infra.retry import Backoff
 from uibus.infra.store import Store
 from uibus.infra.tasks import Tasks, cancel_and_wait
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
@@ -67,8 +68,6 @@ UNHEARD_GRACE_MS = 30_000
 # An entry this long past its deadline is dead whatever its holder: the holder's timer closes the
 # dialog at the deadline and removes the entry (the margin covers clocks that differ).
 PAST_DEADLINE_MS = 60_000
-_RETRY_MIN_S = 0.05
-_RETRY_MAX_S = 2.0
 
 
 class SharedDialogs:
@@ -122,15 +121,14 @@ class SharedDialogs:
             return False
 
     async def _retry_loop(self) -> None:
-        backoff = _RETRY_MIN_S
+        backoff = Backoff()  # uibus.infra.retry: longer while the store stays down, short again once it answers
         while self._retry:
-            await asyncio.sleep(backoff)
+            await backoff.wait()
             for session, dialog_id in list(self._retry):
                 if not await self._delete(session, dialog_id):
-                    backoff = min(backoff * 2, _RETRY_MAX_S)
                     break
                 self._retry.pop((session, dialog_id), None)
-                backoff = _RETRY_MIN_S
+                backoff.reset()
 
     async def holder_of(self, session: str, dialog_id: str) -> str | None:
         """The replica its entry names as holding `dialog_id` (an answer given here goes to it

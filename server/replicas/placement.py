@@ -1,357 +1,205 @@
-"""`Placement`: the one question the domain asks about replicas — where does this run, and who else
-must hear of it — answered locally or with leases.
+"""`Placement`: where a turn, a steering call or a dialog's answer runs — decided at the edge, once,
+in front of the domain.
 
-The domain objects (Chat, Steering, Dialogs, AgentSessions, the sessions listing) are built with a
-placement and call it at the points where replicas matter; they never ask whether there are
-replicas. Two answers:
+The domain (Chat, Steering, Dialogs, Sessions) runs what it is given *here* and knows nothing of
+replicas. The services ask the placement, which calls either the local domain object or, for a
+hosted agent owned by another replica, carries the call to that replica over the bus, where the
+same domain object runs it:
 
-* `LocalPlacement` (the in-process bus: one process is all there is): every turn and steering call
-  runs here, memory is exact, nothing is shared or forwarded, no bus traffic. Each call is a plain
-  call-through or nothing at all.
-* `LeasedPlacement` (the Redis bus): each hosted agent has one owner, the replica holding its
-  lease (uibus.replicas.ownership); turns and steering calls arriving elsewhere are carried to it
-  (uibus.replicas.turn_forwarding); waiting dialogs and agent states are written to the shared
-  store for the other replicas' UIs and listings (dialog_sharing, agent_state_sharing); answers
-  to a dialog held elsewhere are forwarded to it (dialog_forwarding).
+* `LocalPlacement` (the in-process bus: one process is all there is): every call is the domain's,
+  directly — no lease, no bus traffic.
+* `LeasedPlacement` (the Redis bus): a hosted agent's turns and steering calls run at its one owner,
+  the replica holding its lease (uibus.replicas.ownership, turn_forwarding); an answer to a dialog
+  not held here goes to the replica holding it (dialog_forwarding). What the other replicas must see
+  of this one (waiting dialogs, agent states) the domain tells its `Sharing` (uibus.replicas.sharing);
+  the placement hands that sharing what it must ask of the domain (`serve`).
 
-What other replicas ask of this one runs in the domain: each domain object hands its part to the
-placement when it is built (`serve_turns`, `serve_steering`, `serve_answers`, `host`), so the
-wiring is one pass through the constructors and the placement never imports the domain.
+One path each, read top to bottom:
+
+    local turn:      service → placement.turn → Chat.turn
+    forwarded turn:  service → placement.turn → TurnForwarding.turn ⇒ bus ⇒ owner's
+                     TurnForwarding listener → Chat.turn
+    forwarded answer: service → placement.respond → Dialogs.answer (unknown here) →
+                     AnswerForwarding.forward ⇒ bus ⇒ holder's listener → Dialogs.verdict
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
-from typing import Any, Protocol
+from typing import Any
 
+from uibus.domain.core import Core
+from uibus.domain.steering import state_from
 from uibus.infra.bus import Bus
+from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.infra.store import Store
+from uibus.pb.cline import ui_pb2
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import sessions_pb2
-from uibus.replicas import agent_state_sharing, dialog_sharing
-from uibus.replicas.agent_state_sharing import AgentStateSharing, StateOf
-from uibus.replicas.dialog_forwarding import AnswerForwarding, Verdict
-from uibus.replicas.dialog_sharing import SharedDialogs
-from uibus.replicas.ownership import LEASE_S, HostedAgents
-from uibus.replicas.turn_forwarding import RunHere, SteerHere, TurnForwarding
+from uibus.replicas.ownership import LEASE_S
+from uibus.replicas.sharing import LeasedSharing
+from uibus.replicas.turn_forwarding import TurnForwarding
 
-__all__ = ["Answer", "LeasedPlacement", "LocalPlacement", "Placement", "Verdict", "placement_for"]
+__all__ = ["LeasedPlacement", "LocalPlacement", "Placement", "placement_for", "sharing_for"]
 
-# (session, answer) -> what became of it, applied to a dialog held here (Dialogs' own check)
-Answer = Callable[[str, ext_pb.RespondRequest], Verdict]
-# (session) -> returns once what an answer changed is committed (the session log's group commit)
-Settled = Callable[[str], Awaitable[None]]
 Turn = AsyncIterator[agent_pb2.ChatResponse]
+Family = dict[str, tuple[str, Callable[[], float]]]  # metric name -> (help, read it now)
 
 
-class Placement(Protocol):
-    """Where hosted agents run and what the other replicas must hear of (see the module's text)."""
-
-    # ---- what this replica runs for others: handed over by each domain object as it is built ----
-
-    def serve_turns(self, run_here: RunHere) -> None:
-        """`run_here(session, agent, request, metadata)`: a turn of a hosted agent run by this replica."""
-        ...
-
-    def serve_steering(self, steer_here: SteerHere, state_of: StateOf) -> None:
-        """`steer_here`: a steering call run by this replica; `state_of(session, agent)`: the state of
-        an agent open here (None: not open here)."""
-        ...
-
-    def serve_answers(self, answer: Answer, settled: Settled) -> None:
-        """`answer(session, request)`: an answer applied to a dialog held here (or why not);
-        `settled(session)`: awaited before a taken answer is acknowledged to its replica."""
-        ...
-
-    def host(self, agents: HostedAgents) -> None:
-        """The agent sessions open here: a replica that loses an agent's lease closes its session."""
-        ...
-
-    # ---- hosted agents ----
-
-    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest, metadata: Mapping[str, str],
-             check: Callable[[], None]) -> Turn:
-        """A turn of a hosted agent of a named session, run by the agent's one owner (here or elsewhere)."""
-        ...
-
-    async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
-        """A steering call of an agent not open here, run by its owner: None when this replica owns it
-        (the caller acts here), else the owner's result."""
-        ...
-
-    def agent_changed(self, session: str, agent: str) -> None:
-        """The state of an agent open here may have changed (a turn, a steering call, it closed)."""
-        ...
-
-    async def agents_elsewhere(self, session: str) -> list[sessions_pb2.AgentState]:
-        """The states of the agents of `session` that other replicas host."""
-        ...
-
-    # ---- dialogs ----
-
-    async def share_dialog(self, session: str, request: ext_pb.ExtensionUiRequest) -> None:
-        """A dialog about to open here: answers given elsewhere must reach it, UIs elsewhere must see
-        it. Before it is published; `dialog_done` after it closed (or failed to open)."""
-        ...
-
-    def unshare_dialog(self, session: str, dialog_id: str, then: Callable[[], None] | None = None) -> None:
-        """Removes the shared dialog, then calls `then` (publishing its closed event)."""
-        ...
-
-    def dialog_done(self, session: str) -> None:
-        """Ends one `share_dialog` of `session`."""
-        ...
-
-    def dialogs_elsewhere(self, session: str, kept: dict[str, Any]) -> list[ext_pb.ExtensionUiRequest]:
-        """The dialogs of `session` other replicas hold, read from its stored entries `kept`."""
-        ...
-
-    async def read_dialogs_elsewhere(self, session: str) -> list[ext_pb.ExtensionUiRequest]:
-        """The same, read from the store."""
-        ...
-
-    async def forward_answer(self, session: str, request: ext_pb.RespondRequest, not_found: Verdict) -> Verdict:
-        """An answer to a dialog not held here, applied where it is held; `not_found` when nowhere."""
-        ...
-
-    def close_dialogs(self) -> None:
-        """Shutdown: no more answers from other replicas."""
-        ...
-
-    async def aclose_dialogs(self) -> None:
-        """After `close_dialogs`, before the bus and the store close: the last shared writes go out."""
-        ...
-
-    # ---- /metrics: 0 alone ----
-
-    @property
-    def forwarded(self) -> int:
-        """Turns this replica carried to their owner (accepted there)."""
-        ...
-
-    @property
-    def served(self) -> int:
-        """Turns other replicas carried here."""
-        ...
-
-    @property
-    def interrupted(self) -> int:
-        """Forwarded turns whose owner went silent."""
-        ...
-
-    @property
-    def taken_over(self) -> int:
-        """Leases taken over from an owner whose lease had expired."""
-        ...
-
-    @property
-    def fenced(self) -> int:
-        """Leases lost while held."""
-        ...
-
-    # ---- lifecycle (uibus.app enters them around the agent sessions) ----
-
-    def sharing(self) -> AbstractAsyncContextManager[object]:
-        """Open before the agent sessions, closed after them (their last states are written)."""
-        ...
-
-    def hosting(self) -> AbstractAsyncContextManager[object]:
-        """Open after the agent sessions, closed before them (leases given up, forwarded turns ended)."""
-        ...
-
-
-class LocalPlacement:
-    """One process is all there is: everything runs here and nothing is told to anyone."""
+class Placement:
+    """The edge's calls that depend on where things run; alone, each is the domain's own call."""
 
     forwarded = served = interrupted = taken_over = fenced = 0  # /metrics: no replicas, none of these
 
-    def __init__(self) -> None:
-        self._run_here: RunHere | None = None
-
-    def serve_turns(self, run_here: RunHere) -> None:
-        self._run_here = run_here
-
-    def serve_steering(self, steer_here: SteerHere, state_of: StateOf) -> None:
-        pass
-
-    def serve_answers(self, answer: Answer, settled: Settled) -> None:
-        pass
-
-    def host(self, agents: HostedAgents) -> None:
-        pass
-
-    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest, metadata: Mapping[str, str],
-             check: Callable[[], None]) -> Turn:
-        assert self._run_here is not None, "no domain serves turns"
-        return self._run_here(session, agent, request, metadata)  # it checks the request itself
-
-    async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
-        return None
-
-    def agent_changed(self, session: str, agent: str) -> None:
-        pass
-
-    async def agents_elsewhere(self, session: str) -> list[sessions_pb2.AgentState]:
-        return []
-
-    async def share_dialog(self, session: str, request: ext_pb.ExtensionUiRequest) -> None:
-        pass
-
-    def unshare_dialog(self, session: str, dialog_id: str, then: Callable[[], None] | None = None) -> None:
-        if then is not None:
-            then()
-
-    def dialog_done(self, session: str) -> None:
-        pass
-
-    def dialogs_elsewhere(self, session: str, kept: dict[str, Any]) -> list[ext_pb.ExtensionUiRequest]:
-        return []
-
-    async def read_dialogs_elsewhere(self, session: str) -> list[ext_pb.ExtensionUiRequest]:
-        return []
-
-    async def forward_answer(self, session: str, request: ext_pb.RespondRequest, not_found: Verdict) -> Verdict:
-        return not_found
-
-    def close_dialogs(self) -> None:
-        pass
-
-    async def aclose_dialogs(self) -> None:
-        pass
-
-    def sharing(self) -> AbstractAsyncContextManager[object]:
-        return nullcontext()
-
-    def hosting(self) -> AbstractAsyncContextManager[object]:
-        return nullcontext()
-
-
-async def _nothing_to_settle(session: str) -> None:
-    """Before Dialogs serves answers here, there is nothing of theirs to commit."""
-
-
-def _unserved(*args: Any) -> Any:
-    raise RuntimeError("no domain object serves this here")
-
-
-class LeasedPlacement:
-    """Replicas on Redis: leases, forwarding and sharing (see the module's text)."""
-
-    def __init__(self, bus: Bus, store: Store, *, lease_s: float = LEASE_S,
-                 say_error: Callable[[str, str], object] = lambda session, text: None) -> None:
-        """`say_error(session, text)`: tells the session's webviews that a turn was interrupted by
-        the loss of its host (a Cline ERROR message)."""
-        self.store = store
-        self._run_here: RunHere = _unserved
-        self._steer_here: SteerHere = _unserved
-        self._state_of: StateOf = lambda session, agent: None
-        self._answer: Answer = lambda session, request: Verdict(unknown=True)
-        self._settled: Settled = _nothing_to_settle
-        self._agents: HostedAgents | None = None
-        self.shared_dialogs = SharedDialogs(bus, store)
-        self.answers = AnswerForwarding(bus, lambda session, request: self._answer(session, request),
-                                        lambda session: self._settled(session))
-        self.forwarding = TurnForwarding(
-            bus, store, self, lambda s, a, r, m: self._run_here(s, a, r, m),
-            lambda s, a, action, args: self._steer_here(s, a, action, args), say_error, lease_s=lease_s)
-        self.ownership = self.forwarding.ownership
-        self.agent_states = AgentStateSharing(store, lambda s, a: self._state_of(s, a), bus.replica_id,
-                                              bus.announced)
-
-    # ---- what this replica runs for others ----
-
-    def serve_turns(self, run_here: RunHere) -> None:
-        self._run_here = run_here
-
-    def serve_steering(self, steer_here: SteerHere, state_of: StateOf) -> None:
-        self._steer_here, self._state_of = steer_here, state_of
-
-    def serve_answers(self, answer: Answer, settled: Settled) -> None:
-        self._answer, self._settled = answer, settled
-
-    def host(self, agents: HostedAgents) -> None:
-        self._agents = agents
-
-    # HostedAgents, for the ownership: the agent sessions handed to `host`
-    def is_live(self, session: str, name: str) -> bool:
-        return self._agents is not None and self._agents.is_live(session, name)
-
-    async def drop(self, session: str, name: str, why: str) -> None:
-        if self._agents is not None:
-            await self._agents.drop(session, name, why)
-
-    # ---- /metrics ----
-
-    @property
-    def forwarded(self) -> int:
-        return self.forwarding.forwarded
-
-    @property
-    def served(self) -> int:
-        return self.forwarding.served
-
-    @property
-    def interrupted(self) -> int:
-        return self.forwarding.interrupted
-
-    @property
-    def taken_over(self) -> int:
-        return self.ownership.taken_over
-
-    @property
-    def fenced(self) -> int:
-        return self.ownership.fenced
+    def __init__(self, core: Core) -> None:
+        self.core = core
 
     # ---- hosted agents ----
 
-    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest, metadata: Mapping[str, str],
-             check: Callable[[], None]) -> Turn:
-        return self.forwarding.turn(session, agent, request, metadata, check)
+    def turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+             metadata: Mapping[str, str] | None = None, *, keep: bool = True) -> Turn:
+        """The ChatResponses of one turn, run where its agent lives."""
+        chat = self.core.chat
+        if not chat.placed(agent, request, keep):
+            return chat.turn(session, agent, request, metadata, keep=keep)
+        return self._placed_turn(session, agent, request, chat.carried(metadata))
 
-    async def steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
-        return await self.forwarding.steer(session, agent, action, args)
+    def _placed_turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                     metadata: dict[str, str]) -> Turn:
+        return self.core.chat.turn(session, agent, request, metadata)
 
-    def agent_changed(self, session: str, agent: str) -> None:
-        self.agent_states.changed(session, agent)
+    async def _steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
+        """The owner's result of a steering call of an agent hosted elsewhere; None: act here."""
+        return None
 
-    async def agents_elsewhere(self, session: str) -> list[sessions_pb2.AgentState]:
-        return self.agent_states.others(session, await self.store.scan(session, agent_state_sharing.KEY))
+    async def stop(self, session: str, agent: str) -> bool:
+        remote = await self._steer(session, agent, "stop", {})
+        steering = self.core.sessions.steering
+        return bool(remote.get("stopped")) if remote is not None else await steering.stop(session, agent)
+
+    async def set_mode(self, session: str, agent: str, mode_id: str) -> sessions_pb2.AgentState:
+        remote = await self._steer(session, agent, "set_mode", {"mode_id": mode_id})
+        steering = self.core.sessions.steering
+        return state_from(remote) if remote is not None else await steering.set_mode(session, agent, mode_id)
+
+    async def set_model(self, session: str, agent: str, model_id: str) -> sessions_pb2.AgentState:
+        remote = await self._steer(session, agent, "set_model", {"model_id": model_id})
+        steering = self.core.sessions.steering
+        return state_from(remote) if remote is not None else await steering.set_model(session, agent, model_id)
+
+    async def new_conversation(self, session: str, agent: str) -> sessions_pb2.AgentState:
+        remote = await self._steer(session, agent, "new_conversation", {})
+        steering = self.core.sessions.steering
+        return state_from(remote) if remote is not None else await steering.new_conversation(session, agent)
+
+    async def delete_session(self, session: str) -> sessions_pb2.DeleteSessionReply:
+        """Deletes the session; the turns other replicas' agents run in it are stopped there first."""
+        return await self.core.sessions.delete(session)
 
     # ---- dialogs ----
 
-    async def share_dialog(self, session: str, request: ext_pb.ExtensionUiRequest) -> None:
-        self.answers.hold(session)  # first, so other replicas know an answer can come here before they see it
-        await self.shared_dialogs.put(session, request)  # before it is published: a late UI reads it
+    async def respond(self, session: str, request: ext_pb.RespondRequest) -> None:
+        """Answers a dialog of the session, wherever it is held."""
+        await self.core.dialogs.respond(session, request)
 
-    def unshare_dialog(self, session: str, dialog_id: str, then: Callable[[], None] | None = None) -> None:
-        self.shared_dialogs.remove(session, dialog_id, then)
+    # ---- /metrics and lifecycle ----
 
-    def dialog_done(self, session: str) -> None:
-        self.answers.release(session)
+    def counters(self) -> Family:
+        """Turns forwarded, served and interrupted, leases taken over and fenced (0 alone)."""
+        return {
+            "uibus_agent_turns_forwarded_total": (
+                "hosted agent turns carried from this replica to the replica owning the agent",
+                lambda: float(self.forwarded)),
+            "uibus_agent_turns_served_total": (
+                "hosted agent turns other replicas carried here, to the agent this replica owns",
+                lambda: float(self.served)),
+            "uibus_agent_turns_interrupted_total": (
+                "forwarded turns ended UNAVAILABLE because the owning replica went silent",
+                lambda: float(self.interrupted)),
+            "uibus_agent_leases_taken_over_total": (
+                "agent ownership leases this replica took over from a replica whose lease had expired",
+                lambda: float(self.taken_over)),
+            "uibus_agent_leases_fenced_total": (
+                "agent ownership leases lost while held (refused renewal, or none for longer than the lease): "
+                "their turns cut, their agent closed",
+                lambda: float(self.fenced)),
+        }
 
-    def dialogs_elsewhere(self, session: str, kept: dict[str, Any]) -> list[ext_pb.ExtensionUiRequest]:
-        return self.shared_dialogs.others(session, kept)
+    def hosting(self) -> AbstractAsyncContextManager[object]:
+        """Open after the agent sessions, closed before them (leases given up, forwarded turns ended)."""
+        return nullcontext()
 
-    async def read_dialogs_elsewhere(self, session: str) -> list[ext_pb.ExtensionUiRequest]:
-        return self.shared_dialogs.others(session, await self.store.scan(session, dialog_sharing.KEY))
 
-    async def forward_answer(self, session: str, request: ext_pb.RespondRequest, not_found: Verdict) -> Verdict:
-        holder = await self.shared_dialogs.holder_of(session, request.id)  # to it alone when it listens
-        return await self.answers.forward(session, request, not_found, holder)
+class LocalPlacement(Placement):
+    """One process is all there is: everything runs here and nothing is told to anyone."""
 
-    def close_dialogs(self) -> None:
-        self.answers.close()
 
-    async def aclose_dialogs(self) -> None:
-        await self.answers.aclose()
-        await self.shared_dialogs.aclose()
+class LeasedPlacement(Placement):
+    """Replicas on Redis: leases, forwarding and sharing (see the module's text)."""
 
-    # ---- lifecycle ----
+    def __init__(self, core: Core, sharing: LeasedSharing, *, lease_s: float = LEASE_S) -> None:
+        super().__init__(core)
+        self.sharing = sharing
+        dialogs, steering = core.dialogs, core.sessions.steering
+        sharing.serve(dialogs.verdict, dialogs.settled, steering.state_or_none)
+        self.forwarding = TurnForwarding(
+            core.bus, core.store, core.agent_sessions, core.chat.turn, steering.here,
+            lambda session, text: core.feed.say(session, text, ui_pb2.ERROR), lease_s=lease_s)
+        self.ownership = self.forwarding.ownership
 
-    def sharing(self) -> AbstractAsyncContextManager[object]:
-        return self.agent_states
+    @property  # type: ignore[override]
+    def forwarded(self) -> int:
+        return self.forwarding.forwarded
+
+    @property  # type: ignore[override]
+    def served(self) -> int:
+        return self.forwarding.served
+
+    @property  # type: ignore[override]
+    def interrupted(self) -> int:
+        return self.forwarding.interrupted
+
+    @property  # type: ignore[override]
+    def taken_over(self) -> int:
+        return self.ownership.taken_over
+
+    @property  # type: ignore[override]
+    def fenced(self) -> int:
+        return self.ownership.fenced
+
+    def _placed_turn(self, session: str, agent: str, request: agent_pb2.ChatRequest,
+                     metadata: dict[str, str]) -> Turn:
+        chat = self.core.chat
+        return self.forwarding.turn(session, agent, request, metadata, lambda: chat.check(agent, request))
+
+    async def _steer(self, session: str, agent: str, action: str, args: dict[str, str]) -> dict[str, Any] | None:
+        # open here, or not a hosted agent (a bad name never claims a lease): answered here
+        if not agent or self.core.agent_sessions.live_agent(session, agent) is not None \
+                or not self.core.chat.hosted(agent):
+            return None
+        return await self.forwarding.steer(session, agent, action, args)
+
+    async def delete_session(self, session: str) -> sessions_pb2.DeleteSessionReply:
+        # A turn another replica's agent runs is stopped there (steering is carried to the owner);
+        # that replica closes the agent at its next sweep, its live marker gone with the session.
+        for remote in await self.sharing.agents_elsewhere(session):
+            if remote.running and self.core.agent_sessions.live_agent(session, remote.agent) is None:
+                try:
+                    await self.stop(session, remote.agent)
+                except Exception:
+                    pass
+        return await super().delete_session(session)
+
+    async def respond(self, session: str, request: ext_pb.RespondRequest) -> None:
+        verdict = await self.core.dialogs.answer(session, request)
+        if verdict.unknown:  # perhaps another replica holds it (which commits its close before it replies)
+            shared = self.sharing
+            holder = await shared.shared_dialogs.holder_of(session, request.id)  # to it alone when it listens
+            verdict = await shared.answers.forward(session, request, verdict, holder)
+        if verdict.error is not None:
+            raise verdict.error
 
     @asynccontextmanager
     async def _hosting(self) -> AsyncIterator[object]:
@@ -362,9 +210,14 @@ class LeasedPlacement:
         return self._hosting()
 
 
-def placement_for(bus: Bus, store: Store, *, lease_s: float = LEASE_S,
-                  say_error: Callable[[str, str], object] = lambda session, text: None) -> Placement:
-    """Leased on a replicated bus (other replicas exist), else local: the one place that asks."""
-    if bus.replicated:
-        return LeasedPlacement(bus, store, lease_s=lease_s, say_error=say_error)
-    return LocalPlacement()
+def sharing_for(bus: Bus, store: Store) -> Sharing:
+    """What the domain tells other replicas through: the shared store on a replicated bus, else
+    nothing (one process). The one place, with `placement_for`, that asks whether there are replicas."""
+    return LeasedSharing(bus, store) if bus.replicated else LocalSharing()
+
+
+def placement_for(core: Core, *, lease_s: float = LEASE_S) -> Placement:
+    """Leased when the core's sharing is (other replicas exist), else local."""
+    if isinstance(core.sharing, LeasedSharing):
+        return LeasedPlacement(core, core.sharing, lease_s=lease_s)
+    return LocalPlacement(core)

@@ -12,7 +12,8 @@ detaches this editor only. Every update that comes from the session log carries 
 one the editor has been shown, so an editor always knows the cursor to resume from.
 A prompt is one turn of the configured agent through StreamingChat. Requests run concurrently
 (a `session/cancel` must overtake its prompt), each answered once, errors as the ACP schema names
-them (uibus.infra.jsonrpc, the one JSON-RPC core).
+them. The requests, their answers, cancels and the end are the one JSON-RPC core's
+(uibus.infra.peer.Peer): this module is ACP's methods only.
 """
 
 from __future__ import annotations
@@ -36,22 +37,16 @@ from uibus.edge.editors.uplink import Uplink
 from uibus.infra.errors import InvalidArgument
 from uibus.infra.jsonrpc import (
     AUTH_REQUIRED,
-    CANCEL_REQUEST,
     INTERNAL_ERROR,
     INVALID_PARAMS,
     INVALID_REQUEST,
-    METHOD_NOT_FOUND,
-    REQUEST_CANCELLED,
     RESOURCE_NOT_FOUND,
-    Outgoing,
     RpcError,
-    Running,
     dump,
-    read,
-    valid_id,
 )
+from uibus.infra.peer import Peer, Receive
 from uibus.infra.session import check_session
-from uibus.infra.tasks import Tasks, caller_cancelled, cancel_and_wait
+from uibus.infra.tasks import caller_cancelled, cancel_and_wait
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 
@@ -122,9 +117,11 @@ def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_dat
     return "".join(parts), attached
 
 
-def _key(ident: Any) -> tuple[str, Any]:
-    """A request id as a key: 1 and "1" are different ids."""
-    return (type(ident).__name__, ident)
+def _status_error(exc: Exception) -> RpcError | None:
+    """uibus refused a call: the same words the editor's user reads, under ACP's code for it."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return RpcError(_STATUS_CODES.get(exc.code(), INTERNAL_ERROR), f"uibus: {exc.code().name}: {exc.details()}")
+    return None
 
 
 def check_prefix(prefix: str) -> str:
@@ -176,17 +173,16 @@ class Editor:
         self._write = write
         self._write_message = write_message
         self._lock = asyncio.Lock()  # one message at a time on the wire
-        self.outgoing = Outgoing(self.send)
-        self.tasks = Tasks("acp editor")
         self.sessions: dict[str, Attached] = {}
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
         self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
         self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
-        self._running = Running()  # the editor's requests being answered, by id ($/cancel_request finds them)
-        self._methods: dict[str, Callable[[dict[str, Any]], Awaitable[Any]]] = {
-            "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
-            "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
-            "session/prompt": self.prompt, "session/list": self.list, "session/set_mode": self.set_mode}
+        self.peer = Peer(self.send, name="acp editor", max_running=MAX_IN_FLIGHT, error_of=_status_error,
+                         notified=self._notification, methods={
+                             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
+                             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
+                             "session/prompt": self.prompt, "session/list": self.list,
+                             "session/set_mode": self.set_mode})
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
@@ -196,91 +192,43 @@ class Editor:
                 await self._write(dump(message))
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
-        await self.send({"jsonrpc": "2.0", "method": method, "params": params})
+        await self.peer.notify(method, params)
 
     async def _ask(self, method: str, params: dict[str, Any], sent: Callable[[int], None]) -> Any:
-        return await self.outgoing.request(method, params, sent)
+        return await self.peer.request(method, params, sent=sent)
 
     async def aclose(self) -> None:
-        self.outgoing.close()
-        await self.tasks.aclose(patience=5.0)
+        """The end: our questions fail, the editor's requests are cancelled and joined, every
+        session this connection holds is detached."""
+        await self.peer.aclose("the editor's connection closed")
         for attached in list(self.sessions.values()):
             await attached.detach()
         self.sessions.clear()
 
     # ---- incoming ----
 
-    async def receive(self, data: str | bytes) -> None:
-        """One incoming message, through the one JSON-RPC reader (hostile-JSON guard, `jsonrpc`
-        and `id` checked before anything waits on it): a bad message is answered with its error
-        (-32700 / -32600) and changes nothing else."""
+    async def serve(self, receive: Receive) -> None:
+        """The connection's receive loop (a framing that reads: WebSocket frames, stdio lines),
+        until `receive` gives None; then the end."""
         try:
-            message = read(data)
-        except RpcError as exc:
-            await self.send(exc.answer())
-            return
-        await self.handle(message)
+            await self.peer.run(receive)
+        finally:
+            await self.aclose()
+
+    async def receive(self, data: str | bytes) -> None:
+        """One incoming message (a framing that is handed them), through the one JSON-RPC reader:
+        a bad message is answered with its error (-32700 / -32600) and changes nothing else."""
+        await self.peer.receive(data)
 
     async def handle(self, message: dict[str, Any]) -> None:
         """One message `uibus.infra.jsonrpc.read` took. Requests run in tasks of their own."""
-        method = message.get("method")
-        if method is None:  # a response to one of ours (read checked it has its id and a result or error)
-            self.outgoing.answered(message)
-            return
-        ident = message.get("id")
-        params = message.get("params", {})
-        if "id" not in message:
-            self._notification(method, params)
-        elif len(self.tasks) >= MAX_IN_FLIGHT:
-            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
-                INVALID_REQUEST, f"{MAX_IN_FLIGHT} requests of this connection are running: wait for their answers"
-            ).body()})
-        else:
-            task = self.tasks.spawn(self._request(ident, method, params), name=f"acp {method[:40]}")
-            self._running.add(_key(ident), task)
+        await self.peer.handle(message)
 
-    def _notification(self, method: str, params: Any) -> None:
-        if not isinstance(params, dict):
-            return
+    def _notification(self, method: str, params: dict[str, Any]) -> None:
         if method == "session/cancel":
             attached = self.sessions.get(params.get("sessionId"))  # type: ignore[arg-type]
             if attached is not None:
                 attached.cancel()
-        elif method == CANCEL_REQUEST:  # the editor withdraws a request of its own: it ends -32800
-            requested = params.get("requestId")
-            if valid_id(requested):
-                self._running.cancel(_key(requested))
-
-    async def _request(self, ident: Any, method: str, params: Any) -> None:
-        key = _key(ident)
-        task = asyncio.current_task()
-        try:
-            await self._answer(ident, method, params)
-        except asyncio.CancelledError:
-            if not self._running.withdrawn(key):
-                raise
-            if task is not None:
-                task.uncancel()
-            await self.send({"jsonrpc": "2.0", "id": ident, "error": RpcError(
-                REQUEST_CANCELLED, f"{method[:80]} was cancelled ($/cancel_request)").body()})
-        finally:
-            self._running.discard(key, task)
-
-    async def _answer(self, ident: Any, method: str, params: Any) -> None:
-        try:
-            handler = self._methods.get(method)
-            if handler is None:
-                raise RpcError(METHOD_NOT_FOUND, f"{method[:80]} is not a method uibus offers")
-            if not isinstance(params, dict):
-                raise RpcError(INVALID_PARAMS, "params must be an object")
-            body: dict[str, Any] = {"jsonrpc": "2.0", "id": ident, "result": await handler(params)}
-        except RpcError as exc:
-            body = {"jsonrpc": "2.0", "id": ident, "error": exc.body()}
-        except grpc.aio.AioRpcError as exc:  # uibus refused a call: the same words the editor's user reads
-            code = _STATUS_CODES.get(exc.code(), INTERNAL_ERROR)
-            body = {"jsonrpc": "2.0", "id": ident, "error": RpcError(
-                code, f"uibus: {exc.code().name}: {exc.details()}").body()}
-        await self.send(body)
 
     # ---- methods ----
 
@@ -320,7 +268,7 @@ class Editor:
             await old.detach()
         if len(self.sessions) >= MAX_SESSIONS:
             raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
-        attached = Attached(name, self.uplink, self.notify, self._ask, self.outgoing.cancel,
+        attached = Attached(name, self.uplink, self.notify, self._ask, self.peer.withdraw,
                             elicitation=self._elicitation())
         self.sessions[name] = attached
         try:

@@ -1,6 +1,7 @@
-"""The Model Context Protocol's wire vocabulary, as uibus speaks it: versions, JSON-RPC envelopes,
-error codes, and the translation between JSON-RPC and the gRPC status names every other transport
-uses (so one failure has one meaning, whichever way it came in).
+"""The Model Context Protocol's wire vocabulary, as uibus speaks it: versions, JSON-RPC envelopes
+(built by the one JSON-RPC core, uibus.infra.jsonrpc), error codes, and the translation between
+JSON-RPC and the gRPC status names every other transport uses (so one failure has one meaning,
+whichever way it came in).
 
 Pure data and functions: no I/O, no domain objects. `uibus.edge.mcp.server` runs the methods,
 `uibus.edge.transports.mcp_http` carries them over streamable HTTP.
@@ -18,7 +19,7 @@ from uibus.infra.jsonrpc import INVALID_REQUEST as INVALID_REQUEST
 from uibus.infra.jsonrpc import METHOD_NOT_FOUND as METHOD_NOT_FOUND
 from uibus.infra.jsonrpc import PARSE_ERROR as PARSE_ERROR
 from uibus.infra.jsonrpc import SERVER_ERROR as SERVER_ERROR
-from uibus.infra.jsonrpc import RpcError, check
+from uibus.infra.jsonrpc import RpcError, check, error_frame, notification_frame, result_frame
 
 # The initialize-handshake revisions uibus speaks, oldest first. neuro-san 0.7's client asks for
 # 2025-06-18 and accepts only that answer; a client asking for another one we know gets it back,
@@ -96,18 +97,17 @@ def parse_message(value: Any) -> Message:
 
 
 def response(ident: Any, result: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "id": ident, "result": result}
+    return result_frame(ident, result)
 
 
 def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
-    return {"jsonrpc": "2.0", "method": method, "params": params}
+    return notification_frame(method, params)
 
 
 def error(ident: Any, status: str, message: str, rpc_code: int | None = None) -> dict[str, Any]:
     """A JSON-RPC error for a uibus status; `data.status` names the status as every transport does."""
-    return {"jsonrpc": "2.0", "id": ident, "error": {
-        "code": rpc_code if rpc_code is not None else rpc_code_of(status), "message": message or status,
-        "data": {"status": status}}}
+    return error_frame(ident, RpcError(rpc_code if rpc_code is not None else rpc_code_of(status), message or status,
+                                       {"status": status}))
 
 
 def rpc_code_of(status: str) -> int:

@@ -22,7 +22,6 @@ uibus session (the store), so any replica can answer any request without session
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import secrets
@@ -43,13 +42,15 @@ from uibus.edge.mcp.protocol import InvalidParams, Message, MethodNotFound
 from uibus.edge.mcp.session_tools import SESSION_TOOLS, run_session_tool
 from uibus.infra.bus import LIVE
 from uibus.infra.dialog_limits import MAX_TIMEOUT_MS
-from uibus.infra.jsonrpc import Running, valid_id
+from uibus.infra.jsonrpc import valid_id
+from uibus.infra.peer import Incoming, request_key
 from uibus.infra.proto_check import enum_spellings
 from uibus.infra.proto_schema import standalone
 from uibus.infra.quotas import ANONYMOUS, Quotas
 from uibus.infra.session import names_session, session_of
 from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext
+from uibus.replicas.placement import Placement
 
 _MAXIMAL = agent_pb2.MAXIMAL
 _AI = chat_pb2.ChatMessage.AI
@@ -173,8 +174,8 @@ def _only(args: Mapping[str, Any], tool: str) -> None:
 class McpServer:
     """The MCP methods over the domain core, and the little per-connection state MCP needs."""
 
-    def __init__(self, core: Core, wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler],
-                 version: str, *,
+    def __init__(self, core: Core, placement: Placement,
+                 wrap: Callable[[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler], version: str, *,
                  visible: Callable[[Any], Callable[[str], bool]] = lambda _metadata: lambda _session: True,
                  quotas: Quotas | None = None,
                  tenant_of: Callable[[Any], str] = lambda _metadata: ANONYMOUS,
@@ -182,13 +183,17 @@ class McpServer:
         """`visible(metadata)`: which sessions a call may list (the pipeline's visible_sessions:
         list_sessions); `quotas`: the quotas every door asks (ask_user holds the tenant's `dialogs`);
         `tenant_of(metadata)`: whose call it is; `tools_for(metadata)`: which tools tools/list shows
-        the caller (the pipeline's: an agent's token sees only those it may call)."""
+        the caller (the pipeline's: an agent's token sees only those it may call); `placement`: where
+        a turn or a steering call runs (here, or at its hosted agent's replica)."""
         self.core = core
+        self.placement = placement
         self.version = version
         self.chat_schema = standalone(agent_pb2.ChatRequest.DESCRIPTOR, required=("user_message",))
         self.handlers: dict[str, grpc.RpcMethodHandler] = {
             path: wrap(path, grpc.unary_stream_rpc_method_handler(fn)) for path, fn in self._methods().items()}
-        self.inflight = Running()  # requests running, by (Mcp-Session-Id, id): notifications/cancelled
+        # the one map of the clients' requests running (the JSON-RPC core's), by (Mcp-Session-Id, id):
+        # notifications/cancelled and DELETE find them there
+        self.inflight = Incoming("mcp requests")
         self.visible = visible
         self.quotas = quotas if quotas is not None else Quotas()
         self.tenant_of = tenant_of
@@ -215,28 +220,24 @@ class McpServer:
     @contextlib.contextmanager
     def tracking(self, session_id: str | None, ident: Any) -> Iterator[None]:
         """Registers the running request so `notifications/cancelled` (same session) can cancel it."""
-        task = asyncio.current_task()
-        key = (session_id or "", ident)
-        if session_id is None or ident is None or task is None or not self.inflight.add(key, task):
+        if session_id is None or ident is None:
             yield
             return
-        try:
+        with self.inflight.tracking((session_id, request_key(ident))):
             yield
-        finally:
-            self.inflight.discard(key, task)
 
     def _cancel(self, session_id: str | None, ident: Any) -> bool:
         if not session_id or not valid_id(ident, null=False):  # no request has such an id
             return False
-        return self.inflight.cancel((session_id, ident))
+        return self.inflight.cancel((session_id, request_key(ident)))
 
     def _end(self, session_id: str) -> None:
         self._ended[session_id] = None
         while len(self._ended) > ENDED_SESSIONS:
             self._ended.popitem(last=False)
-        for (sid, ident), _task in self.inflight.items():  # type: ignore[misc]
-            if sid == session_id:
-                self._cancel(sid, ident)
+        for key in self.inflight.keys():
+            if isinstance(key, tuple) and key[0] == session_id:
+                self.inflight.cancel(key)
 
     # ---- the methods -------------------------------------------------------------------------
 
@@ -327,7 +328,8 @@ class McpServer:
     async def _session_tool(self, tool: str, session: str, args: dict[str, Any],
                             context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         visible = self.visible(context.invocation_metadata())
-        async with aclosing(run_session_tool(self.core.sessions, tool, session, args, visible)) as results:
+        ran = run_session_tool(self.core.sessions, self.placement, tool, session, args, visible)
+        async with aclosing(ran) as results:
             async for result in results:
                 yield Reply(result)
 
@@ -351,7 +353,7 @@ class McpServer:
         yield LIVE
         final = None
         pieces = 0
-        async with aclosing(chat.turn(session, agent, request, metadata, keep=keep)) as replies:
+        async with aclosing(self.placement.turn(session, agent, request, metadata, keep=keep)) as replies:
             async for reply in replies:
                 message = reply.response
                 if message.type == _AI and progress is not None and message.text:

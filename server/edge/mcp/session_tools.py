@@ -16,6 +16,7 @@ from google.protobuf import json_format
 from uibus.domain.sessions import Sessions
 from uibus.edge.mcp import protocol
 from uibus.edge.mcp.protocol import InvalidParams
+from uibus.replicas.placement import Placement
 
 _STRING = {"type": "string"}
 SESSION_TOOLS: dict[str, dict[str, Any]] = {
@@ -52,7 +53,7 @@ def _arg(args: dict[str, Any], tool: str, key: str, required: bool) -> str:
     return value
 
 
-async def run_session_tool(sessions: Sessions, tool: str, session: str, args: dict[str, Any],
+async def run_session_tool(sessions: Sessions, placement: Placement, tool: str, session: str, args: dict[str, Any],
                            visible: Callable[[str], bool]) -> AsyncIterator[dict[str, Any]]:
     """The tools/call result of one session tool (yielded once, as the server's tools do)."""
     allowed = SESSION_TOOLS[tool]["inputSchema"]["properties"]
@@ -69,12 +70,12 @@ async def run_session_tool(sessions: Sessions, tool: str, session: str, args: di
         return
     agent = _arg(args, tool, "agent", True)
     if tool == "stop_turn":
-        stopped = await sessions.steering.stop(session, agent)
+        stopped = await placement.stop(session, agent)
         sessions.poke()
         yield protocol.text_result(f"Stopped the turn of {agent}." if stopped else f"{agent} runs no turn now.",
                                    {"stopped": stopped})
         return
-    state = await sessions.steering.set_mode(session, agent, _arg(args, tool, "mode_id", True))
+    state = await placement.set_mode(session, agent, _arg(args, tool, "mode_id", True))
     sessions.poke()
     yield protocol.text_result(f"{agent} is in mode {state.current_mode}.",
                                json_format.MessageToDict(state, preserving_proto_field_name=True))

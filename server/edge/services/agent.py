@@ -25,6 +25,7 @@ from uibus.edge.calls import text_metadata
 from uibus.infra.session import names_session, session_of
 from uibus.infra.tasks import Tasks
 from uibus.pb.neuro_san.api.grpc import agent_pb2, concierge_pb2, concierge_pb2_grpc
+from uibus.replicas.placement import Placement
 
 _SERVICE = agent_pb2.DESCRIPTOR.services_by_name["AgentService"]
 CANONICAL = _SERVICE.full_name
@@ -42,8 +43,10 @@ def per_agent_service(agent: str) -> str:
 class AgentServicer:
     """The three AgentService methods for a given agent name."""
 
-    def __init__(self, chat: Chat) -> None:
+    def __init__(self, chat: Chat, placement: Placement) -> None:
+        """`placement`: where each turn runs (here, or at its hosted agent's replica)."""
         self.chat = chat
+        self.placement = placement
         # Closes of parked turns: owned, so the installer's teardown joins them before the chat closes.
         self.closing = Tasks("parked turn closes")
 
@@ -59,15 +62,15 @@ class AgentServicer:
         """The StreamingChat handler for the agent `agent_of(context)` names. It returns the turn's
         own stream, which the pipeline serves (and closes) as it would a generator's: no
         pass-through generator of its own, one hop less for each of a reply's chunks."""
-        chat = self.chat
+        chat, placement = self.chat, self.placement
 
         def streaming_chat(request: agent_pb2.ChatRequest,
                            context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ChatResponse]:
             session = session_of(context)
             agent = agent_of(context)
             chat.check(agent, request)  # bad input fails before the stream starts
-            turn = chat.turn(session, agent, request, text_metadata(context),
-                             keep=names_session(context.invocation_metadata()))
+            turn = placement.turn(session, agent, request, text_metadata(context),
+                                  keep=names_session(context.invocation_metadata()))
             context.add_done_callback(lambda _ctx: self._close_if_parked(turn))
             return turn
 
@@ -195,9 +198,9 @@ def add_descriptors(agents: list[str]) -> None:
                 from exc
 
 
-def add_to(registry: Any, chat: Chat, servicer: AgentServicer | None = None) -> list[str]:
+def add_to(registry: Any, chat: Chat, servicer: AgentServicer) -> list[str]:
     """Registers the agents' routes and the concierge; returns the service names served."""
-    registry.add_generic_rpc_handlers([AgentRouter(servicer or AgentServicer(chat))])
+    registry.add_generic_rpc_handlers([AgentRouter(servicer)])
     concierge_pb2_grpc.add_ConciergeServiceServicer_to_server(ConciergeServicer(chat), registry)
     add_descriptors(chat.names())
     return [*(per_agent_service(a) for a in chat.names()), CANONICAL, CONCIERGE]

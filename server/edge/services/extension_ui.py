@@ -17,13 +17,16 @@ from uibus.infra.quotas import ANONYMOUS, Quotas
 from uibus.infra.session import session_of, since_of
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
+from uibus.replicas.placement import Placement
 
 
 class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
-    def __init__(self, dialogs: Dialogs, quotas: Quotas | None = None,
+    def __init__(self, dialogs: Dialogs, placement: Placement, quotas: Quotas | None = None,
                  tenant_of: Callable[[Any], str] | None = None) -> None:
-        """`quotas`, `tenant_of`: a tenant's `dialogs` quota (uibus.infra.quotas), held while its dialog waits."""
+        """`placement`: where an answer goes (the replica holding its dialog); `quotas`, `tenant_of`:
+        a tenant's `dialogs` quota (uibus.infra.quotas), held while its dialog waits."""
         self.dialogs = dialogs
+        self.placement = placement
         self.quotas = quotas if quotas is not None else Quotas()
         self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
 
@@ -71,7 +74,7 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
             yield event
 
     async def Respond(self, request: pb.RespondRequest, context: grpc.aio.ServicerContext) -> pb.RespondReply:
-        await self.dialogs.respond(session_of(context), request)
+        await self.placement.respond(session_of(context), request)
         return pb.RespondReply()
 
     async def GetStats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.ExtensionUiStats:
@@ -81,8 +84,8 @@ class ExtensionUiService(extension_ui_pb2_grpc.ExtensionUiServiceServicer):
 SERVICE = pb.DESCRIPTOR.services_by_name["ExtensionUiService"].full_name
 
 
-def add_to(registry: Any, dialogs: Dialogs, quotas: Quotas | None = None,
+def add_to(registry: Any, dialogs: Dialogs, placement: Placement, quotas: Quotas | None = None,
            tenant_of: Callable[[Any], str] | None = None) -> str:
-    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(ExtensionUiService(dialogs, quotas, tenant_of),
-                                                                   registry)
+    extension_ui_pb2_grpc.add_ExtensionUiServiceServicer_to_server(
+        ExtensionUiService(dialogs, placement, quotas, tenant_of), registry)
     return SERVICE

@@ -20,17 +20,20 @@ from uibus.infra.quotas import ANONYMOUS, Quotas
 from uibus.infra.session import check_session, session_of
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 from uibus.pb.uibus.v1 import sessions_pb2_grpc
+from uibus.replicas.placement import Placement
 
 Visible = Callable[[Any], Callable[[str], bool]]  # call metadata -> which sessions it may see
 Tenant = Callable[[Any], str]  # call metadata -> the caller's tenant (uibus.infra.quotas)
 
 
 class SessionService(sessions_pb2_grpc.SessionServiceServicer):
-    def __init__(self, sessions: Sessions, visible_of: Visible, tenant_of: Tenant | None = None,
+    def __init__(self, sessions: Sessions, placement: Placement, visible_of: Visible, tenant_of: Tenant | None = None,
                  quotas: Quotas | None = None) -> None:
-        """`tenant_of` and `quotas`: the caller's tenant and its quotas (watches open, sessions
-        created per minute), the same ones every door asks (uibus.infra.quotas)."""
+        """`placement`: where a steering call runs (here, or at its agent's replica); `tenant_of`
+        and `quotas`: the caller's tenant and its quotas (watches open, sessions created per minute),
+        the same ones every door asks (uibus.infra.quotas)."""
         self.sessions = sessions
+        self.placement = placement
         self.visible_of = visible_of
         self.tenant_of = tenant_of or (lambda _metadata: ANONYMOUS)
         self.quotas = quotas if quotas is not None else Quotas()
@@ -60,20 +63,20 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
 
     async def DeleteSession(self, request: pb.DeleteSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.DeleteSessionReply:
-        return await self.sessions.delete(session_of(context))
+        return await self.placement.delete_session(session_of(context))
 
     async def StopTurn(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.StopTurnReply:
-        stopped = await self.sessions.steering.stop(session_of(context), request.agent)
+        stopped = await self.placement.stop(session_of(context), request.agent)
         self.sessions.poke()
         return pb.StopTurnReply(stopped=stopped)
 
     async def SetMode(self, request: pb.SetModeRequest, context: grpc.aio.ServicerContext) -> pb.AgentState:
-        state = await self.sessions.steering.set_mode(session_of(context), request.agent, request.mode_id)
+        state = await self.placement.set_mode(session_of(context), request.agent, request.mode_id)
         self.sessions.poke()
         return state
 
     async def SetModel(self, request: pb.SetModelRequest, context: grpc.aio.ServicerContext) -> pb.AgentState:
-        state = await self.sessions.steering.set_model(session_of(context), request.agent, request.model_id)
+        state = await self.placement.set_model(session_of(context), request.agent, request.model_id)
         self.sessions.poke()
         return state
 
@@ -91,7 +94,7 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
         return reply
 
     async def NewConversation(self, request: pb.AgentRequest, context: grpc.aio.ServicerContext) -> pb.AgentState:
-        state = await self.sessions.steering.new_conversation(session_of(context), request.agent)
+        state = await self.placement.new_conversation(session_of(context), request.agent)
         self.sessions.poke()
         return state
 
@@ -99,8 +102,8 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
 SERVICE = pb.DESCRIPTOR.services_by_name["SessionService"].full_name
 
 
-def add_to(registry: Any, sessions: Sessions, visible_of: Visible, tenant_of: Tenant | None = None,
-           quotas: Quotas | None = None) -> str:
-    sessions_pb2_grpc.add_SessionServiceServicer_to_server(SessionService(sessions, visible_of, tenant_of, quotas),
-                                                           registry)
+def add_to(registry: Any, sessions: Sessions, placement: Placement, visible_of: Visible,
+           tenant_of: Tenant | None = None, quotas: Quotas | None = None) -> str:
+    sessions_pb2_grpc.add_SessionServiceServicer_to_server(
+        SessionService(sessions, placement, visible_of, tenant_of, quotas), registry)
     return SERVICE

@@ -5,7 +5,8 @@ requests on the same route are ACP's Streamable HTTP (`createHttpStream`: uibus.
 with the same query, policy and tokens.
 
 Mounted behind the browser policy (Host, Origin) like every route. The upgrade needs a token when
-tokens are configured (`Authorization: Bearer`, as the SDK's `headers` option sends it); each call
+tokens are configured (`Authorization: Bearer`, as the SDK's `headers` option sends it), which the
+HTTP port's route table checks (uibus.edge.transports.routes); each call
 the editor's sessions make then passes the pipeline with that token, through the app's in-process
 channel (the call driver), so a session-bound token reaches only its sessions. `?agent=NAME`
 chooses the agent a prompt runs (default: the server's default agent), `?prefix=` how the sessions
@@ -24,10 +25,10 @@ import grpc
 from uibus.edge.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.edge.editors.uplink import Uplink
 from uibus.edge.transports.acp_http import AcpHttp
-from uibus.edge.transports.asgi import Receive, Scope, Send, error_body, header, refuse
+from uibus.edge.transports.asgi import GRANT, Receive, Scope, Send, error_body, header, refuse
 from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.edge.transports.inprocess import Channel
-from uibus.infra.auth import Tokens, bearer
+from uibus.infra.auth import Tokens
 from uibus.infra.errors import InvalidArgument
 from uibus.infra.json_input import dump_json
 from uibus.infra.quotas import ANONYMOUS, QuotaExceeded, Quotas
@@ -82,12 +83,7 @@ class AcpWebSocket:
         if scope["type"] != "websocket":  # ACP's Streamable HTTP (the SDK's createHttpStream)
             await self.http(scope, receive, send, agent=agent, prefix=prefix)
             return
-        grant = self.tokens.grant(bearer(header(scope, b"authorization")))
-        if self.tokens.enabled and grant is None:
-            await refuse(scope, send, 401, dump_json(error_body(
-                grpc.StatusCode.UNAUTHENTICATED, f"{PATH} needs `Authorization: Bearer <token>`")),
-                "application/json")
-            return
+        grant = scope.get(GRANT)  # the route table's gate took the token (uibus.edge.transports.routes)
         try:
             lease = self.quotas.hold("acp_connections", grant.tenant if grant is not None else ANONYMOUS)
         except QuotaExceeded as exc:
@@ -121,19 +117,22 @@ class AcpWebSocket:
             except Exception as exc:  # uvicorn raises its own disconnect errors / OSError
                 raise SocketGone from exc
 
+        async def frame() -> str | bytes | None:
+            """The next message: one text (or binary) frame; None once the socket closed."""
+            while True:
+                event = await receive()
+                kind = event["type"]
+                if kind == "websocket.disconnect":
+                    return None
+                if kind == "websocket.receive":
+                    data = event.get("text")
+                    return data if data is not None else event.get("bytes") or b""
+
         await send({"type": "websocket.accept"})
         channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes)
         editor = Editor(Uplink(channel, agent), write, prefix=prefix)
         self.open.add(editor)
         try:
-            while True:
-                event = await receive()
-                kind = event["type"]
-                if kind == "websocket.disconnect":
-                    break
-                if kind == "websocket.receive":
-                    data = event.get("text")
-                    await editor.receive(data if data is not None else event.get("bytes") or b"")
+            await editor.serve(frame)  # the one receive loop (uibus.infra.peer), and the editor's end
         finally:
             self.open.discard(editor)
-            await editor.aclose()

@@ -21,6 +21,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 # What a 401 carries on every route (RFC 6750): the client is to send `Authorization: Bearer`.
 CHALLENGE = (b"www-authenticate", b'Bearer realm="uibus"')
+# The scope key under which the route table's gate (uibus.edge.transports.routes) hands a route that
+# takes a token the grant it admitted (None: tokens are off), so no route reads the token again.
+GRANT = "uibus.grant"
 
 
 class BodyTooLarge(ResourceExhausted):
@@ -116,14 +119,14 @@ async def wrong_method(send: Send, method: str, path: str, allowed: str) -> None
 
 
 async def refuse(scope: Scope, send: Send, status: int, body: bytes | str,
-                 content_type: str = "text/plain; charset=utf-8") -> None:
+                 content_type: str = "text/plain; charset=utf-8", headers: Headers | None = None) -> None:
     """Answers an HTTP request, or refuses a WebSocket upgrade, with `status` and `body`: as an HTTP
     response to the upgrade where the server can send one (uvicorn can), else with a close before
     accept, which clients see as HTTP 403."""
     if scope["type"] != "websocket":
-        await respond(send, status, body, content_type)
+        await respond(send, status, body, content_type, headers)
     elif "websocket.http.response" in scope.get("extensions", {}):
-        await respond(send, status, body, content_type, prefix="websocket.")
+        await respond(send, status, body, content_type, headers, prefix="websocket.")
     else:
         await send({"type": "websocket.close", "code": 1008})  # policy violation
 

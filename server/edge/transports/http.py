@@ -265,7 +265,8 @@ class HttpServer:
         TLS when `--http-tls-cert` or `--tls-cert` is set (a bad certificate file is a ConfigError
         from here, before anything is bound)."""
         self._sock = sock
-        # Other parts that live on the HTTP port add themselves to `routes.mounts`.
+        # Other parts that live on the HTTP port add themselves to `routes.mounts`, each served by the
+        # route its path has in the one route table (uibus.edge.transports.routes.TABLE).
         self.routes = routes
         self.policy = BrowserPolicy.from_config(config)
         frames = f"frame-ancestors {self.policy.frame_ancestors()}".encode()

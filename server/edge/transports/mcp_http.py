@@ -18,8 +18,10 @@ has the methods).
   stream is kept as long for a client that lost its last events. The events come from the
   stream's replay log (uibus.edge.transports.sse, bounded in bytes): an id older than it keeps gets
   the call's JSON-RPC error (`DATA_LOSS`) as the resumed stream's one event and the call is
-  cancelled; an id of no stream kept here (ended longer ago, another replica, before a restart)
-  is 404 — never a silent hole.
+  cancelled; an id of no stream kept here (ended longer ago, before a restart) is 404 — never a
+  silent hole. With replicas (a replicated bus) a stream is also kept in the session's log and
+  followed on the bus (uibus.edge.transports.mcp_resume), so the GET may reach any replica: one
+  that does not run the call replays the missed events from the log, then the rest live.
 
 Every message runs through the handler pipeline as `/mcp/<method>`, so the token, the session
 binding (`x-uibus-session`), limits, metrics (transport `mcp`) and error policy are the ones of
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import time
 from typing import Any
 
@@ -60,8 +61,10 @@ from uibus.edge.transports.asgi import (
     wait_disconnect,
 )
 from uibus.edge.transports.grpcweb import metadata_of, peer_of
+from uibus.edge.transports.mcp_resume import RemoteResume, SharedStream, auth_hash, new_stream_name
 from uibus.infra.errors import UibusError
 from uibus.infra.json_input import PoisonedJson, check_json, dump_json_bytes, load_json
+from uibus.infra.session import session_from_metadata
 from uibus.infra.tasks import cancel_and_wait
 
 PATH = "/mcp"
@@ -87,6 +90,9 @@ class McpHttp:
         self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
         self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
         self.replay = sse.Replay(MAX_REPLAY_BYTES)  # their replay logs, together: the oldest streams' go first
+        # With replicas, streams are also kept in the session log and followed on the bus (mcp_resume)
+        self.bus = server.core.bus
+        self.log = server.core.feed.log
 
     def _sweep(self) -> None:
         """Forgets the streams of calls that ended more than `resume_s` ago (and the oldest ended
@@ -104,9 +110,6 @@ class McpHttp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await refuse(scope, send, 404, f"{PATH} is not a WebSocket endpoint (POST JSON-RPC to it)\n")
-            return
-        if scope["path"] != PATH:
-            await respond(send, 404, f"not found: {scope['path']} (the MCP endpoint is {PATH})\n")
             return
         method = scope["method"]
         self._sweep()
@@ -192,6 +195,7 @@ class McpHttp:
         exchange.authorization = header(scope, b"authorization")
         exchange.registry = self.streams
         exchange.replay_bytes, exchange.replay = self.replay_bytes, self.replay
+        exchange.share = self._sharing(scope, exchange)
 
         async def gone() -> None:
             """The client went away: at once when no event stream was open; else once no reader has
@@ -215,18 +219,41 @@ class McpHttp:
             await exchange.close()
             await cancel_and_wait(posted_gone)
 
+    def _sharing(self, scope: Scope, exchange: _Exchange) -> Any:
+        """With replicas: what makes the call's stream followable from any replica (its events
+        to the session log and the bus), given the stream's name; None alone (nothing to share)."""
+        if not self.bus.replicated:
+            return None
+        try:
+            session = session_from_metadata(metadata_of(scope))
+        except UibusError:  # the pipeline refuses the call for it; nothing will stream
+            return None
+
+        def share(name: str) -> SharedStream:
+            head = {"sid": exchange.session_id, "auth": auth_hash(exchange.authorization), "rid": exchange.ident,
+                    "replica": self.bus.replica_id}
+            return SharedStream(self.bus, self.log, session, name, head)
+        return share
+
     # ---- GET with Last-Event-ID: resume a call's event stream ----------------------------------
 
     async def _resume(self, scope: Scope, receive: Receive, send: Send) -> None:
         last = header(scope, b"last-event-id").strip()
         session_id = header(scope, b"mcp-session-id").strip() or None
-        found = self.streams.get(last.rpartition(".")[0])
-        if (found is None or found.stream is None or found.session_id != session_id
-                or found.authorization != header(scope, b"authorization")):
+
+        async def not_found() -> None:
             await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", f"no event stream of this session has "
                           f"event {last[:80]!r}: its call ended more than {self.resume_s:g} s ago, its session was "
-                          "deleted, or it was served by another uibus replica or before a restart",
-                          protocol.INVALID_REQUEST)), "application/json")
+                          "deleted, or it was served before a restart", protocol.INVALID_REQUEST)),
+                          "application/json")
+
+        found = self.streams.get(last.rpartition(".")[0])
+        if found is None and self.bus.replicated:  # the call may run on another replica
+            await self._resume_elsewhere(scope, receive, send, last, session_id, not_found)
+            return
+        if (found is None or found.stream is None or found.session_id != session_id
+                or found.authorization != header(scope, b"authorization")):
+            await not_found()
             return
         stream = found.stream
         if not await stream.take_over():  # the reader it lost, if the server has not seen it go yet
@@ -251,6 +278,19 @@ class McpHttp:
             await found.read(send, gone)
         finally:
             await cancel_and_wait(gone)
+
+    async def _resume_elsewhere(self, scope: Scope, receive: Receive, send: Send, last: str, session_id: str | None,
+                                not_found: Any) -> None:
+        """A resume of a stream this replica does not hold: from the session log, then live from
+        the bus, while the call runs on another replica (uibus.edge.transports.mcp_resume)."""
+        try:
+            session = session_from_metadata(metadata_of(scope))
+        except UibusError:
+            await not_found()
+            return
+        await RemoteResume(self.bus, self.log, self.resume_s, self.keepalive_s).serve(
+            session, last, session_id, header(scope, b"authorization"), send, wait_disconnect(receive), not_found,
+            lambda ident, status, message: _json(protocol.error(ident, status, message)))
 
     # ---- DELETE: end a session -----------------------------------------------------------------
 
@@ -292,6 +332,9 @@ class _Exchange:
         self.registry: dict[str, _Exchange] = {}
         self.replay_bytes = sse.REPLAY_BYTES
         self.replay: sse.Replay | None = None
+        self.share: Any = None  # with replicas: makes the stream's SharedStream, given its name (McpHttp._sharing)
+        self.shared: SharedStream | None = None
+        self._watching: asyncio.Task[None] | None = None  # remote readers' notices (they keep the call going)
         self.reply: Reply | None = None
         self.streaming = False
         self.done = False
@@ -307,10 +350,13 @@ class _Exchange:
         if not self.streamable or self.streaming:
             return
         self.streaming = True
-        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), secrets.token_urlsafe(12), self.replay_bytes,
-                                self.replay)
+        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), new_stream_name(), self.replay_bytes, self.replay)
         self.registry[self.stream.name] = self
-        self.stream.push(b"")
+        if self.share is not None:
+            self.shared = self.share(self.stream.name)
+            self._watching = asyncio.create_task(self.shared.watch_readers(self._readers.set),
+                                                 name="uibus-mcp-readers")
+        self._push(b"")
         await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
         self._pumping = asyncio.create_task(self.read(self.send, self.posted_gone), name="uibus-mcp-stream")
 
@@ -343,15 +389,22 @@ class _Exchange:
         self.was_cut.set()
         self._readers.set()
         if self.stream is not None:
+            if self.shared is not None and not self.stream.closed:  # a remote reader ends here too
+                self.shared.record(self.stream.ids.last + 1, b"", end=True)
             self.stream.drop()
             self.stream.close()
 
-    def _push(self, message: dict[str, Any]) -> None:
+    def _push(self, message: dict[str, Any] | bytes, end: bool = False) -> None:
+        """Queues one event (b"": the priming one, an id and no data); `end`: the stream's last."""
         assert self.stream is not None
         try:
-            self.stream.push(_json(message), "message")
+            n, framed = (self.stream.push(message) if isinstance(message, bytes)
+                         else self.stream.push(_json(message), "message"))
         except sse.Overflow:
             self.cut()
+            return
+        if self.shared is not None:
+            self.shared.record(n, framed, end)
 
     async def message(self, item: Reply | dict[str, Any]) -> None:
         """The method's result, or a notification for the client on the way to it."""
@@ -368,7 +421,9 @@ class _Exchange:
     def _end(self, message: dict[str, Any] | None) -> None:
         self.done = True
         if message is not None:
-            self._push(message)
+            self._push(message, end=True)
+        elif self.shared is not None and self.stream is not None and not self.stream.closed:
+            self.shared.record(self.stream.ids.last + 1, b"", end=True)  # ended without a last event
         if self.stream is not None:
             self.stream.close()
         self.ended_at = time.monotonic()
@@ -417,6 +472,7 @@ class _Exchange:
                                      "it in time: the call was cancelled"))
         if self.ended_at is None:  # (a stream that was cut): forgotten like any other
             self.ended_at = time.monotonic()
+        await cancel_and_wait(self._watching)
         if self._pumping is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(self._pumping), self.keepalive_s)

@@ -9,8 +9,9 @@ failures, metrics) behave the same over both transports. A body that is not the 
 JSON, or is over the size limit, goes to the handler as `Rejected`, so the pipeline answers it.
 Failures are answered with the HTTP status of their gRPC status and `{"error", "code"}`.
 
-`GET /api/v1/docs` is the OpenAPI description of all this (uibus.edge.transports.openapi), open
-without a token like /healthz: it is the same for everyone and reveals only message schemas.
+`GET /api/v1/docs`, the OpenAPI description of all this (uibus.edge.transports.openapi), is the route
+table's (uibus.edge.transports.routes), open without a token like /healthz: it is the same for
+everyone and reveals only message schemas.
 """
 
 from __future__ import annotations
@@ -29,13 +30,11 @@ from uibus.edge.transports.asgi import (
     error_body,
     http_status,
     read_request,
-    respond,
     respond_json,
     wait_disconnect,
     wrong_method,
 )
 from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
-from uibus.edge.transports.openapi import document_json
 from uibus.infra.errors import InvalidArgument
 from uibus.infra.json_input import dump_json_bytes, load_json
 from uibus.infra.proto_check import enum_spellings
@@ -78,12 +77,6 @@ class NeuroSanHttp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         parts = scope["path"][len(PREFIX):].split("/")
         method = scope["method"]
-        if parts == ["docs"]:  # before the handlers and their token check: the document is public
-            if method not in ("GET", "HEAD"):
-                await wrong_method(send, method, scope["path"], "GET, HEAD")
-            else:
-                await respond(send, 200, document_json(), "application/json")
-            return
         if parts == ["list"]:
             if method != "GET":
                 await wrong_method(send, method, scope["path"], "GET")

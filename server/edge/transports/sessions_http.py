@@ -26,12 +26,14 @@ from uibus.edge.transports.asgi import (
     Scope,
     Send,
     read_request,
+    refuse,
     respond_json,
     wait_disconnect,
     wrong_method,
 )
 from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
 from uibus.edge.transports.neurosan_http import _Json, _Lines, _parse
+from uibus.infra.json_input import dump_json
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
 
 PATH = "/api/v1/sessions"
@@ -50,8 +52,9 @@ class SessionsHttp:
         self.max_body = max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await respond_json(send, 404, {"error": f"no WebSocket endpoint at {scope['path']}"})
+        if scope["type"] != "http":  # an upgrade is refused as one (an HTTP answer to it would be a 500)
+            await refuse(scope, send, 404, dump_json({"error": f"no WebSocket endpoint at {scope['path']}"}),
+                         "application/json")
             return
         rest = scope["path"][len(PATH):].strip("/")
         method = scope["method"]

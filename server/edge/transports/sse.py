@@ -171,14 +171,16 @@ class Queue:
     def ident(self, n: int) -> str:
         return f"{self.name}.{n}" if self.name else str(n)
 
-    def push(self, data: bytes, event: str | None = None) -> None:
-        """Queues one event; Overflow (nothing queued) past the budget."""
+    def push(self, data: bytes, event: str | None = None) -> tuple[int, bytes]:
+        """Queues one event; Overflow (nothing queued) past the budget. Returns its number and its
+        bytes as framed (what a transport that also keeps it elsewhere keeps: `/mcp` on replicas)."""
         n = self.ids.last + 1
         framed = frame(data, self.ident(n), event)
         self.budget.take(len(framed))
         self.ids.next()
         self.queue.append((n, framed))
         self.more.set()
+        return n, framed
 
     def close(self) -> None:
         self.closed = True

@@ -43,10 +43,11 @@ from uibus.infra.bus import Bus, Subscription
 from uibus.infra.kinds import Kind
 from uibus.infra.redis import codec
 from uibus.infra.redis.conn import OUTAGE_ERRORS, AnyRedis, make_client
-from uibus.infra.redis.links import BACKOFF_MAX_S, BACKOFF_MIN_S, PATIENCE_S, Commands, Links
+from uibus.infra.redis.links import PATIENCE_S, Commands, Links
 from uibus.infra.redis.outbox import Outbox, Outgoing, ReplicationStats, Writes
 from uibus.infra.redis.presence import Presence
 from uibus.infra.redis.shards import Shards, shard_of
+from uibus.infra.retry import Backoff
 from uibus.infra.tasks import Tasks
 from uibus.infra.telemetry.spans import published, received
 
@@ -289,9 +290,9 @@ class ReplicatedBus(Bus):
         self._presence.announce_all()
 
     async def _until_reachable(self) -> None:
-        backoff = BACKOFF_MIN_S
+        backoff = Backoff()  # uibus.infra.retry: replicas that lost Redis together do not ping it together
         while self._started:
-            await asyncio.sleep(backoff)
+            await backoff.wait()
             try:
                 if isinstance(self._redis, RedisCluster):
                     await self._links.refresh_topology()
@@ -299,8 +300,8 @@ class ReplicatedBus(Bus):
                 else:
                     await self._redis.ping()
                 return
-            except Exception:
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+            except Exception:  # still down: the next wait is longer
+                pass
 
     # -- what the links hear (uibus.infra.redis.links.Listener) ---------------------------------------
 

@@ -28,12 +28,11 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import RedisCluster
 
 from uibus.infra.redis.conn import AnyRedis, SlotMap, node_client
+from uibus.infra.retry import Backoff
 from uibus.infra.tasks import Tasks, cancel_and_wait
 
 log = logging.getLogger("uibus.infra.redis")
 
-BACKOFF_MIN_S = 0.05
-BACKOFF_MAX_S = 2.0
 SINGLE = "single"  # the name of the one link to a single Redis (or a Sentinel-followed master)
 PATIENCE_S = 0.5  # a task that swallowed its cancel (inside redis-py) is cancelled again after this
 
@@ -114,7 +113,7 @@ class Link:
 
     async def _run(self) -> None:
         links = self.links
-        backoff = BACKOFF_MIN_S
+        backoff = Backoff()  # between reconnects (uibus.infra.retry)
         while links.running() and not self.retired:
             pubsub = self.client.pubsub(ignore_subscribe_messages=False)
             try:
@@ -128,7 +127,7 @@ class Link:
                             await pubsub.ssubscribe(channel)
                     else:  # one command: every channel is subscribed before the hello (ctl, last) goes out
                         await pubsub.subscribe(*channels)
-                backoff = BACKOFF_MIN_S
+                backoff.reset()
                 while links.running():
                     msg = await pubsub.get_message(timeout=None)
                     if msg is not None:
@@ -148,8 +147,7 @@ class Link:
                 self.pubsub = None
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+            await backoff.wait()
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         links = self.links
@@ -284,15 +282,14 @@ class Links:
         the listeners start together: reading it again there, under the writer's first pipeline,
         closed the connections that pipeline was using (it hung, and the bus sent nothing)."""
         assert self.slots is not None
-        backoff = BACKOFF_MIN_S
+        backoff = Backoff()
         while self.running():
             try:
                 await (self.slots.learn() if first else self.slots.read())
                 return
             except Exception as exc:  # every node down (RedisClusterException), an outage, a slot-less reply
                 self.listener.went_down("topology", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                await backoff.wait()
 
     def regroup_soon(self) -> None:
         if self.running() and (self._regrouping is None or self._regrouping.done()) and not self.loops.closed:
