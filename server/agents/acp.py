@@ -111,7 +111,7 @@ class AcpAgent(StdioBackend):
         return self.seen_prompt_capabilities
 
 
-class AcpSession(AcpSteering, JsonRpcSession):
+class AcpSession(JsonRpcSession):
     """One ACP agent process and its one ACP session, for one uibus session."""
 
     logger = log
@@ -126,6 +126,7 @@ class AcpSession(AcpSteering, JsonRpcSession):
         self.capabilities: dict[str, Any] = {}
         self.cwd = ""
         self.mcp_servers: list[dict[str, Any]] = []
+        self.steering = AcpSteering(self)  # modes, models, commands, conversations (the sessions API's)
         self._prompt: asyncio.Future[Any] | None = None  # the running turn's session/prompt
 
     # ---- messages ----
@@ -141,7 +142,7 @@ class AcpSession(AcpSteering, JsonRpcSession):
     def on_notification(self, method: Any, params: dict[str, Any]) -> None:
         if method == "session/update":
             if params.get("sessionId") == self.session_id:
-                self.steer_seen_update(params.get("update"))  # modes, commands, title: kept between turns too
+                self.steering.seen_update(params.get("update"))  # modes, commands, title: kept between turns too
                 self.deliver(params)
             return
         super().on_notification(method, params)
@@ -179,9 +180,13 @@ class AcpSession(AcpSteering, JsonRpcSession):
             if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
                 raise AgentError("session/new did not return a sessionId")
             self.session_id = created["sessionId"]
-            self.steer_seen_session(created)
-            if self.options.resume:
-                await self.ui.keep_handle({"sessionId": self.session_id, "cwd": cwd})
+            self.steering.seen_session(created)
+            await self.keep_conversation()
+
+    async def keep_conversation(self) -> None:
+        """With option resume, keeps the ACP session now open, so the next process resumes it."""
+        if self.options.resume:
+            await self.ui.keep_handle({"sessionId": self.session_id, "cwd": self.cwd})
 
     async def _resume(self, handle: dict[str, Any], servers: list[dict[str, Any]]) -> bool:
         """Picks up the conversation of an earlier process: `session/load` where the agent offers it
@@ -212,7 +217,7 @@ class AcpSession(AcpSteering, JsonRpcSession):
             return False
         self.session_id = sid
         if isinstance(loaded, dict):  # its modes and models, as session/new would have said them
-            self.steer_seen_session(loaded)
+            self.steering.seen_session(loaded)
         self.ui.resumed()
         return True
 

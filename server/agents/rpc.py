@@ -95,7 +95,7 @@ class RpcAgent(StdioBackend):
         return {"image": True, "audio": False, "embeddedContext": False}
 
 
-class RpcSession(PiSteering, StdioSession):
+class RpcSession(StdioSession):
     """One agent process of one uibus session, spoken to in pi's RPC mode."""
 
     logger = log
@@ -108,6 +108,7 @@ class RpcSession(PiSteering, StdioSession):
         self._answered: set[str] = set()
         self._fires: asyncio.Queue[Event] = asyncio.Queue()
         self._command_turn = False  # this turn's prompt is an extension command (see prepare)
+        self.steering = PiSteering(self.command, self._keep_conversation)  # models, commands, sessions
 
     # ---- the process ----
 
@@ -117,12 +118,21 @@ class RpcSession(PiSteering, StdioSession):
         if self.options.resume:
             if self.ui.handle and await self._resume(self.ui.handle):
                 state = await self.command("get_state")  # the session file now open
-            data = state.get("data") if isinstance(state.get("data"), dict) else {}
-            path = data.get("sessionFile")
-            await self.ui.keep_handle({"sessionFile": path if isinstance(path, str) and path else None})
+            await self._keep_conversation(state)
         data = state.get("data")
         # models and commands, for the UIs: in the background, so a start never waits on them
-        self.tasks.spawn(self.steer_refresh(data if isinstance(data, dict) else {}), name="rpc agent state")
+        self.tasks.spawn(self.steering.refresh(data if isinstance(data, dict) else {}), name="rpc agent state")
+
+    async def _keep_conversation(self, state: dict[str, Any] | None = None) -> None:
+        """With option resume, keeps the session file pi has open (its `get_state`), so the next
+        process reopens it; without, nothing."""
+        if not self.options.resume:
+            return
+        if state is None:
+            state = await self.command("get_state")
+        data = state.get("data") if isinstance(state.get("data"), dict) else {}
+        path = data.get("sessionFile")
+        await self.ui.keep_handle({"sessionFile": path if isinstance(path, str) and path else None})
 
     async def _resume(self, handle: dict[str, Any]) -> bool:
         """Reopens the session file of an earlier process (`switch_session`); False (the UIs told

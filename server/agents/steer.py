@@ -1,6 +1,6 @@
 """What a hosted agent offers beyond turns, in each protocol's words: its modes, models and commands,
 the conversation's title, and the calls that change them (uibus.domain.steering reads and calls
-these through the `steer_*` methods, and refuses what an agent lacks).
+these through the session's `steering`, and refuses what an agent lacks).
 
 * ACP: `session/new` may return `modes` ({currentModeId, availableModes}) and `models`
   ({currentModelId, availableModels}); `session/update` brings `current_mode_update`,
@@ -9,15 +9,18 @@ these through the `steer_*` methods, and refuses what an agent lacks).
 * pi (RPC mode): `get_state` (model, session id and name), `get_available_models`,
   `get_commands`; `set_model` {provider, modelId}; `new_session`.
 
-Each is a mixin of its session class (uibus.agents.acp.AcpSession, uibus.agents.rpc.RpcSession),
-so the protocol modules only call the two hooks (`steer_seen_session`, `steer_seen_update` /
-`steer_refresh`) and stay about turns.
+Each session class (uibus.agents.acp.AcpSession, uibus.agents.rpc.RpcSession) owns one as its
+`steering`, built with what it acts through (the session's own calls, said in its constructor), so
+the protocol modules only tell it what they saw (`seen_session`, `seen_update` / `refresh`) and
+stay about turns; the domain's Steering reads `state()` and calls `set_mode`, `set_model`,
+`new_conversation` where `state()["can"]` offers them.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from uibus.agents import AgentError
 from uibus.infra.errors import FailedPrecondition
@@ -60,31 +63,28 @@ class Controls:
                 "conversation": conversation, "conversations": list(self.conversations), "can": can}
 
 
-class _Steered:
-    """The Controls of a session, made on first use: both mixins keep them the same way, and a mixin
-    has no __init__ of its own to make them in (the session classes own construction)."""
+class AcpConversation(Protocol):
+    """The ACP session a steering acts through (AcpSession)."""
 
-    @property
-    def controls(self) -> Controls:
-        found = self.__dict__.get("_controls")
-        if found is None:
-            found = self.__dict__["_controls"] = Controls()
-        return found
-
-
-class AcpSteering(_Steered):
-    """ACP's modes, models, commands and conversations (mixed into AcpSession)."""
-
-    session_id: str
-    mcp_servers: list[dict[str, Any]]  # what the first session/new offered (the next one offers the same)
+    session_id: str  # the ACP session now; a new conversation replaces it
     cwd: str
-    options: Any  # StdioSession's ProcessOptions and SessionUi (the handle of a new conversation is kept)
-    ui: Any
+    mcp_servers: list[dict[str, Any]]  # what the first session/new offered (the next one offers the same)
 
-    if TYPE_CHECKING:  # JsonRpcSession's (declared for the type checker only: a body here would shadow it)
-        async def call(self, method: str, params: dict[str, Any]) -> Any: ...
+    async def call(self, method: str, params: dict[str, Any]) -> Any: ...
 
-    def steer_seen_session(self, created: dict[str, Any]) -> None:
+    async def keep_conversation(self) -> None:
+        """Keeps the new conversation's handle (option resume: the next process resumes it)."""
+        ...
+
+
+class AcpSteering:
+    """ACP's modes, models, commands and conversations of one session."""
+
+    def __init__(self, session: AcpConversation) -> None:
+        self.session = session
+        self.controls = Controls()
+
+    def seen_session(self, created: dict[str, Any]) -> None:
         """A `session/new` (or load) result: its modes and models, if it offers them."""
         c = self.controls
         modes = created.get("modes") if isinstance(created.get("modes"), dict) else {}
@@ -94,7 +94,7 @@ class AcpSteering(_Steered):
         c.models = _items(models.get("availableModels"), "modelId")
         c.current_model = _s(models.get("currentModelId"))
 
-    def steer_seen_update(self, update: Any) -> None:
+    def seen_update(self, update: Any) -> None:
         """A `session/update` of the agent's own session (in a turn or between turns)."""
         if not isinstance(update, dict):
             return
@@ -113,48 +113,49 @@ class AcpSteering(_Steered):
         elif kind == "session_info_update" and "title" in update:
             c.title = _s(update.get("title"))
 
-    def steer_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         c = self.controls
         can = ["new_conversation"]
         if c.modes:
             can.append("set_mode")
         if c.models:
             can.append("set_model")
-        return c.state(self.session_id, can)
+        return c.state(self.session.session_id, can)
 
-    async def steer_set_mode(self, mode_id: str) -> None:
-        await self.call("session/set_mode", {"sessionId": self.session_id, "modeId": mode_id})
+    async def set_mode(self, mode_id: str) -> None:
+        await self.session.call("session/set_mode", {"sessionId": self.session.session_id, "modeId": mode_id})
         self.controls.current_mode = mode_id
 
-    async def steer_set_model(self, model_id: str) -> None:
-        await self.call("session/set_model", {"sessionId": self.session_id, "modelId": model_id})
+    async def set_model(self, model_id: str) -> None:
+        await self.session.call("session/set_model", {"sessionId": self.session.session_id, "modelId": model_id})
         self.controls.current_model = model_id
 
-    async def steer_new_conversation(self) -> None:
-        created = await self.call("session/new", {"cwd": self.cwd, "mcpServers": self.mcp_servers})
+    async def new_conversation(self) -> None:
+        session = self.session
+        created = await session.call("session/new", {"cwd": session.cwd, "mcpServers": session.mcp_servers})
         if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
             raise AgentError("session/new did not return a sessionId")
         c = self.controls
-        if self.session_id:
-            c.conversations.append(self.session_id)
-        self.session_id = created["sessionId"]
+        if session.session_id:
+            c.conversations.append(session.session_id)
+        session.session_id = created["sessionId"]
         c.title, c.commands = "", []
-        self.steer_seen_session(created)
-        if self.options.resume:  # the next process resumes the new conversation, not the old one
-            await self.ui.keep_handle({"sessionId": self.session_id, "cwd": self.cwd})
+        self.seen_session(created)
+        await session.keep_conversation()  # the next process resumes the new conversation, not the old one
 
 
-class PiSteering(_Steered):
-    """pi's models, commands and sessions (mixed into RpcSession)."""
+class PiSteering:
+    """pi's models, commands and sessions of one agent process."""
 
-    options: Any  # StdioSession's ProcessOptions and SessionUi (the handle of a new conversation is kept)
-    ui: Any
-
-    if TYPE_CHECKING:  # RpcSession's
-        async def command(self, kind: str, **fields: Any) -> dict[str, Any]: ...
-
-    def _pi_ids(self) -> tuple[str, str]:
-        return self.__dict__.get("_pi_conversation", ""), self.__dict__.get("_pi_provider", "")
+    def __init__(self, command: Callable[..., Awaitable[dict[str, Any]]],
+                 keep_conversation: Callable[[], Awaitable[None]]) -> None:
+        """`command(kind, **fields)`: a command to pi and its reply (RpcSession.command);
+        `keep_conversation()`: keeps the handle of the session file now open (option resume)."""
+        self.command = command
+        self.keep_conversation = keep_conversation
+        self.controls = Controls()
+        self.conversation = ""  # pi's session id (or file): the conversation now
+        self.provider = ""  # the provider of the current model
 
     async def _data(self, kind: str, **fields: Any) -> dict[str, Any] | None:
         """The data of a successful reply; None when refused, when the process went, or (an agent
@@ -169,15 +170,15 @@ class PiSteering(_Steered):
         data = reply.get("data")
         return data if isinstance(data, dict) else {}
 
-    async def steer_refresh(self, state: dict[str, Any] | None = None) -> None:
+    async def refresh(self, state: dict[str, Any] | None = None) -> None:
         """Reads pi's state, models and commands (an older pi lacking one just offers less)."""
         c = self.controls
         if state is None:
             state = await self._data("get_state") or {}
         model = state.get("model") if isinstance(state.get("model"), dict) else {}
         c.current_model = _s(model.get("id"))
-        self.__dict__["_pi_provider"] = _s(model.get("provider"))
-        self.__dict__["_pi_conversation"] = _s(state.get("sessionId")) or _s(state.get("sessionFile"))
+        self.provider = _s(model.get("provider"))
+        self.conversation = _s(state.get("sessionId")) or _s(state.get("sessionFile"))
         c.title = _s(state.get("sessionName"))
         models = await self._data("get_available_models") or {}
         raw = models.get("models") if isinstance(models.get("models"), list) else []
@@ -189,28 +190,24 @@ class PiSteering(_Steered):
         c.commands = [{"name": _s(m.get("name")), "description": _s(m.get("description")), "input_hint": ""}
                       for m in raw if isinstance(m, dict) and _s(m.get("name"))][:MAX_ITEMS]
 
-    def steer_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         c = self.controls
         can = ["new_conversation"] + (["set_model"] if c.models else [])
-        return c.state(self._pi_ids()[0], can)
+        return c.state(self.conversation, can)
 
-    async def steer_set_model(self, model_id: str) -> None:
+    async def set_model(self, model_id: str) -> None:
         provider = next((m.get("provider", "") for m in self.controls.models if m["id"] == model_id), "")
         reply = await self.command("set_model", provider=provider, modelId=model_id)
         if not reply.get("success"):
             raise FailedPrecondition(f"pi refused set_model: {_s(reply.get('error')) or 'no reason given'}")
         self.controls.current_model = model_id
 
-    async def steer_new_conversation(self) -> None:
-        old = self._pi_ids()[0]
+    async def new_conversation(self) -> None:
+        old = self.conversation
         data = await self._data("new_session")
         if data is None or data.get("cancelled"):
             raise FailedPrecondition("pi did not start a new session (an extension cancelled it, or it refused)")
         if old:
             self.controls.conversations.append(old)
-        await self.steer_refresh()
-        if self.options.resume:  # the next process reopens the new session file, not the old one
-            state = await self.command("get_state")
-            data = state.get("data") if isinstance(state.get("data"), dict) else {}
-            path = data.get("sessionFile")
-            await self.ui.keep_handle({"sessionFile": path if isinstance(path, str) and path else None})
+        await self.refresh()
+        await self.keep_conversation()  # the next process reopens the new session file, not the old one

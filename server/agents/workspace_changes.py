@@ -12,7 +12,6 @@ those go to the log.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import logging
@@ -117,30 +116,40 @@ class _Cached:
     summary: Summary
 
 
-class Changes(abc.ABC):
-    """Summaries, diffs and exports of workspaces; the class that mixes it in says where things are."""
+class Places(Protocol):
+    """Where things are, as the workspaces say (uibus.agents.workspaces.Workspaces)."""
 
-    _locks: dict[str, asyncio.Lock]
-    _cache: dict[tuple[str, str], _Cached]
-    _borrowed: dict[str, tuple[str, ...]]
-    _staged_count: dict[str, int]
-
-    @abc.abstractmethod
-    def _shadow(self, w: Workspace) -> Path:
+    def shadow(self, w: Workspace) -> Path:
         """uibus's own git directory for `w` (in its private folder)."""
+        ...
 
-    @abc.abstractmethod
-    def _box(self, w: Workspace, *, writable: bool = True) -> Box:
+    def box(self, w: Workspace, *, writable: bool = True) -> Box:
         """The box git runs in for `w`: its checkout read-only, its shadow writable."""
+        ...
 
-    @abc.abstractmethod
-    def _locked(self, repo: str) -> contextlib.AbstractAsyncContextManager[None]:
+    def locked(self, repo: str) -> contextlib.AbstractAsyncContextManager[None]:
         """A lock by name, in this process and across the processes sharing the folder (the base
         repository's, for exports; a workspace's staging)."""
+        ...
 
-    @abc.abstractmethod
-    async def _objects(self, repo: str) -> tuple[str, ...]:
+    async def objects(self, repo: str) -> tuple[str, ...]:
         """The base repository's object directories."""
+        ...
+
+
+class Changes:
+    """Summaries, diffs and exports of workspaces: their own job (reading what an agent changed,
+    boxed), apart from making and removing workspaces; handed where things are when built."""
+
+    def __init__(self, places: Places) -> None:
+        self.places = places
+        self._locks: dict[str, asyncio.Lock] = {}  # a workspace's shadow being made, its summary being read
+        self._cache: dict[tuple[str, str], _Cached] = {}  # (session, agent) -> its last summary
+        self._staged_count: dict[str, int] = {}  # workspace path -> stagings (a prune every PRUNE_EVERY)
+
+    def forget(self, session: str, agent: str) -> None:
+        """Drops the summary kept of a removed workspace."""
+        self._cache.pop((session, agent), None)
 
     # ---- what changed (in the box) ----
 
@@ -149,14 +158,14 @@ class Changes(abc.ABC):
         """git on uibus's own git directory for `w`, with `w`'s checkout as its work tree, boxed."""
         shadow = await self._made_shadow(w)
         return await git(f"--git-dir={shadow}", f"--work-tree={w.path}", *args, cwd=w.path, env=env, limit=limit,
-                         box=self._box(w), out_fd=out_fd, check=check)
+                         box=self.places.box(w), out_fd=out_fd, check=check)
 
     async def _made_shadow(self, w: Workspace) -> Path:
         """uibus's git directory for `w`, made at first need (in uibus's private folder, by uibus:
         nothing of the agent's in it but the objects it borrows); the base's object directories
         known, for the box to show (after a restart too)."""
-        borrowed = await self._objects(w.repo)
-        shadow = self._shadow(w)
+        borrowed = await self.places.objects(w.repo)
+        shadow = self.places.shadow(w)
         async with self._locks.setdefault("shadow:" + w.path, asyncio.Lock()):
             if not await asyncio.to_thread(is_dir, shadow / "objects"):
                 await asyncio.to_thread(private_dir, shadow.parent)
@@ -170,9 +179,9 @@ class Changes(abc.ABC):
                 # hashes only what differs. (Hashed from scratch, git writes a copy of every blob it
                 # finds in the base's read-only objects, failing to touch them: 3 MiB a workspace.)
                 await git(f"--git-dir={shadow}", f"--work-tree={w.path}", "read-tree", w.base, cwd=w.path,
-                          box=self._box(w))
+                          box=self.places.box(w))
                 await git(f"--git-dir={shadow}", f"--work-tree={w.path}", "update-index", "-q", "--refresh",
-                          cwd=w.path, box=self._box(w), check=False)
+                          cwd=w.path, box=self.places.box(w), check=False)
         return shadow
 
     @contextlib.asynccontextmanager
@@ -182,7 +191,7 @@ class Changes(abc.ABC):
         changed since the last. One at a time per workspace."""
         # one staging at a time per workspace, across the replicas sharing the folder too (git's
         # index.lock would fail the other, and a failure is not read again for ERROR_S)
-        async with self._locked("stage:" + w.path):
+        async with self.places.locked("stage:" + w.path):
             await self._stage(w)
             staged = self._staged_count[w.path] = self._staged_count.get(w.path, 0) + 1
             if staged % PRUNE_EVERY == 0:  # versions of files staged before and changed since
@@ -204,7 +213,7 @@ class Changes(abc.ABC):
             return
         if not paths:
             return
-        spec = self._shadow(w) / "uibus-pathspec"
+        spec = self.places.shadow(w) / "uibus-pathspec"
         await asyncio.to_thread(spec.unlink, True)
         await asyncio.to_thread(write_bytes_new, spec, b"\0".join(paths) + b"\0")
         try:
@@ -213,13 +222,13 @@ class Changes(abc.ABC):
         finally:
             await asyncio.to_thread(spec.unlink, True)
 
-    async def _commits(self, w: Workspace) -> tuple[int, str]:
+    async def commits(self, w: Workspace) -> tuple[int, str]:
         """The commits on the workspace's branch beyond its base, and the branch's tip (the base
         when the agent deleted its branch): read from the agent's repository, in the box."""
         await self._made_shadow(w)
         code, out, _ = await git(f"--git-dir={os.path.join(w.path, '.git')}", "rev-parse", "--verify", "-q",
-                                 f"refs/heads/{w.branch}^{{commit}}", cwd=w.path, box=self._box(w, writable=False),
-                                 check=False)
+                                 f"refs/heads/{w.branch}^{{commit}}", cwd=w.path,
+                                 box=self.places.box(w, writable=False), check=False)
         tip = out.decode().strip()
         if code != 0 or not SHA.fullmatch(tip):
             return 0, w.base
@@ -274,7 +283,7 @@ class Changes(abc.ABC):
                 if cut:
                     text = text[: text.rfind("\n") + 1] + TRUNCATED.format(limit=diff_limit)  # at a line's end
         changes = _numstat(out)
-        commits, _ = await self._commits(w)
+        commits, _ = await self.commits(w)
         summary = Summary(w, tuple(changes[:MAX_FILES]), sum(max(c.added, 0) for c in changes),
                           sum(max(c.removed, 0) for c in changes), commits, len(changes))
         return summary, text, cut
@@ -288,13 +297,13 @@ class Changes(abc.ABC):
         code, out, _ = await git("check-ref-format", "--branch", name, cwd=w.repo, operator=True, check=False)
         if code != 0 or out.decode().strip() != name or name.startswith("-"):
             raise ExportError(f"{name!r} is not a valid branch name", "name")
-        async with self._locked(w.repo):
+        async with self.places.locked(w.repo):
             code, _, _ = await git("rev-parse", "--verify", "-q", f"refs/heads/{name}", cwd=w.repo, operator=True,
                                    check=False)
             if code == 0:
                 raise ExportError(f"the base repository has a branch {name!r} already; choose another name", "taken")
             async with self._staged(w):
-                _, tip = await self._commits(w)
+                _, tip = await self.commits(w)
                 if uncommitted:
                     _, tree, _ = await self._shadow_git(w, "write-tree")
                     _, head_tree, _ = await self._shadow_git(w, "rev-parse", f"{tip}^{{tree}}")
@@ -306,7 +315,7 @@ class Changes(abc.ABC):
                 if not SHA.fullmatch(tip) or tip == w.base:
                     raise ExportError("nothing to export: the workspace holds no work beyond its base", "empty")
                 await self._shadow_git(w, "update-ref", "refs/heads/export", tip)
-                bundle = self._shadow(w).with_name(f"{w.agent}.bundle")
+                bundle = self.places.shadow(w).with_name(f"{w.agent}.bundle")
                 with contextlib.suppress(FileNotFoundError):
                     await asyncio.to_thread(bundle.unlink)
                 fd = os.open(bundle, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)

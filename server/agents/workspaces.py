@@ -59,7 +59,6 @@ from uibus.agents.workspace_changes import (
     ExportError,
     FileChange,
     Summary,
-    _Cached,
 )
 
 log = logging.getLogger("uibus.agents.workspaces")
@@ -161,19 +160,33 @@ class Removed:
 
 
 @dataclass
-class Workspaces(Changes):
+class Workspaces:
     """The workspaces of every (session, agent) under `root` (the workspaces directory)."""
 
     root: str
     enabled: bool = False  # some agent has option workspace = "worktree" (else listings look for none)
     bwrap: str = field(default_factory=lambda: shutil.which("bwrap") or "")  # the box; "": git runs plain
     _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
-    _cache: dict[tuple[str, str], _Cached] = field(default_factory=dict)
     _listed: dict[str, tuple[float, list[Workspace]]] = field(default_factory=dict)  # session -> its workspaces
     _borrowed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # repo -> its object directories
-    _staged_count: dict[str, int] = field(default_factory=dict)  # workspace path -> stagings (a prune every 64)
     created = 0  # workspaces made by this process
     reused = 0  # workspaces found and reopened (a resumed conversation)
+
+    def __post_init__(self) -> None:
+        # what an agent changed: summaries, diffs, exports (read in the box, told where things are here)
+        self.changes = Changes(self)
+
+    async def summary(self, workspace: Workspace, *, fresh: bool = False) -> Summary:
+        """What the agent changed in `workspace` (see Changes.summary)."""
+        return await self.changes.summary(workspace, fresh=fresh)
+
+    async def diff(self, workspace: Workspace, limit: int = DIFF_BYTES) -> tuple[Summary, str, bool]:
+        """The summary and the unified diff of `workspace`, cut at `limit` bytes (see Changes.diff)."""
+        return await self.changes.diff(workspace, limit)
+
+    async def export(self, workspace: Workspace, name: str, *, uncommitted: bool = True) -> str:
+        """`workspace` as a new branch `name` of its base repository (see Changes.export)."""
+        return await self.changes.export(workspace, name, uncommitted=uncommitted)
 
     # ---- where things are ----
 
@@ -191,16 +204,16 @@ class Workspaces(Changes):
     def _record(self, session: str, agent: str, repo: str) -> Path:
         return self.private_of(session, repo) / f"{agent}.json"
 
-    def _shadow(self, w: Workspace) -> Path:
+    def shadow(self, w: Workspace) -> Path:
         return self.private_of(w.session, w.repo) / f"{w.agent}.shadow"
 
-    def _box(self, w: Workspace, *, writable: bool = True) -> Box:
+    def box(self, w: Workspace, *, writable: bool = True) -> Box:
         if not is_dir(Path(w.path)):  # replaced by a link: the box would show what it points at
             raise GitError("the workspace is not a directory any more")
         return Box(self.bwrap, read_only=(w.path, *self._borrowed.get(w.repo, ())),
-                   writable=(str(self._shadow(w)),) if writable else ())
+                   writable=(str(self.shadow(w)),) if writable else ())
 
-    async def _objects(self, repo: str) -> tuple[str, ...]:
+    async def objects(self, repo: str) -> tuple[str, ...]:
         found = self._borrowed.get(repo)
         if found is None:
             found = self._borrowed[repo] = await asyncio.to_thread(borrowed_objects, repo)
@@ -209,7 +222,7 @@ class Workspaces(Changes):
     # ---- the lock per repository ----
 
     @contextlib.asynccontextmanager
-    async def _locked(self, repo: str) -> Any:
+    async def locked(self, repo: str) -> Any:
         """This process's lock on `repo`, then a file lock every process sharing the volume takes
         (`flock`, polled without blocking the loop, bounded by LOCK_TIMEOUT_S)."""
         lock = self._locks.setdefault(repo, asyncio.Lock())
@@ -240,10 +253,10 @@ class Workspaces(Changes):
         exists (a resumed conversation), else made new on its own branch from the base's HEAD."""
         _, top, _ = await git("rev-parse", "--show-toplevel", cwd=cwd, operator=True)
         repo = top.decode().strip()
-        objects = await self._objects(repo)
+        objects = await self.objects(repo)
         path = self.path_of(session, agent, repo)
         record = self._record(session, agent, repo)
-        async with self._locked(repo):
+        async with self.locked(repo):
             known = await asyncio.to_thread(self._read_record, record)
             # reopened whatever its `.git` now is (the agent's to break): never remade over its work
             if known is not None and await asyncio.to_thread(is_dir, path):
@@ -343,7 +356,7 @@ class Workspaces(Changes):
         kept = ""
         try:
             if await asyncio.to_thread(is_dir, Path(w.path)):
-                commits, _ = await self._commits(w)
+                commits, _ = await self.changes.commits(w)
                 if commits:
                     kept = w.branch
                     for n in range(2, 100):
@@ -358,7 +371,7 @@ class Workspaces(Changes):
                 "session": w.session, "agent": w.agent, "error": str(exc)}})
         finally:
             await asyncio.to_thread(remove_tree, Path(w.path))
-            await asyncio.to_thread(remove_tree, self._shadow(w))
+            await asyncio.to_thread(remove_tree, self.shadow(w))
             await asyncio.to_thread(self._record(w.session, w.agent, w.repo).unlink, True)
             private = self.private_of(w.session, w.repo)
             for folder in (Path(w.path).parent, Path(w.path).parent.parent, private, private.parent):
@@ -376,7 +389,7 @@ class Workspaces(Changes):
             branch = await self._remove(w)
             if branch:
                 kept.append(branch)
-            self._cache.pop((session, w.agent), None)
+            self.changes.forget(session, w.agent)
             removed.append(w)
             log.info("workspace removed", extra={"fields": {"session": session, "agent": w.agent,
                                                             "exported_as": branch}})

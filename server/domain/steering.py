@@ -1,9 +1,9 @@
 """Steering a hosted agent from any UI of its session: stop its turn, set its mode or model, start
 a new conversation, and read what it offers (modes, models, commands).
 
-A hosted agent session (uibus.agents.AgentSession) offers what its protocol has by implementing
-`Steerable`'s methods (uibus.agents.steer's AcpSteering and PiSteering supply them for ACP and pi,
-as mixins of AcpSession and RpcSession); what it does
+A hosted agent session (uibus.agents.AgentSession) offers what its protocol has through its
+`steering` (a `Steerable`: uibus.agents.steer's AcpSteering and PiSteering, owned by AcpSession and
+RpcSession); what it does
 not implement is refused with FAILED_PRECONDITION naming what the agent lacks, so a UI can hide
 the control and a script learns why. Stopping needs nothing of the agent: it cancels the task
 running the turn (AgentSessions.stop), which runs the agent's own cancel (pi `abort`, ACP
@@ -27,23 +27,27 @@ from uibus.pb.uibus.v1 import sessions_pb2 as pb
 
 @runtime_checkable
 class Steerable(Protocol):
-    """What a hosted agent session may offer beyond turns (each method optional in practice: the
-    steering checks for it by name)."""
+    """What a hosted agent session may offer beyond turns, as its `steering` (each call optional in
+    practice: the steering checks for it by name, and that `state()["can"]` offers it)."""
 
-    def steer_state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, Any]:
         """{"modes": [{"id","name","description"}], "current_mode", "models": [...], "current_model",
         "commands": [{"name","description","input_hint"}], "title", "conversation",
         "conversations": [...], "can": ["set_mode", "set_model", "new_conversation"]}"""
         ...
 
 
+def _steering(agent: Any) -> Steerable | None:
+    return getattr(agent, "steering", None)
+
+
 def state_of(name: str, agent: Any, running: bool) -> pb.AgentState:
     """The AgentState of a live agent session: what every one has, and what it says it offers."""
     state = pb.AgentState(agent=name, live=True, running=running, can=["stop"])
-    read = getattr(agent, "steer_state", None)
-    if read is None:
+    steering = _steering(agent)
+    if steering is None:
         return state
-    info: dict[str, Any] = read() or {}
+    info: dict[str, Any] = steering.state() or {}
     for mode in info.get("modes") or ():
         state.modes.append(pb.AgentMode(id=str(mode.get("id", "")), name=str(mode.get("name") or mode.get("id", "")),
                                         description=str(mode.get("description") or "")))
@@ -136,18 +140,19 @@ class Steering:
 
     @staticmethod
     def _offered(agent: Any, name: str, what: str, method: str) -> Any:
-        call = getattr(agent, method, None)
-        info = agent.steer_state() if hasattr(agent, "steer_state") else {}
-        if call is None or method.removeprefix("steer_") not in (info.get("can") or ()):
+        steering = _steering(agent)
+        call = getattr(steering, method, None)
+        info = steering.state() if steering is not None else {}
+        if call is None or method not in (info.get("can") or ()):
             raise FailedPrecondition(f"{name} offers no {what}")
         return call
 
     async def _set_mode_here(self, session: str, name: str, mode_id: str) -> pb.AgentState:
         agent = self._live(session, name)
-        call = self._offered(agent, name, "modes (it sent none)", "steer_set_mode")
+        call = self._offered(agent, name, "modes (it sent none)", "set_mode")
         if not mode_id:
             raise InvalidArgument("mode_id is required")
-        ids = [str(m.get("id")) for m in agent.steer_state().get("modes") or ()]
+        ids = [str(m.get("id")) for m in agent.steering.state().get("modes") or ()]
         if mode_id not in ids:
             raise InvalidArgument(f"{name} offers no mode {mode_id!r} (it offers: {', '.join(ids)})")
         await call(mode_id)
@@ -156,10 +161,10 @@ class Steering:
 
     async def _set_model_here(self, session: str, name: str, model_id: str) -> pb.AgentState:
         agent = self._live(session, name)
-        call = self._offered(agent, name, "model choice", "steer_set_model")
+        call = self._offered(agent, name, "model choice", "set_model")
         if not model_id:
             raise InvalidArgument("model_id is required")
-        ids = [str(m.get("id")) for m in agent.steer_state().get("models") or ()]
+        ids = [str(m.get("id")) for m in agent.steering.state().get("models") or ()]
         if ids and model_id not in ids:
             raise InvalidArgument(f"{name} offers no model {model_id!r} (it offers: {', '.join(ids)})")
         await call(model_id)
@@ -168,7 +173,7 @@ class Steering:
 
     async def _new_conversation_here(self, session: str, name: str) -> pb.AgentState:
         agent = self._live(session, name)
-        call = self._offered(agent, name, "new conversation", "steer_new_conversation")
+        call = self._offered(agent, name, "new conversation", "new_conversation")
         if self.agents.running(session, name):
             raise FailedPrecondition(f"{name} runs a turn in session {session!r}: stop it first")
         await call()

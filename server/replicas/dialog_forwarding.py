@@ -34,12 +34,12 @@ from collections.abc import Awaitable, Callable
 
 from uibus.domain.dialogs import Verdict
 from uibus.infra import kinds, telemetry
-from uibus.infra.bus import Bus, BusClosed, Subscription, SubscriptionLimit
-from uibus.infra.errors import STATUS_NUMBERS, UibusError, error_of
+from uibus.infra.bus import Bus, BusClosed, SubscriptionLimit
+from uibus.infra.errors import STATUS_NUMBERS, error_of
 from uibus.infra.tasks import Tasks
 from uibus.infra.telemetry import as_caller
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
-from uibus.replicas.asking import Exchange, replier
+from uibus.replicas.asking import Exchange, Listeners, replier
 
 WAIT_S = 2.0  # how long a forwarded answer waits for its verdict
 LINGER_S = 60.0  # how long a holder keeps listening after its last dialog of a session closed
@@ -59,10 +59,12 @@ class AnswerForwarding:
         self._answer = answer
         self._settled = settled
         self.linger_s = linger_s
-        self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._holds: dict[str, int] = {}  # session -> dialogs being asked here (from hold to release)
         self._lingering: dict[str, asyncio.TimerHandle] = {}  # session -> when its listener goes
         self._serving = Tasks("forwarded answer listeners")  # joined by aclose
+        # targeted at this replica: answers forwarded to it, and those sent to every listener
+        self.listeners = Listeners(bus, kinds.EXT_UI_ANSWER, bus.replica_id, self._take, self._serving,
+                                   "uibus-answer-listener")
 
     def hold(self, session: str) -> None:
         """Listens for answers forwarded to `session`; call before the dialog is published, so the
@@ -71,13 +73,7 @@ class AnswerForwarding:
         timer = self._lingering.pop(session, None)
         if timer is not None:
             timer.cancel()
-        if session in self._listeners or self._serving.closed:
-            return
-        try:  # targeted at this replica: answers forwarded to it, and those sent to every listener
-            sub = self.bus.subscribe(session, kinds.EXT_UI_ANSWER, self.bus.replica_id)
-        except (SubscriptionLimit, BusClosed):
-            return  # local answers still work; remote ones get NOT_FOUND
-        self._listeners[session] = (sub, self._serving.spawn(self._serve(session, sub), name="uibus-answer-listener"))
+        self.listeners.listen(session)  # unable to: local answers still work, remote ones get NOT_FOUND
 
     def release(self, session: str) -> None:
         """Ends one `hold`; the last one leaves the listener up for `linger_s` more (see above)."""
@@ -86,16 +82,14 @@ class AnswerForwarding:
             self._holds[session] = left
             return
         self._holds.pop(session, None)
-        if session in self._listeners and session not in self._lingering:
+        if self.listeners.listening(session) and session not in self._lingering:
             self._lingering[session] = asyncio.get_running_loop().call_later(self.linger_s, self._drop, session)
 
     def _drop(self, session: str) -> None:
         self._lingering.pop(session, None)
         if self._holds.get(session):
             return
-        listener = self._listeners.pop(session, None)
-        if listener is not None:
-            self.bus.unsubscribe(listener[0])  # ends _serve's loop
+        self.listeners.stop(session)
 
     def close(self) -> None:
         """Stops every listener and linger timer (shutdown)."""
@@ -103,9 +97,7 @@ class AnswerForwarding:
             timer.cancel()
         self._lingering.clear()
         self._holds.clear()
-        for sub, _task in self._listeners.values():
-            self.bus.unsubscribe(sub)
-        self._listeners.clear()
+        self.listeners.close()
 
     async def aclose(self) -> None:
         """After `close`: waits for the listeners to end (unsubscribed, each finishes the answer it
@@ -113,27 +105,19 @@ class AnswerForwarding:
         self.close()
         await self._serving.aclose(grace=1.0)
 
-    async def _serve(self, session: str, sub: Subscription) -> None:
-        try:
-            async for fwd in sub:
-                with as_caller(fwd.answered_via, fwd.answered_by):  # whose answer (tracing on)
-                    verdict = self._answer(session, fwd.answer)
-                reply = replier(self.bus, session, kinds.EXT_UI_ANSWER_RESULT, fwd.answer_id)
-                if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
-                    reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=_NOT_HERE))
-                    continue
-                error = verdict.error
-                if error is None:
-                    await self._settled(session)  # acknowledged is durable, on the holder's side too
-                reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
-                                               details=str(error) if error else ""))
-        except UibusError:  # the mailbox overflowed: stop listening, so forwarders learn it at once
-            pass
-        finally:
-            listener = self._listeners.get(session)
-            if listener is not None and listener[0] is sub:
-                del self._listeners[session]
-                self.bus.unsubscribe(sub)
+    async def _take(self, session: str, fwd: pb.ForwardedAnswer) -> None:
+        """Applies one answer another replica forwarded, and replies its verdict (or "not here")."""
+        with as_caller(fwd.answered_via, fwd.answered_by):  # whose answer (tracing on)
+            verdict = self._answer(session, fwd.answer)
+        reply = replier(self.bus, session, kinds.EXT_UI_ANSWER_RESULT, fwd.answer_id)
+        if verdict.unknown:  # not held here: say so, so the forwarder need not wait out WAIT_S
+            reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=_NOT_HERE))
+            return
+        error = verdict.error
+        if error is None:
+            await self._settled(session)  # acknowledged is durable, on the holder's side too
+        reply(pb.ForwardedAnswerResult(answer_id=fwd.answer_id, code=STATUS_NUMBERS[error.code] if error else 0,
+                                       details=str(error) if error else ""))
 
     async def forward(self, session: str, request: pb.RespondRequest, not_found: Verdict,
                       holder: str | None = None) -> Verdict:

@@ -7,7 +7,7 @@ one conversation whatever replica or worker a client's connection landed on:
 * the forwarder publishes the turn (kind AGENT_TURN, targeted at the owner's id: the request as
   bytes, the agent, the forwarded metadata) and reads the replies targeted at the turn's id (kind
   AGENT_TURN_REPLY): "accepted", each ChatResponse in order, a heartbeat every lease_s / 4, and the
-  end (status code and message). The owner runs the turn exactly as a local one (Chat.turn_here),
+  end (status code and message). The owner runs the turn exactly as a local one (Chat.turn),
   dialogs and webview messages included: those already reach every replica's UIs.
 * The caller's cancel and deadline: the forwarder's call is cancelled (the call driver turns a
   deadline into a cancel of the handler), and on its way out it sends the owner a cancel for the
@@ -42,12 +42,12 @@ from typing import Any
 from google.protobuf import wrappers_pb2
 
 from uibus.infra import kinds, telemetry
-from uibus.infra.bus import Bus, BusClosed, Subscription, SubscriptionLimit
+from uibus.infra.bus import Bus, BusClosed, SubscriptionLimit
 from uibus.infra.errors import UibusError, Unavailable
 from uibus.infra.store import Store
 from uibus.infra.tasks import Tasks
 from uibus.pb.neuro_san.api.grpc import agent_pb2
-from uibus.replicas.asking import Exchange, beat, end_of, raise_end, replier
+from uibus.replicas.asking import Exchange, Listeners, beat, end_of, raise_end, replier
 from uibus.replicas.ownership import LEASE_S, HostedAgents, Interrupted, Ownership, interrupted
 
 log = logging.getLogger("uibus.agents")
@@ -139,7 +139,7 @@ class TurnForwarding:
     def __init__(self, bus: Bus, store: Store, agents: HostedAgents, run_here: RunHere, steer_here: SteerHere,
                  say_error: Callable[[str, str], object] = lambda session, text: None, *,
                  lease_s: float = LEASE_S) -> None:
-        """`run_here` runs a turn of an agent this replica owns (Chat.turn_here), `steer_here` a
+        """`run_here` runs a turn of an agent this replica owns (Chat.turn), `steer_here` a
         steering call (Steering.here); `say_error(session, text)` tells the session's webviews (a
         Cline ERROR message) that a turn was interrupted by the loss of its host. The leases are
         this replica's (its bus's replica id) in `store`."""
@@ -155,8 +155,10 @@ class TurnForwarding:
         # busy owner is not mistaken for a gone one, which would start the turn twice.
         self.accept_s = max(ACCEPT_S, self.lease_s / 2)
         self._seen: dict[str, None] = {}  # ids of the turns started here lately (a redelivery is ignored)
-        self._listeners: dict[str, tuple[Subscription, asyncio.Task[None]]] = {}
         self._serving = Tasks("forwarded agent turns")
+        # the turns and steering calls other replicas carry to the sessions this replica holds leases in
+        self.listeners = Listeners(bus, kinds.AGENT_TURN, ownership.owner_id, self._take, self._serving,
+                                   "agent turn listener")
         self._turns: dict[str, asyncio.Task[None]] = {}  # turn id -> its run here, for its cancel
         self._alive: dict[str, float] = {}  # turn id -> when its forwarder last said it still listens
         self.forwarded = 0  # turns this replica carried to their owner (accepted there)
@@ -307,47 +309,32 @@ class TurnForwarding:
 
     def _on_session(self, session: str, holding: bool) -> None:
         """Listens to `session`'s forwarded turns while this replica holds a lease there."""
-        if not holding:
-            listener = self._listeners.pop(session, None)
-            if listener is not None:
-                self.bus.unsubscribe(listener[0])  # ends _serve's loop
-            return
-        if session in self._listeners or self._serving.closed:
-            return
-        try:
-            sub = self.bus.subscribe(session, kinds.AGENT_TURN, self.ownership.owner_id)
-        except (SubscriptionLimit, BusClosed):
-            return  # turns arriving here still run; other replicas' wait for the lease instead
-        self._listeners[session] = (sub, self._serving.spawn(self._serve(session, sub), name="agent turn listener"))
+        if holding:
+            self.listeners.listen(session)  # unable to: other replicas' turns wait for the lease instead
+        else:
+            self.listeners.stop(session)
 
-    async def _serve(self, session: str, sub: Subscription) -> None:
-        try:
-            async for item in sub:
-                if type(item) is not dict or type(item.get("id")) is not str:
-                    continue
-                if item.get("op") == "turn":
-                    if item["id"] in self._seen:  # delivered again after a Redis outage: run once
-                        continue
-                    self._seen[item["id"]] = None
-                    if len(self._seen) > SEEN_MAX:
-                        del self._seen[next(iter(self._seen))]
-                    self._turns[item["id"]] = self._serving.spawn(
-                        telemetry.adopted(_trace_of(item), self._run(session, item)), name="forwarded agent turn")
-                elif item.get("op") == "cancel":
-                    task = self._turns.get(item["id"])
-                    if task is not None:
-                        task.cancel()
-                elif item.get("op") == "alive" and item["id"] in self._turns:
-                    self._alive[item["id"]] = time.monotonic()
-                elif item.get("op") == "steer":
-                    self._serving.spawn(self._steer(session, item), name="forwarded steering")
-        except UibusError:  # the mailbox overflowed: stop listening (forwarders wait for the lease)
-            pass
-        finally:
-            listener = self._listeners.get(session)
-            if listener is not None and listener[0] is sub:
-                del self._listeners[session]
-            self.bus.unsubscribe(sub)
+    async def _take(self, session: str, item: Any) -> None:
+        """One message of a forwarder: a turn or a steering call (each run in a task of its own), a
+        turn's cancel, or its forwarder's "still listening"."""
+        if type(item) is not dict or type(item.get("id")) is not str:
+            return
+        if item.get("op") == "turn":
+            if item["id"] in self._seen:  # delivered again after a Redis outage: run once
+                return
+            self._seen[item["id"]] = None
+            if len(self._seen) > SEEN_MAX:
+                del self._seen[next(iter(self._seen))]
+            self._turns[item["id"]] = self._serving.spawn(
+                telemetry.adopted(_trace_of(item), self._run(session, item)), name="forwarded agent turn")
+        elif item.get("op") == "cancel":
+            task = self._turns.get(item["id"])
+            if task is not None:
+                task.cancel()
+        elif item.get("op") == "alive" and item["id"] in self._turns:
+            self._alive[item["id"]] = time.monotonic()
+        elif item.get("op") == "steer":
+            self._serving.spawn(self._steer(session, item), name="forwarded steering")
 
     async def _run(self, session: str, item: dict[str, Any]) -> None:
         turn_id, agent = item["id"], item.get("agent")
@@ -430,7 +417,5 @@ class TurnForwarding:
 
     async def aclose(self) -> None:
         """Stops listening and ends the turns run here for others (each tells its forwarder)."""
-        for sub, _task in list(self._listeners.values()):
-            self.bus.unsubscribe(sub)
-        self._listeners.clear()
+        self.listeners.close()
         await self._serving.aclose(patience=5.0)
