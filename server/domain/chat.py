@@ -284,7 +284,7 @@ class Chat:
         piece_chars = self.send_limit // 8  # a UTF-8 character is at most 4 bytes: half the limit
         sly_data = json_format.MessageToDict(request.sly_data) if request.HasField("sly_data") else {}
         turn = Turn(agent=agent, text=text, history=history_of(ctx, agent), sly_data=sly_data, chat_context=ctx,
-                    metadata={k: v for k, v in (metadata or {}).items() if k in _FORWARD},
+                    metadata=self.carried(metadata),
                     attachments=[(m.mime_type, m.mime_bytes) for m in request.user_message.mime_data])
         held = AsyncExitStack()  # the agent session of the turn (if the backend has them), held for it
         source, error = backend.stream, ""
