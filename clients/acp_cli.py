@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 
 from uibus.clients.connection import Connection
+from uibus.edge.editors.account import Identity
 from uibus.edge.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.edge.editors.uplink import Uplink
 from uibus.infra import logs
@@ -57,7 +58,8 @@ async def _skip_line(reader: asyncio.StreamReader) -> bool:
 async def serve(ns: argparse.Namespace) -> int:
     reader, write = await _stdio()
     async with Connection(ns.target, token=ns.token, tls=ns.tls) as conn:
-        editor = Editor(Uplink(conn.channel, ns.agent), write, prefix=ns.session_prefix)  # type: ignore[arg-type]
+        editor = Editor(Uplink(conn.channel, ns.agent), write, prefix=ns.session_prefix,  # type: ignore[arg-type]
+                        identity=Identity(token=bool(ns.token)))
 
         async def line() -> bytes | None:
             """The next message: one line (framing only); None once the editor closed our stdin."""

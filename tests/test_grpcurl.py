@@ -29,7 +29,7 @@ async def test_list_services(app):
     rc, out, err = await grpcurl(app.port, "list")
     assert rc == 0, err
     services = set(out.split())
-    assert {"cline.UiService", "uibus.v1.HostService", "grpc.health.v1.Health",
+    assert {"cline.UiService", "cline.WorktreeService", "uibus.v1.HostService", "grpc.health.v1.Health",
             "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection"} <= services
 
 

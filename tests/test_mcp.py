@@ -42,15 +42,16 @@ def url(app: App) -> str:
 
 
 @asynccontextmanager
-async def mcp_client(app: App, session: str = "default", token: str | None = None,
+async def mcp_client(app: App, session: str = "default", token: str | None = None, mode: str = "legacy",
                      **kw: Any) -> AsyncIterator[Client]:
     """The SDK's own client over streamable HTTP, with uibus's two headers (as an MCP client config
-    would set them)."""
+    would set them); in the 2025-11-25 era (`mode="legacy"`, initialize) unless told otherwise
+    (tests/test_mcp_modern.py has the stateless era)."""
     headers = {"x-uibus-session": session}
     if token:
         headers["authorization"] = f"Bearer {token}"
     async with httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=300)) as http, \
-            Client(streamable_http_client(url(app), http_client=http), **kw) as client:
+            Client(streamable_http_client(url(app), http_client=http), mode=mode, **kw) as client:
         yield client
 
 

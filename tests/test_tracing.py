@@ -380,6 +380,27 @@ async def test_an_mcp_ask_user_answered_at_the_page_says_grpc_web(config: Config
     assert answering.attributes["http.route"].endswith("/uibus.v1.ExtensionUiService/Respond")
 
 
+async def test_a_modern_mcp_request_joins_the_trace_its_meta_names(config: Config, otlp_http: None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """MCP 2026-07-28 carries trace context in `params._meta` (no header needed): the call's span
+    continues that trace."""
+    import httpx
+
+    from tests.test_mcp_modern import headers, meta
+
+    async with http_receiver() as (endpoint, got):
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        async with running(replace(config, http_port=free_port())) as app, httpx.AsyncClient(timeout=10) as http:
+            body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta(
+                traceparent=TRACEPARENT, tracestate="vendor=1")}}
+            answer = await http.post(f"http://127.0.0.1:{app.http_port}/mcp", json=body,
+                                     headers=headers("tools/list"))
+            assert answer.json()["result"]["resultType"] == "complete"
+    (listed,) = [s for s in got.spans if s.attributes.get("uibus.transport") == "mcp"]
+    assert (listed.trace_id, listed.parent_id) == (TRACE_ID, PARENT_ID)
+    assert listed.kind == trace_pb2.Span.SPAN_KIND_SERVER
+
+
 @pytest.mark.node
 async def test_a_grpc_js_clients_unary_call_and_stream_join_its_trace(config: Config, otlp_http: None,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:

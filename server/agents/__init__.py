@@ -201,6 +201,12 @@ class Backend(abc.ABC):  # noqa: B024 - stateless backends implement stream, Ses
         can advertise the hosted agent's own promptCapabilities to an editor."""
         return None
 
+    def directories(self) -> dict[str, Any] | None:
+        """What an editor's ACP `additionalDirectories` may name for this agent: `{"roots": [...],
+        "supported": bool | None}` (None inside: not known until it started). None: it takes none
+        (only an ACP agent that advertises them does; uibus.agents.acp_access has the rule)."""
+        return None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         """Releases connections; called once at shutdown."""
 

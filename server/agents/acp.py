@@ -10,13 +10,20 @@ session, agent) one process and one ACP session:
 
 * start: `initialize` (protocol version 1; client capabilities: no `fs`, no `terminal` — an agent
   uses its own tools, and uibus never reads or writes files or runs commands for a request), then
-  `authenticate` if the agent lists methods and the config names one of them (`auth_method`), then
+  `authenticate` if the agent lists methods and the config names one of them (`auth_method`), else
+  `auth/status` where the agent answers it (unauthenticated: the turn's error, naming the operator's
+  option `login`; a terminal sign-in method is never run, uibus.agents.acp_access), then
   `session/new` with the configured `cwd` and — when the agent can speak MCP over HTTP — uibus's own
   `/mcp` (with `x-uibus-session` and the token), so the agent gets `ask_user`, `notify_user` and
   the other agents as tools; with option `resume` (default true) the `sessionId` and `cwd` are
   the conversation's handle (uibus.domain.agent_handles), and a later process of the same uibus
   session reopens it with `session/load` (or `session/resume`) instead of `session/new`, its
   replay dropped;
+* an editor's `additionalDirectories` ride on its turns (metadata, uibus.agents.acp_access): checked
+  against the agent's configuration and given to it by `session/resume` (or `session/load`) of the
+  open session with the full list, when it advertises `sessionCapabilities.additionalDirectories`;
+* uibus never sends `logout`: the agent's credentials are the operator's, shared by every session
+  (an editor's `logout` ends the editor's own sign-in with uibus, uibus.edge.editors.account);
 * a turn is one `session/prompt`; its `stopReason` ends it (`refusal` is the turn's error, as are
   JSON-RPC errors); `session/update` notifications are its pieces and its webview messages:
   `agent_message_chunk` → reply text, `agent_thought_chunk` → REASONING, `tool_call` and
@@ -47,6 +54,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from uibus.agents import AgentError, Piece, SessionUi, Stop, Turn, option
+from uibus.agents import acp_access as access
 from uibus.agents.attachments import acp_prompt, image_markdown
 from uibus.agents.diffs import unified
 from uibus.agents.jsonrpc import JsonRpcSession
@@ -93,12 +101,19 @@ def _content(blocks: Any) -> str:
 class AcpAgent(StdioBackend):
     """The configured ACP agent: options checked at start-up, processes counted."""
 
-    extra_options = frozenset({"auth_method", "offer_mcp"})
+    extra_options = frozenset({"auth_method", "offer_mcp", "login"})
 
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.auth_method: str = option(self.spec, "auth_method", str, "")
         self.offer_mcp: bool = option(self.spec, "offer_mcp", bool, True)
+        # How an operator signs the agent in on the host (shown when it needs a sign-in; never run).
+        self.login: list[str] = option(self.spec, "login", list, [])
+        if not all(isinstance(a, str) and a for a in self.login):
+            raise ValueError(f"agent {self.spec.name!r}: option login must be a list of non-empty strings "
+                             "(the command an operator runs to sign the agent in; uibus never runs it)")
+        # Whether its initialize advertised sessionCapabilities.additionalDirectories (None: not started yet).
+        self.seen_additional_directories: bool | None = None
 
         # What the agent's last `initialize` said it takes with a prompt: one program answers every
         # session alike, so any of its processes tells (unknown until the first one started).
@@ -109,6 +124,16 @@ class AcpAgent(StdioBackend):
 
     def prompt_capabilities(self) -> dict[str, bool] | None:
         return self.seen_prompt_capabilities
+
+    def roots(self) -> list[str]:
+        """The directories an editor's additionalDirectories may name (or lie in): see uibus.agents.acp_access."""
+        box = self.options.isolation.sandbox
+        shown = [self.options.cwd] if self.options.cwd and self.workspace_repo is None else []
+        extra = option(self.spec, "read_only", list, []) if box is not None else []
+        return [*shown, *(os.path.normpath(os.path.expanduser(p)) for p in extra)]
+
+    def directories(self) -> dict[str, Any] | None:
+        return {"roots": self.roots(), "supported": self.seen_additional_directories}
 
 
 class AcpSession(JsonRpcSession):
@@ -126,6 +151,8 @@ class AcpSession(JsonRpcSession):
         self.capabilities: dict[str, Any] = {}
         self.cwd = ""
         self.mcp_servers: list[dict[str, Any]] = []
+        self.directories: list[str] = []  # the additionalDirectories the agent holds for this conversation
+        self._terminal: list[dict[str, Any]] = []  # the terminal sign-in methods it offers (never run)
         self.steering = AcpSteering(self)  # modes, models, commands, conversations (the sessions API's)
         self._prompt: asyncio.Future[Any] | None = None  # the running turn's session/prompt
 
@@ -161,12 +188,9 @@ class AcpSession(JsonRpcSession):
         accepts = self.capabilities.get("promptCapabilities")
         accepts = accepts if isinstance(accepts, dict) else {}
         self.acp.seen_prompt_capabilities = {k: accepts.get(k) is True for k in ("image", "audio", "embeddedContext")}
-        methods = [m.get("id") for m in init.get("authMethods") or [] if isinstance(m, dict)]
-        wanted = self.acp.auth_method
-        if wanted:
-            if wanted not in methods:
-                raise AgentError(f"option auth_method {wanted!r} is not one the agent offers ({methods})")
-            await self.call("authenticate", {"methodId": wanted})
+        sessions = self.capabilities.get("sessionCapabilities") or {}
+        self.acp.seen_additional_directories = isinstance(sessions.get("additionalDirectories"), dict)
+        await self._sign_in(init)
         servers = []
         mcp = self.ui.mcp_endpoint(self.acp.spec.name) if self.acp.offer_mcp else None
         if mcp is not None and (self.capabilities.get("mcpCapabilities") or {}).get("http"):
@@ -176,12 +200,64 @@ class AcpSession(JsonRpcSession):
         cwd = self.process.cwd or os.getcwd()  # its workspace, else option cwd
         self.cwd, self.mcp_servers = cwd, servers
         if not (self.options.resume and self.ui.handle and await self._resume(self.ui.handle, servers)):
-            created = await self.call("session/new", {"cwd": cwd, "mcpServers": servers})
+            try:
+                created = await self.call("session/new", {"cwd": cwd, "mcpServers": servers})
+            except AgentError as exc:
+                if str(exc).endswith(f"(JSON-RPC {access.AUTH_REQUIRED})"):  # auth_required
+                    raise access.signin_problem(self.acp.spec.name, self._terminal, self.acp.login,
+                                                f"session/new: {exc}") from None
+                raise
             if not isinstance(created, dict) or not isinstance(created.get("sessionId"), str):
                 raise AgentError("session/new did not return a sessionId")
             self.session_id = created["sessionId"]
             self.steering.seen_session(created)
             await self.keep_conversation()
+
+    async def _sign_in(self, init: dict[str, Any]) -> None:
+        """`authenticate` with option auth_method (an agent-run method it offers); else, where the agent
+        answers `auth/status`, a clear error before any session when it says it is not signed in.
+        Terminal methods are never run (uibus.agents.acp_access): the operator signs the agent in."""
+        methods, self._terminal = access.auth_methods(init)
+        wanted = self.acp.auth_method
+        if wanted:
+            if wanted not in methods:
+                raise AgentError(f"option auth_method {wanted!r} is not one the agent offers ({methods}; terminal "
+                                 f"methods {[m['id'] for m in self._terminal]} are never run by uibus)")
+            await self.call("authenticate", {"methodId": wanted})
+            return
+        if isinstance((self.capabilities.get("auth") or {}).get("status"), dict):
+            status = await self.call("auth/status", {})
+            state = status.get("state") if isinstance(status, dict) else None
+            if state == "unauthenticated":
+                raise access.signin_problem(self.acp.spec.name, self._terminal, self.acp.login,
+                                            "its auth/status says unauthenticated")
+
+    async def _set_roots(self, wanted: list[str]) -> None:
+        """The editor's additionalDirectories for this conversation, checked against the rule with links
+        resolved, then given to the agent the way ACP changes them on an open session: `session/resume`
+        (or `session/load`, its replay dropped) of the same session with the full new list."""
+        name = self.acp.spec.name
+        if wanted and not self.acp.seen_additional_directories:
+            raise AgentError(f"agent {name!r} takes no additionalDirectories (its initialize advertises no "
+                             "sessionCapabilities.additionalDirectories): open the session without them")
+        try:
+            access.check_directories(name, wanted, self.acp.roots(), self.acp.hidden, resolve=True)
+        except InvalidArgument as exc:
+            raise AgentError(str(exc)) from None
+        params = {"sessionId": self.session_id, "cwd": self.cwd, "mcpServers": self.mcp_servers,
+                  "additionalDirectories": wanted}
+        if isinstance((self.capabilities.get("sessionCapabilities") or {}).get("resume"), dict):
+            await self.call("session/resume", params)
+        elif self.capabilities.get("loadSession") is True:
+            sid, self.session_id = self.session_id, ""  # its replay names no session of ours: dropped
+            try:
+                await self.call("session/load", params)
+            finally:
+                self.session_id = sid
+        else:
+            raise AgentError(f"agent {name!r} cannot change the directories of an open conversation (it offers "
+                             "neither session/resume nor session/load)")
+        self.directories = wanted
 
     async def keep_conversation(self) -> None:
         """With option resume, keeps the ACP session now open, so the next process resumes it."""
@@ -256,6 +332,9 @@ class AcpSession(JsonRpcSession):
         view = _AcpView(self.ui)
         try:
             blocks = acp_prompt(turn, self.capabilities, self.acp.spec.name)  # text, images, files
+            wanted = access.requested(turn.metadata)  # the editor's additionalDirectories, if it named them
+            if wanted is not None and wanted != self.directories:
+                await self._set_roots(wanted)
         except AgentError:
             run.ended = True  # refused before anything was sent: no prompt to cancel
             raise

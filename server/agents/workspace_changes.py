@@ -290,15 +290,25 @@ class Changes:
 
     # ---- getting the work out ----
 
-    async def export(self, w: Workspace, name: str, *, uncommitted: bool = True) -> str:
+    async def uncommitted(self, w: Workspace) -> bool:
+        """Whether the checkout holds work not committed on the workspace's branch (staged into
+        uibus's own git directory, boxed, as `export` stages it)."""
+        async with self._staged(w):
+            _, tip = await self.commits(w)
+            _, tree, _ = await self._shadow_git(w, "write-tree")
+            _, head_tree, _ = await self._shadow_git(w, "rev-parse", f"{tip}^{{tree}}")
+            return tree.strip() != head_tree.strip()
+
+    async def export(self, w: Workspace, name: str, *, uncommitted: bool = True, into: str = "refs/heads/") -> str:
         """Makes branch `name` of the base repository hold the workspace's work: its branch and, with
         `uncommitted`, a commit of everything else in the checkout on top. Returns the commit.
-        ExportError when `name` is no branch name, is taken, or there is nothing to export."""
+        ExportError when `name` is no branch name, is taken, or there is nothing to export. `into`:
+        the refs it is made under (a merge fetches the work under a ref of uibus's, not a branch)."""
         code, out, _ = await git("check-ref-format", "--branch", name, cwd=w.repo, operator=True, check=False)
         if code != 0 or out.decode().strip() != name or name.startswith("-"):
             raise ExportError(f"{name!r} is not a valid branch name", "name")
         async with self.places.locked(w.repo):
-            code, _, _ = await git("rev-parse", "--verify", "-q", f"refs/heads/{name}", cwd=w.repo, operator=True,
+            code, _, _ = await git("rev-parse", "--verify", "-q", f"{into}{name}", cwd=w.repo, operator=True,
                                    check=False)
             if code == 0:
                 raise ExportError(f"the base repository has a branch {name!r} already; choose another name", "taken")
@@ -328,7 +338,7 @@ class Changes:
                     if cut:
                         raise ExportError(f"the export is larger than {BUNDLE_BYTES >> 20} MiB", "empty")
                     await git("-c", "transfer.fsckObjects=true", "fetch", "-q", "--no-tags", "--no-write-fetch-head",
-                              str(bundle), f"refs/heads/export:refs/heads/{name}", cwd=w.repo, operator=True)
+                              str(bundle), f"refs/heads/export:{into}{name}", cwd=w.repo, operator=True)
                 finally:
                     await asyncio.to_thread(bundle.unlink, True)
         log.info("workspace exported", extra={"fields": {"session": w.session, "agent": w.agent, "branch": name,

@@ -248,9 +248,10 @@ class Workspaces:
 
     # ---- making and reopening ----
 
-    async def open(self, session: str, agent: str, cwd: str) -> Workspace:
+    async def open(self, session: str, agent: str, cwd: str, *, base_branch: str = "") -> Workspace:
         """The repository of (`session`, `agent`) made from the repository at `cwd`: reopened when it
-        exists (a resumed conversation), else made new on its own branch from the base's HEAD."""
+        exists (a resumed conversation), else made new on its own branch from the base's HEAD (or
+        from its branch `base_branch`, for cline.WorktreeService's createWorktree)."""
         _, top, _ = await git("rev-parse", "--show-toplevel", cwd=cwd, operator=True)
         repo = top.decode().strip()
         objects = await self.objects(repo)
@@ -270,7 +271,8 @@ class Workspaces:
                                                                  "path": str(path), "branch": known.branch}})
                 return known
             branch = self.branch_of(session, agent)
-            _, out, _ = await git("rev-parse", "--verify", "HEAD^{commit}", cwd=repo, operator=True)
+            start = f"refs/heads/{base_branch}^{{commit}}" if base_branch else "HEAD^{commit}"
+            _, out, _ = await git("rev-parse", "--verify", "--end-of-options", start, cwd=repo, operator=True)
             base = out.decode().strip()
             await asyncio.to_thread(self._make, path, record.parent, objects)
             await git("init", "-q", "--template=", "-b", branch, str(path), cwd=str(path.parent))
@@ -350,12 +352,24 @@ class Workspaces:
 
     # ---- removing ----
 
-    async def _remove(self, w: Workspace) -> str:
+    async def remove(self, w: Workspace, *, keep_commits: bool = True) -> str:
+        """Removes one workspace as deleting its session does (cline.WorktreeService's deleteWorktree
+        and mergeWorktree): its commits beyond the base are exported first unless `keep_commits` is
+        False (they are merged already); returns the base repository's branch they went to, or ""."""
+        self._listed.pop(w.session, None)
+        branch = await self._remove(w, keep_commits=keep_commits)
+        self.changes.forget(w.session, w.agent)
+        self._listed.pop(w.session, None)
+        log.info("workspace removed", extra={"fields": {"session": w.session, "agent": w.agent,
+                                                        "exported_as": branch}})
+        return branch
+
+    async def _remove(self, w: Workspace, *, keep_commits: bool = True) -> str:
         """Removes one workspace and uibus's files of it; exports its branch first when it has
         commits beyond the base (returns the base repository's branch then, else "")."""
         kept = ""
         try:
-            if await asyncio.to_thread(is_dir, Path(w.path)):
+            if keep_commits and await asyncio.to_thread(is_dir, Path(w.path)):
                 commits, _ = await self.changes.commits(w)
                 if commits:
                     kept = w.branch
@@ -386,13 +400,10 @@ class Workspaces:
         kept: list[str] = []
         self._listed.pop(session, None)
         for w in await asyncio.to_thread(self.of_session, session):
-            branch = await self._remove(w)
+            branch = await self.remove(w)
             if branch:
                 kept.append(branch)
-            self.changes.forget(session, w.agent)
             removed.append(w)
-            log.info("workspace removed", extra={"fields": {"session": session, "agent": w.agent,
-                                                            "exported_as": branch}})
         self._listed.pop(session, None)
         return Removed(tuple(removed), tuple(kept))
 

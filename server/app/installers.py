@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from uibus import version
 from uibus.edge.codebolt.gateway import Gateway
 from uibus.edge.mcp.server import McpServer
-from uibus.edge.services import agent, codebolt, extension_ui, host, sessions, ui, webview
+from uibus.edge.services import agent, codebolt, extension_ui, host, sessions, ui, webview, worktree
 from uibus.edge.transports.acp_ws import PATH as ACP_PATH
 from uibus.edge.transports.acp_ws import AcpWebSocket
 from uibus.edge.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
@@ -35,6 +35,15 @@ async def ui_feed(setup: Setup) -> AsyncIterator[None]:
     intents = core.feed.intents
     setup.labelled_counter("uibus_cline_intents_total", "cline.UiService trackIntent calls by action "
                            "(new_task_clicked, prompt_submitted, other)", "action", lambda: intents)
+    yield
+
+
+@asynccontextmanager
+async def worktrees(setup: Setup) -> AsyncIterator[None]:
+    """cline.WorktreeService: Cline's worktree panel over the conversations' workspaces."""
+    core = setup.core
+    repos = {name: getattr(backend, "workspace_repo", None) for name, backend in core.chat.agents.backends.items()}
+    setup.serve(worktree.add_to(setup.registry, core.agent_sessions, core.feed, repos, core.chat.default_agent))
     yield
 
 
@@ -111,8 +120,13 @@ async def mcp_endpoint(setup: Setup) -> AsyncIterator[None]:
     setup.mount(MCP_PATH, endpoint)
     setup.gauge("uibus_mcp_calls_in_flight", "MCP requests running that a client may cancel",
                 lambda: len(server.inflight))
+    setup.gauge("uibus_mcp_tasks_running", "MCP tasks (tasks extension) whose turn runs here",
+                lambda: len(server.tasks))
     setup.provide(MCP, endpoint)
-    yield
+    try:
+        yield
+    finally:
+        await server.tasks.aclose()  # a task's turn ends with the app; its record says cancelled
 
 
 @asynccontextmanager
@@ -129,5 +143,5 @@ async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
         await endpoint.http.aclose()  # HTTP connections outlive their requests: closed with the app
 
 
-INSTALLERS: tuple[Installer, ...] = (ui_feed, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
+INSTALLERS: tuple[Installer, ...] = (ui_feed, worktrees, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
                                      mcp_endpoint, session_api, acp_endpoint)

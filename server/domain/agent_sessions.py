@@ -233,6 +233,14 @@ class AgentSessions:
         entry = self._live.pop((session, name), None)
         if entry is not None:
             await self._close((session, name), entry.agent, why, marker=False)
+
+    async def close_agent(self, session: str, name: str, why: str) -> bool:
+        """Closes the agent session of (`session`, `name`) if open here and idle (its workspace is
+        being removed: cline.WorktreeService); False when none was open."""
+        entry = self._live.pop((session, name), None)
+        if entry is not None:
+            await self._close((session, name), entry.agent, why)
+        return entry is not None
     # ---- what the sessions API reads and steers (uibus.domain.sessions) ----
 
     def live_agents(self, session: str) -> list[tuple[str, AgentSession, bool]]:

@@ -32,6 +32,7 @@ from typing import Any
 from google.protobuf import json_format, struct_pb2
 
 from uibus.agents import AgentError, AgentSpec, Backend, Final, SessionBackend, Stop, Turn
+from uibus.agents.acp_access import DIRECTORIES_KEY
 from uibus.agents.config import AgentTable
 from uibus.domain.agent_sessions import AgentSessions
 from uibus.domain.feed import UiFeed
@@ -57,7 +58,7 @@ _FILTERS = ", ".join(f"{n} ({v})" for n, v in agent_pb2.ChatFilterType.items())
 _FILTER_VALUES = frozenset(agent_pb2.ChatFilterType.values())
 SOURCE = "neuro-san"
 # Metadata a backend may forward upstream (neuro-san clients send these).
-_FORWARD = ("user_id", "request_id")
+_FORWARD = ("user_id", "request_id", DIRECTORIES_KEY)  # the last: an editor's additionalDirectories
 
 
 class UnknownAgent(Unimplemented):
@@ -228,6 +229,9 @@ class Chat:
         accepts = self.backend(agent).prompt_capabilities()
         if accepts is not None:  # what a turn's attachments may be (`uibus acp` advertises it to editors)
             metadata["prompt_capabilities"] = accepts
+        roots = self.backend(agent).directories()
+        if roots is not None:  # what an editor's additionalDirectories may name (uibus.agents.acp_access)
+            metadata["additional_directories"] = roots
         return agent_pb2.ConnectivityResponse(connectivity_info=[info], metadata=_struct(metadata))
 
     # ---- the turn ----

@@ -442,6 +442,13 @@ class UiFeed:
         self._to_host(session, _host_request(open_walkthrough=host_pb2.OpenWalkthrough()),
                       needs_host="open the walkthrough")
 
+    async def open_folder(self, session: str, path: str, new_window: bool) -> None:
+        """Cline's switchWorktree opens a folder in the editor: the host's to do (the caller names
+        a worktree uibus listed), so it is a host request; with no host listening the caller hears so."""
+        await self.bus.ready(session)
+        self._to_host(session, _host_request(open_folder=host_pb2.OpenFolder(path=path, new_window=new_window)),
+                      needs_host="open the worktree")
+
     async def set_terminal_execution_mode(self, session: str, background: bool) -> str:
         """Keeps the webview's choice in the session (the host reads it in GetSessionState) and tells
         a listening host at once; returns the mode's name as Cline says it."""

@@ -211,6 +211,8 @@ class Config:
         "help": "sessions one tenant may create (CreateSession, ACP session/new) per minute"})
     quota_dialogs: int = field(default=QUOTAS["dialogs"].default, metadata={
         "help": "dialogs one tenant may have open (waiting for an answer)"})
+    quota_mcp_tasks: int = field(default=QUOTAS["mcp_tasks"].default, metadata={
+        "help": "MCP tasks (tasks extension: a hosted agent's turn each) one tenant may have running"})
     quota_agent_processes: int = field(default=QUOTAS["agent_processes"].default, metadata={
         "help": "processes of one hosted agent one tenant may hold (running or kept idle); at it, the "
                 "tenant's own least recently used idle one is closed first (the agent's max_processes "

@@ -54,6 +54,7 @@ QUOTAS: dict[str, Quota] = {q.name: q for q in (
     Quota("sessions_per_minute", "--quota-sessions-per-minute", 120, "sessions created (CreateSession, "
           "session/new) per minute", rate=True),
     Quota("dialogs", "--quota-dialogs", 4096, "dialogs open (waiting for an answer)"),
+    Quota("mcp_tasks", "--quota-mcp-tasks", 64, "MCP tasks running (an agent's turn each, tasks extension)"),
     # Per tenant *and agent*, counted by uibus.domain.agent_room (not held here): a quarter of the
     # default max_processes (64), so four tenants at their share still leave none refused.
     Quota("agent_processes", "--quota-agent-processes", 16, "agent processes (running or kept idle)"),

@@ -22,6 +22,12 @@
 //
 // It logs what it was given (initialize, session/new) to $ACP_FIXTURE_LOG as JSON lines.
 //
+// With $ACP_FIXTURE_ROOTS=1 it advertises sessionCapabilities.additionalDirectories and resume:
+// session/new and session/resume keep the session's additionalDirectories (logged), and the prompt
+// "roots" says them. With $ACP_FIXTURE_AUTH=terminal it offers only a terminal sign-in method,
+// advertises auth.status and auth.logout, says `unauthenticated` to auth/status and refuses
+// session/new with auth_required; a `logout` (which uibus must never send) is logged.
+//
 // With $ACP_FIXTURE_STATE (a directory) it advertises `loadSession` and keeps each session's turns
 // there, as a real agent keeps its conversations: `session/load` replays the transcript as
 // session/update notifications (user_message_chunk, agent_message_chunk) before it answers, and
@@ -29,12 +35,14 @@
 import { appendFileSync, existsSync, readFileSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Readable, Writable } from "node:stream";
-import { agent, methods, ndJsonStream, RequestError } from "@agentclientprotocol/sdk";
+import { agent, methods, ndJsonStream, RequestError } from "@agentclientprotocol/sdk/unstable";
 
 const logFile = process.env.ACP_FIXTURE_LOG;
 const note = (obj) => { if (logFile) appendFileSync(logFile, JSON.stringify(obj) + "\n"); };
 const sessions = new Map(); // sessionId -> { turns, mcp, cancel, transcript }
 const stateDir = process.env.ACP_FIXTURE_STATE;
+const roots = process.env.ACP_FIXTURE_ROOTS === "1";
+const terminalAuth = process.env.ACP_FIXTURE_AUTH === "terminal";
 let next = 0;
 const stateFile = (sessionId) => join(stateDir, `${sessionId}.json`);
 const save = (sessionId, s) => {
@@ -111,11 +119,32 @@ const app = agent({ name: "uibus-acp-fixture" })
   .onRequest(methods.agent.initialize, ({ params }) => {
     note({ initialize: params });
     return { protocolVersion: 1, agentCapabilities: { loadSession: Boolean(stateDir), mcpCapabilities: { http: true, sse: false },
-      promptCapabilities: { image: true, audio: false, embeddedContext: false } }, authMethods: [] };
+      promptCapabilities: { image: true, audio: false, embeddedContext: false },
+      ...(roots ? { sessionCapabilities: { additionalDirectories: {}, resume: {} } } : {}),
+      ...(terminalAuth ? { auth: { status: {}, logout: {} } } : {}) },
+      authMethods: terminalAuth ? [{ id: "terminal-login", name: "Log in from the terminal", type: "terminal",
+        args: ["--login"], env: { FIXTURE_LOGIN: "1" } }] : [] };
+  })
+  .onRequest(methods.agent.auth.status, () => {
+    note({ "auth/status": true });
+    return { state: terminalAuth ? "unauthenticated" : "not_required" };
+  })
+  .onRequest(methods.agent.logout, () => {
+    note({ logout: true });
+    return {};
+  })
+  .onRequest(methods.agent.session.resume, ({ params }) => {
+    const s = sessions.get(params.sessionId);
+    if (!s) throw RequestError.invalidParams({ sessionId: params.sessionId }, "unknown session");
+    s.roots = params.additionalDirectories || [];
+    note({ "session/resume": params });
+    return {};
   })
   .onRequest(methods.agent.session.new, ({ params }) => {
+    if (terminalAuth) throw RequestError.authRequired();
     const sessionId = stateDir ? `fixture-${process.pid}-${++next}` : `fixture-${++next}`;
-    sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null, transcript: [] });
+    sessions.set(sessionId, { turns: 0, mcp: params.mcpServers, cancel: null, transcript: [],
+      roots: params.additionalDirectories || [] });
     note({ "session/new": params, sessionId });
     return { sessionId, modes: { currentModeId: "default", availableModes: [
       { id: "default", name: "Default", description: "Ask before edits" },
@@ -142,7 +171,9 @@ const app = agent({ name: "uibus-acp-fixture" })
     const text = params.prompt.filter((b) => b.type === "text").map((b) => b.text).join("");
     const attached = params.prompt.filter((b) => b.type !== "text");
     if (attached.length) note({ attached: attached.map((b) => ({ type: b.type, mimeType: b.mimeType, bytes: (b.data || "").length })) });
-    if (text === "tour") {
+    if (text === "roots") {
+      await say(client, params.sessionId, `Roots: ${JSON.stringify(s.roots || [])}`);
+    } else if (text === "tour") {
       await tour(client, params.sessionId);
     } else if (text === "slow") {
       await say(client, params.sessionId, "Working ");

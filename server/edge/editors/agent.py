@@ -19,8 +19,6 @@ them. The requests, their answers, cancels and the end are the one JSON-RPC core
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -30,10 +28,13 @@ from typing import Any
 import grpc
 
 from uibus import version
-from uibus.edge.editors import updates
+from uibus.edge.editors import roots, updates, v2
+from uibus.edge.editors.account import Account, Identity
 from uibus.edge.editors.attached import Attached
 from uibus.edge.editors.cursor import GAP_KEY, SEQ_KEY, cursor_of
+from uibus.edge.editors.prompts import prompt_of
 from uibus.edge.editors.uplink import Uplink
+from uibus.edge.editors.v2_turns import V2Turns
 from uibus.infra.errors import InvalidArgument
 from uibus.infra.jsonrpc import (
     AUTH_REQUIRED,
@@ -47,7 +48,7 @@ from uibus.infra.jsonrpc import (
 from uibus.infra.peer import Peer, Receive
 from uibus.infra.session import check_session
 from uibus.infra.tasks import caller_cancelled, cancel_and_wait
-from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2, mime_data_pb2
+from uibus.pb.neuro_san.api.grpc import agent_pb2, chat_pb2
 from uibus.pb.uibus.v1 import sessions_pb2
 
 log = logging.getLogger("uibus.edge.editors")
@@ -66,55 +67,8 @@ _STATUS_CODES = {grpc.StatusCode.UNAUTHENTICATED: AUTH_REQUIRED, grpc.StatusCode
                  grpc.StatusCode.FAILED_PRECONDITION: INVALID_REQUEST}
 
 Write = Callable[[str], Awaitable[None]]
+Method = Callable[[dict[str, Any]], Awaitable[Any]]
 WriteMessage = Callable[[dict[str, Any], str], Awaitable[None]]
-
-
-def _media(block: dict[str, Any], data: Any, mime: Any, what: str) -> tuple[str, bytes]:
-    if not isinstance(data, str) or not isinstance(mime, str) or "/" not in mime:
-        raise RpcError(INVALID_PARAMS, f"{what} needs its data (base64) and its mimeType")
-    try:
-        return mime, base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise RpcError(INVALID_PARAMS, f"{what}'s data is not base64") from None
-
-
-def prompt_of(blocks: Any, accepts: dict[str, bool]) -> tuple[str, list[mime_data_pb2.MimeData]]:
-    """A prompt's content blocks as the turn's text and attachments (neuro-san's mime_data, which
-    reach the hosted agent as its protocol has them): text as it is, an embedded resource's text
-    inlined, links as their URI; images and embedded blobs as attachments, refused (-32602) where
-    the hosted agent takes none (`accepts`, what `initialize` advertised)."""
-    if not isinstance(blocks, list) or not blocks:
-        raise RpcError(INVALID_PARAMS, "prompt must be a non-empty array of content blocks")
-    parts: list[str] = []
-    attached: list[mime_data_pb2.MimeData] = []
-    for block in blocks:
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            parts.append(block["text"])
-        elif kind == "image" and isinstance(block, dict):
-            if not accepts.get("image"):
-                raise RpcError(INVALID_PARAMS, "the hosted agent takes no images (promptCapabilities.image is "
-                                               "false): send the prompt without the image")
-            mime, data = _media(block, block.get("data"), block.get("mimeType"), "an image block")
-            attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
-        elif kind == "resource" and isinstance(block.get("resource"), dict):
-            resource = block["resource"]
-            if isinstance(resource.get("text"), str):
-                parts.append(f"\n<resource uri=\"{resource.get('uri', '')}\">\n{resource['text']}\n</resource>\n")
-            elif isinstance(resource.get("blob"), str):
-                if not accepts.get("embeddedContext"):
-                    raise RpcError(INVALID_PARAMS, "the hosted agent takes no attached files (promptCapabilities"
-                                                   ".embeddedContext is false): embed text, or send no blob")
-                mime, data = _media(resource, resource["blob"], resource.get("mimeType"), "an embedded blob")
-                attached.append(mime_data_pb2.MimeData(mime_type=mime, mime_bytes=data))
-            else:
-                raise RpcError(INVALID_PARAMS, "an embedded resource must carry its text or a blob")
-        elif kind == "resource_link" and isinstance(block.get("uri"), str):
-            parts.append(block["uri"])
-        else:
-            raise RpcError(INVALID_PARAMS, f"content block of type {str(kind)[:40]!r} is not supported here "
-                                           "(text, image, resource, resource_link)")
-    return "".join(parts), attached
 
 
 def _status_error(exc: Exception) -> RpcError | None:
@@ -163,11 +117,12 @@ class Editor:
     """One editor connection; `aclose` detaches every session it holds."""
 
     def __init__(self, uplink: Uplink, write: Write, *, prefix: str = DEFAULT_PREFIX,
-                 write_message: WriteMessage | None = None) -> None:
+                 write_message: WriteMessage | None = None, identity: Identity | None = None) -> None:
         """`prefix` starts the name of every session `session/new` makes: a tenant's token may use
         only sessions matching its patterns (`team-a-*`), so its editors name theirs to match.
         `write_message`, instead of `write`: given the message with its text, for a way out that
-        routes by the message (ACP over HTTP) without parsing its own output again."""
+        routes by the message (ACP over HTTP) without parsing its own output again. `identity`: who
+        the transport let in (its token, its tenant), for `auth/status` (uibus.edge.editors.account)."""
         self.uplink = uplink
         self.prefix = prefix
         self._write = write
@@ -177,12 +132,22 @@ class Editor:
         self.client: dict[str, Any] = {}  # the editor's clientCapabilities
         self.accepts: dict[str, bool] = dict(BASELINE)  # promptCapabilities initialize advertised
         self.blobs = False  # embedded blobs go to the hosted agent as attachments (it takes files)
+        self.account = Account(identity or Identity(), uplink, prefix)
+        self.v2: V2Turns | None = None  # the v2 draft's framing, once the editor negotiated it
+        methods = {"initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
+                   "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
+                   "session/prompt": self.prompt, "session/list": self.list, "session/set_mode": self.set_mode,
+                   "logout": self.logout, "auth/status": self.auth_status}
         self.peer = Peer(self.send, name="acp editor", max_running=MAX_IN_FLIGHT, error_of=_status_error,
-                         notified=self._notification, methods={
-                             "initialize": self.initialize, "authenticate": self.authenticate, "session/new": self.new,
-                             "session/load": self.load, "session/resume": self.resume, "session/close": self.close,
-                             "session/prompt": self.prompt, "session/list": self.list,
-                             "session/set_mode": self.set_mode})
+                         notified=self._notification,
+                         methods={name: self._gated(name, fn) for name, fn in methods.items()})
+
+    def _gated(self, name: str, method: Method) -> Method:
+        """`method` refused with auth_required once the connection logged out (uibus.edge.editors.account)."""
+        async def gated(params: dict[str, Any]) -> Any:
+            self.account.gate(name)
+            return await method(params)
+        return gated
 
     async def send(self, message: dict[str, Any]) -> None:
         async with self._lock:
@@ -192,10 +157,21 @@ class Editor:
                 await self._write(dump(message))
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
+        if self.v2 is not None and method == "session/update":  # v1's update, as v2 says it
+            shaped = self.v2.shapes.update(params)
+            if shaped is None:
+                return
+            params = shaped
         await self.peer.notify(method, params)
 
     async def _ask(self, method: str, params: dict[str, Any], sent: Callable[[int], None]) -> Any:
+        if self.v2 is not None and method == "session/request_permission":
+            params = v2.permission(params)
         return await self.peer.request(method, params, sent=sent)
+
+    @staticmethod
+    def error_of(exc: Exception) -> RpcError | None:
+        return _status_error(exc)
 
     async def aclose(self) -> None:
         """The end: our questions fail, the editor's requests are cancelled and joined, every
@@ -225,7 +201,7 @@ class Editor:
         await self.peer.handle(message)
 
     def _notification(self, method: str, params: dict[str, Any]) -> None:
-        if method == "session/cancel":
+        if method == "session/cancel" and not self.account.signed_out:
             attached = self.sessions.get(params.get("sessionId"))  # type: ignore[arg-type]
             if attached is not None:
                 attached.cancel()
@@ -233,15 +209,25 @@ class Editor:
     # ---- methods ----
 
     async def initialize(self, params: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(params.get("protocolVersion"), int):
+        """Protocol 1, or the v2 draft when the editor asks for 2 or later: from then on this
+        connection answers v2's methods (uibus.edge.editors.v2_turns) and speaks v2's shapes."""
+        version = params.get("protocolVersion")
+        if not isinstance(version, int):
             raise RpcError(INVALID_PARAMS, "protocolVersion (an integer) is required")
-        caps = params.get("clientCapabilities")
+        if version < v2.PROTOCOL_VERSION:
+            return await self.offer(params.get("clientCapabilities"))
+        self.v2 = V2Turns(self)
+        self.peer.methods = {name: self._gated(name, fn) for name, fn in self.v2.methods().items()}
+        return v2.initialize_result(await self.offer(params.get("capabilities")))
+
+    async def offer(self, caps: Any) -> dict[str, Any]:
+        """What uibus offers this editor (v1's initialize answer), given its capabilities."""
         self.client = caps if isinstance(caps, dict) else {}
         # The hosted agent's own promptCapabilities where uibus knows them (an ACP agent once it has
         # started, pi always): images and blobs become the turn's attachments. Embedded text is
         # inlined for any agent; audio is not carried.
-        hosted = await self.uplink.prompt_capabilities()
-        hosted = hosted or {}
+        facts = await self.uplink.facts()
+        hosted = self.uplink.prompt_capabilities_in(facts) or {}
         self.accepts = {**BASELINE, "image": hosted.get("image", False)}
         self.blobs = hosted.get("embeddedContext", False)
         return {"protocolVersion": PROTOCOL_VERSION, "authMethods": [],
@@ -250,16 +236,30 @@ class Editor:
                     "loadSession": True,
                     "promptCapabilities": {k: self.accepts[k] for k in BASELINE},
                     "mcpCapabilities": {"http": False, "sse": False},
-                    "sessionCapabilities": {"list": {}, "resume": {}, "close": {}}}}
+                    "sessionCapabilities": {"list": {}, "resume": {}, "close": {}, **(
+                        {"additionalDirectories": {}} if roots.offered(await self.uplink.directory_facts()) else {})},
+                    "auth": {"logout": {}, "status": {}}}}
 
     async def authenticate(self, params: dict[str, Any]) -> dict[str, Any]:
         return {}  # no methods are offered: the token is the transport's (--token, the upgrade's header)
+
+    async def logout(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Ends this connection's sign-in (uibus.edge.editors.account): its sessions are detached."""
+        self.account.signed_out = True
+        for attached in list(self.sessions.values()):
+            self._forget(attached)
+            await attached.detach()
+        return {}
+
+    async def auth_status(self, params: dict[str, Any]) -> dict[str, Any]:
+        return await self.account.status()
 
     def _elicitation(self) -> bool:
         elicitation = self.client.get("elicitation")
         return isinstance(elicitation, dict) and isinstance(elicitation.get("form"), dict)
 
-    async def _attach(self, name: str, *, replay: bool, since: int | None = None) -> Attached:
+    async def _attach(self, name: str, *, replay: bool, since: int | None = None,
+                      directories: list[str] | None = None) -> Attached:
         """A fresh attachment of `name`, replacing the one this connection held. Each attachment is
         owned by its own object, not by the name: a load and a resume of one session at once each
         detach only what they replaced and remove only themselves (a failed one never takes the
@@ -270,6 +270,9 @@ class Editor:
             raise RpcError(INVALID_REQUEST, f"this connection holds {MAX_SESSIONS} sessions: session/close one first")
         attached = Attached(name, self.uplink, self.notify, self._ask, self.peer.withdraw,
                             elicitation=self._elicitation())
+        attached.directories = directories or []  # the editor's additionalDirectories: its turns carry them
+        if self.v2 is not None:
+            self.v2.watch(attached)
         self.sessions[name] = attached
         try:
             await attached.attach(replay=replay, since=since)
@@ -286,15 +289,16 @@ class Editor:
 
     async def new(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
+        dirs = await roots.directories(params, self.uplink)
         name = f"{self.prefix}{secrets.token_hex(8)}"
         await self.uplink.create(name)  # listed at once (session/list, every UI's ListSessions)
-        await self._attach(name, replay=False)
+        await self._attach(name, replay=False, directories=dirs)
         return {"sessionId": name}
 
     async def load(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
         name = _session_id(params)
-        attached = await self._attach(name, replay=True)
+        attached = await self._attach(name, replay=True, directories=await roots.directories(params, self.uplink))
         if not attached.replayed:
             self._forget(attached)
             await attached.detach()
@@ -308,7 +312,8 @@ class Editor:
         `_meta` says `uibus/gap: true` and the replay is the session's recent history, whole."""
         _cwd(params)
         since = cursor_of(params)
-        attached = await self._attach(_session_id(params), replay=since is not None, since=since)
+        dirs = await roots.directories(params, self.uplink)
+        attached = await self._attach(_session_id(params), replay=since is not None, since=since, directories=dirs)
         answer = await self._offers(attached)
         if since is not None and attached.gap:
             answer.setdefault("_meta", {})[GAP_KEY] = True
@@ -371,6 +376,11 @@ class Editor:
         return result
 
     async def prompt(self, params: dict[str, Any]) -> dict[str, Any]:
+        attached, turn = self.start_turn(params)
+        return await self.finish_turn(attached, turn)
+
+    def start_turn(self, params: dict[str, Any]) -> tuple[Attached, asyncio.Task[Any]]:
+        """A prompt's turn started on its session (RpcError, nothing started, when it cannot be)."""
         name = _session_id(params)
         attached = self.sessions.get(name)
         if attached is None:
@@ -389,6 +399,10 @@ class Editor:
         except RpcError:
             turn.cancel()
             raise
+        return attached, turn
+
+    async def finish_turn(self, attached: Attached, turn: asyncio.Task[Any]) -> dict[str, Any]:
+        """The turn to its end: its stop reason (and cursor), as v1's prompt answers it."""
         try:
             final, streamed, stop = await asyncio.shield(turn)
         except asyncio.CancelledError:
@@ -422,7 +436,7 @@ class Editor:
         """Streams one turn's updates to the editor; (the final answer, whether reply text streamed,
         the hosted agent's own stop reason: the final message's `structure.stop_reason`, or "")."""
         final, streamed, stop = None, False, ""
-        async for response in self.uplink.chat(attached.name, request):
+        async for response in self.uplink.chat(attached.name, request, attached.directories):
             if updates.is_final(response):
                 final = response.response.text
                 stop = updates.stop_reason(response)

@@ -35,12 +35,14 @@ log = logging.getLogger("uibus.edge.editors")
 REPLAY_MAX_S = 5.0  # no replay_complete marker by then (a uibus that predates it): answer anyway
 SETTLE_S = 2.0  # at most this long an answer waits for the feed to show the turn's last message
 CANCELLED_SETTLE_S = 0.3  # a cancelled turn has no final message to wait for: this long instead
+QUIET_S = 0.3  # `settled`: the feed showed nothing of another UI's turn for this long
 _OWN_TS = 1024  # the `ts` of own turns remembered (their late states are not shown again)
 _END = object()
 
 Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
 Ask = Callable[[str, dict[str, Any], Callable[[int], None]], Awaitable[Any]]
 Withdraw = Callable[[int], Awaitable[None]]
+Busy = Callable[[bool], Awaitable[None]]
 
 
 class Attached:
@@ -56,6 +58,7 @@ class Attached:
         self.view = updates.FeedView()
         self.replayed = 0  # transcript messages this attach found
         self.gap = False  # the cursor it resumed from was older than the session's log keeps
+        self.directories: list[str] = []  # the editor's additionalDirectories (uibus.edge.editors.roots)
         self.seq = 0  # the highest log position (seq) of the messages the feed showed: the editor's cursor
         self._replay_done = asyncio.Event()
         self.detached = False  # once detached, an attach still waiting gives up
@@ -74,6 +77,10 @@ class Attached:
         # What the editor was told the agent offers: its mode (None: not known yet) and commands.
         self._mode: str | None = None
         self._commands: dict[str, Any] | None = None
+        # Told whether a turn runs in the session (any UI's) each time the listing changes: the v2
+        # draft's state updates (uibus.edge.editors.v2_turns); None for a v1 editor.
+        self.on_busy: Busy | None = None
+        self._shown_at = 0.0  # loop time the feed last showed another UI's message
 
     # ---- attach / detach ----
 
@@ -219,6 +226,7 @@ class Attached:
             return
         if message.ts in self._own_ts:
             return
+        self._shown_at = asyncio.get_running_loop().time()
         for u in self.view.updates(message):
             await self.update(u, message.seq)
 
@@ -249,6 +257,18 @@ class Attached:
     def forget_turn(self) -> None:
         """The prompt was withdrawn or its connection is closing: no answer will be sent for it."""
         self._own, self.prompt = False, None
+
+    async def settled(self) -> None:
+        """Returns once the feed has shown nothing of another UI's turn for QUIET_S (at most
+        SETTLE_S): the listing says a turn ended on a stream of its own, which may overtake the
+        turn's last pieces on the feed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + SETTLE_S
+        while True:
+            wait = min(self._shown_at + QUIET_S, end) - loop.time()
+            if wait <= 0:
+                return
+            await asyncio.sleep(wait)  # polled: the quiet moves on with every piece shown
 
     def _feed_running(self) -> bool:
         return self._feeding is not None and not self._feeding.done()
@@ -287,9 +307,11 @@ class Attached:
         """SetMode from another UI (the page, a phone, the sessions API) and the agent's own mode
         and command changes reach this editor through the session's listing (WatchSessions)."""
         try:
-            async for state in self.uplink.agent_states(self.name):
+            async for state, busy in self.uplink.agent_states(self.name):
                 for u in self.offered(state):
                     await self.update(u)
+                if self.on_busy is not None:
+                    await self.on_busy(busy)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 log.warning("the session's listing ended", extra={"fields": {"session": self.name,

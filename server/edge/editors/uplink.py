@@ -17,6 +17,7 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from uibus.agents.acp_access import DIRECTORIES_KEY, encode
 from uibus.infra.session import SESSION_KEY, SINCE_KEY
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -76,21 +77,40 @@ class Uplink:
     def _md(session: str) -> tuple[tuple[str, str], ...]:
         return ((SESSION_KEY, session),)
 
-    def chat(self, session: str, request: agent_pb2.ChatRequest) -> AsyncIterator[agent_pb2.ChatResponse]:
-        """One turn of the configured agent on `session` (neuro-san's StreamingChat)."""
-        return each(self._chat(request, metadata=self._md(session)))
+    def chat(self, session: str, request: agent_pb2.ChatRequest,
+             directories: list[str] | None = None) -> AsyncIterator[agent_pb2.ChatResponse]:
+        """One turn of the configured agent on `session` (neuro-san's StreamingChat); `directories`:
+        the editor's additionalDirectories, carried to the hosted agent (uibus.agents.acp_access)."""
+        metadata = self._md(session)
+        if directories is not None:
+            metadata = (*metadata, (DIRECTORIES_KEY, encode(directories)))
+        return each(self._chat(request, metadata=metadata))
 
-    async def prompt_capabilities(self) -> dict[str, bool] | None:
-        """What the configured agent takes with a prompt besides text (ACP's promptCapabilities,
-        from Connectivity's metadata); None where uibus does not know (yet) or cannot be reached."""
+    async def facts(self) -> dict[str, Any] | None:
+        """Connectivity's metadata for the configured agent; None where uibus cannot be reached."""
         try:
             reply = await asyncio.wait_for(self._connectivity(agent_pb2.ConnectivityRequest()), CONNECTIVITY_S)
         except (grpc.aio.AioRpcError, TimeoutError):
             return None
-        found = json_format.MessageToDict(reply.metadata).get("prompt_capabilities")
+        return json_format.MessageToDict(reply.metadata)
+
+    @staticmethod
+    def prompt_capabilities_in(facts: dict[str, Any] | None) -> dict[str, bool] | None:
+        """What the configured agent takes with a prompt besides text (ACP's promptCapabilities,
+        from Connectivity's metadata); None where uibus does not know (yet) or cannot be reached."""
+        found = (facts or {}).get("prompt_capabilities")
         if not isinstance(found, dict):
             return None
         return {k: found.get(k) is True for k in ("image", "audio", "embeddedContext")}
+
+    async def prompt_capabilities(self) -> dict[str, bool] | None:
+        return self.prompt_capabilities_in(await self.facts())
+
+    async def directory_facts(self) -> dict[str, Any] | None:
+        """What an editor's additionalDirectories may name (`roots`) and whether the agent takes them
+        (`supported`: None until it started); None: it takes none (uibus.agents.acp_access)."""
+        found = (await self.facts() or {}).get("additional_directories")
+        return found if isinstance(found, dict) else None
 
     def feed(self, session: str, client_id: str, since: int | None = None) -> Any:
         """The session's UI feed as a webview gets it: its recent messages first (`replayed`; with
@@ -129,12 +149,21 @@ class Uplink:
         now: modes, commands. None before it ever ran there."""
         return self._state_in(await self.sessions(session), session)
 
-    async def agent_states(self, session: str) -> AsyncIterator[sessions_pb2.AgentState | None]:
-        """`agent_state` now and again each time the session's listing changes (WatchSessions:
-        a mode set from any UI, the agent's own mode or commands, a turn starting or ending)."""
+    @staticmethod
+    def busy_in(listed: sessions_pb2.SessionList, session: str) -> bool:
+        """Whether an agent runs a turn in `session` now (from any UI), as the listing says."""
+        return any(entry.running for entry in listed.sessions if entry.session == session)
+
+    async def busy(self, session: str) -> bool:
+        return self.busy_in(await self.sessions(session), session)
+
+    async def agent_states(self, session: str) -> AsyncIterator[tuple[sessions_pb2.AgentState | None, bool]]:
+        """`agent_state` (and whether a turn runs) now and again each time the session's listing
+        changes (WatchSessions: a mode set from any UI, the agent's own mode or commands, a turn
+        starting or ending)."""
         async for listed in each(self._watch(sessions_pb2.ListSessionsRequest(prefix=session),
                                              metadata=self._md(session))):
-            yield self._state_in(listed, session)
+            yield self._state_in(listed, session), self.busy_in(listed, session)
 
     async def set_mode(self, session: str, agent: str, mode: str) -> sessions_pb2.AgentState:
         return await self._set_mode(sessions_pb2.SetModeRequest(agent=agent, mode_id=mode),

@@ -9,8 +9,11 @@ Pure data and functions: no I/O, no domain objects. `uibus.edge.mcp.server` runs
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+import grpc.aio
 
 from uibus.infra.errors import InvalidArgument, UibusError, Unimplemented
 from uibus.infra.jsonrpc import INTERNAL_ERROR as INTERNAL_ERROR
@@ -44,9 +47,11 @@ def path_of(method: str) -> str:
 
 
 class ProtocolError(InvalidArgument):
-    """Input that is not a JSON-RPC message uibus can take; `rpc_code` is its JSON-RPC code."""
+    """Input that is not a JSON-RPC message uibus can take; `rpc_code` is its JSON-RPC code,
+    `rpc_data` what its error's `data` says besides the status."""
 
     rpc_code = INVALID_REQUEST
+    rpc_data: ClassVar[dict[str, Any]] = {}  # (an instance of a subclass sets its own)
 
 
 class ParseError(ProtocolError):
@@ -104,10 +109,11 @@ def notification(method: str, params: dict[str, Any]) -> dict[str, Any]:
     return notification_frame(method, params)
 
 
-def error(ident: Any, status: str, message: str, rpc_code: int | None = None) -> dict[str, Any]:
+def error(ident: Any, status: str, message: str, rpc_code: int | None = None,
+          data: dict[str, Any] | None = None) -> dict[str, Any]:
     """A JSON-RPC error for a uibus status; `data.status` names the status as every transport does."""
     return error_frame(ident, RpcError(rpc_code if rpc_code is not None else rpc_code_of(status), message or status,
-                                       {"status": status}))
+                                       {**(data or {}), "status": status}))
 
 
 def rpc_code_of(status: str) -> int:
@@ -138,3 +144,65 @@ def text_result(text: str, structured: dict[str, Any] | None = None, is_error: b
     if structured is not None:
         result["structuredContent"] = structured
     return result
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a request of MCP's stateless era (uibus.edge.mcp.era) says of itself: it is all the
+    state there is."""
+
+    version: str
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    client: Mapping[str, Any] = field(default_factory=dict)
+    log_level: str | None = None
+
+    def can(self, capability: str) -> bool:
+        """Whether the client declared `capability` (e.g. "elicitation") for this request."""
+        return isinstance(self.capabilities.get(capability), dict)
+
+    def extension(self, name: str) -> bool:
+        """Whether the client declared the extension `name` (e.g. the tasks extension)."""
+        extensions = self.capabilities.get("extensions")
+        return isinstance(extensions, dict) and isinstance(extensions.get(name), dict)
+
+    def elicits_forms(self) -> bool:
+        """Whether the client can fill in a form for its user (elicitation, form mode: the default
+        when the capability names no mode)."""
+        elicitation = self.capabilities.get("elicitation")
+        if not isinstance(elicitation, dict):
+            return False
+        return "form" in elicitation or "url" not in elicitation
+
+
+@dataclass
+class Reply:
+    """A method's result: the JSON-RPC `result` object."""
+
+    result: dict[str, Any]
+
+
+class Call:
+    """One JSON-RPC message as a handler sees it (the pipeline's request object)."""
+
+    __slots__ = ("envelope", "message", "new_session", "session_id", "streaming")
+
+    def __init__(self, message: Message, session_id: str | None, streaming: bool = False,
+                 envelope: Envelope | None = None) -> None:
+        self.message = message
+        self.session_id = session_id  # the client's Mcp-Session-Id, if it sent one
+        self.streaming = streaming  # the transport can send notifications before the result
+        self.new_session: str | None = None  # set by initialize: the id the transport hands out
+        self.envelope = envelope  # a modern (2026-07-28) request's: what it says of itself
+
+
+Handler = Callable[[Call, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+AGENT_HEADER = "x-uibus-agent"  # set by uibus for the agents it hosts: who is calling (see McpServer.tools)
+
+
+def caller_of(metadata: Iterable[tuple[str, Any]] | None) -> str:
+    """The hosted agent a call comes from (its AGENT_HEADER), or ""."""
+    for key, value in metadata or ():
+        if key == AGENT_HEADER:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""

@@ -16,8 +16,10 @@ from google.protobuf import json_format
 from uibus.domain.sessions import Sessions
 from uibus.edge.mcp import protocol
 from uibus.edge.mcp.protocol import InvalidParams
+from uibus.infra.errors import NotFound
 from uibus.replicas.placement import Placement
 
+RESOURCE_PREFIX = "uibus://sessions/"  # a session as an MCP resource: its entry of list_sessions, as JSON
 _STRING = {"type": "string"}
 SESSION_TOOLS: dict[str, dict[str, Any]] = {
     "list_sessions": {
@@ -79,3 +81,26 @@ async def run_session_tool(sessions: Sessions, placement: Placement, tool: str, 
     sessions.poke()
     yield protocol.text_result(f"{agent} is in mode {state.current_mode}.",
                                json_format.MessageToDict(state, preserving_proto_field_name=True))
+
+
+async def session_resources(sessions: Sessions, visible: Callable[[str], bool]) -> list[dict[str, Any]]:
+    """The sessions the caller may see, as resources (`resources/list`): what an MCP client shows
+    as the things it can read, and what `subscriptions/listen` announces changes of."""
+    listed = await sessions.list(visible)
+    return [{"uri": RESOURCE_PREFIX + s.session, "name": s.session, "title": s.title or s.session,
+             "mimeType": "application/json",
+             "description": f"uibus session {s.session}: title, last activity, running agents, waiting dialogs"}
+            for s in listed.sessions]
+
+
+async def read_session(sessions: Sessions, uri: Any, visible: Callable[[str], bool]) -> dict[str, Any]:
+    """`resources/read` of a session resource: its entry as list_sessions reports it."""
+    if not isinstance(uri, str) or not uri.startswith(RESOURCE_PREFIX):
+        raise InvalidParams(f"resources/read needs params.uri, a resource of resources/list "
+                            f"({RESOURCE_PREFIX}<session>)")
+    name = uri[len(RESOURCE_PREFIX):]
+    if not name or not visible(name):
+        raise NotFound(f"no resource {uri[:200]!r} (no session of that name this token may see)")
+    entry = await sessions.get(name)
+    text = json_format.MessageToJson(entry, preserving_proto_field_name=True, indent=None)
+    return {"contents": [{"uri": uri, "mimeType": "application/json", "text": text}]}

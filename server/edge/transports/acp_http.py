@@ -34,6 +34,7 @@ import secrets
 import time
 from typing import Any
 
+from uibus.edge.editors.account import Identity
 from uibus.edge.editors.agent import Editor
 from uibus.edge.editors.cursor import CURSOR_KEY
 from uibus.edge.editors.uplink import Uplink
@@ -92,11 +93,11 @@ class HttpConnection:
     queues, bounded together in bytes by the connection's `Budget`)."""
 
     def __init__(self, ident: str, authorization: str, uplink: Uplink, prefix: str, lease: Lease | None = None,
-                 max_buffered: int = MAX_BUFFERED_BYTES) -> None:
+                 max_buffered: int = MAX_BUFFERED_BYTES, identity: Identity | None = None) -> None:
         self.id = ident
         self.lease = lease  # the tenant's acp_connections quota, given back at close
         self.authorization = authorization
-        self.editor = Editor(uplink, _unused_write, prefix=prefix, write_message=self.write)
+        self.editor = Editor(uplink, _unused_write, prefix=prefix, write_message=self.write, identity=identity)
         self.budget = sse.Budget(max_buffered)
         self.replay = sse.Replay(MAX_REPLAY_BYTES)  # what its streams keep for a client resuming one
         self.outbox = sse.Queue(self.budget, replay=self.replay)  # the connection's stream
@@ -337,7 +338,8 @@ class AcpHttp:
         channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope),
                           self.max_message_bytes)
         conn = HttpConnection(secrets.token_urlsafe(18), header(scope, b"authorization"), Uplink(channel, agent),
-                              prefix, lease)
+                              prefix, lease, identity=Identity(grant is not None,
+                                                               grant.tenant if grant is not None else None))
         conn.initial, conn.initial_id = asyncio.get_running_loop().create_future(), _key(message["id"])
         self.open[conn.id] = conn
         try:

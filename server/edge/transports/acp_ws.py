@@ -22,6 +22,7 @@ from urllib.parse import parse_qs
 
 import grpc
 
+from uibus.edge.editors.account import Identity
 from uibus.edge.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.edge.editors.uplink import Uplink
 from uibus.edge.transports.acp_http import AcpHttp
@@ -130,7 +131,9 @@ class AcpWebSocket:
 
         await send({"type": "websocket.accept"})
         channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes)
-        editor = Editor(Uplink(channel, agent), write, prefix=prefix)
+        grant = scope.get(GRANT)
+        editor = Editor(Uplink(channel, agent), write, prefix=prefix,
+                        identity=Identity(grant is not None, grant.tenant if grant is not None else None))
         self.open.add(editor)
         try:
             await editor.serve(frame)  # the one receive loop (uibus.infra.peer), and the editor's end

@@ -40,30 +40,28 @@ from typing import Any
 
 import grpc
 
-from uibus.edge.calls import CallContext, Metadata, Outcome, Rejected, drive, unary
-from uibus.edge.mcp import protocol
-from uibus.edge.mcp.protocol import InvalidParams, Message, ProtocolError
-from uibus.edge.mcp.server import Call, McpServer, Reply
+from uibus.edge.calls import CallContext, Outcome, Rejected, drive, unary
+from uibus.edge.mcp import era, protocol
+from uibus.edge.mcp.protocol import Call, InvalidParams, Message, ProtocolError
+from uibus.edge.mcp.server import McpServer
 from uibus.edge.transports import sse
 from uibus.edge.transports.asgi import (
-    CHALLENGE,
     BodyTooLarge,
     ClientGone,
-    Headers,
     Receive,
     Scope,
     Send,
     header,
-    http_status,
     read_body,
     refuse,
     respond,
     wait_disconnect,
 )
 from uibus.edge.transports.grpcweb import metadata_of, peer_of
-from uibus.edge.transports.mcp_resume import RemoteResume, SharedStream, auth_hash, new_stream_name
+from uibus.edge.transports.mcp_exchange import Exchange, dump, refuse_call
+from uibus.edge.transports.mcp_resume import RemoteResume, SharedStream, auth_hash
 from uibus.infra.errors import UibusError
-from uibus.infra.json_input import PoisonedJson, check_json, dump_json_bytes, load_json
+from uibus.infra.json_input import PoisonedJson, check_json, load_json
 from uibus.infra.session import session_from_metadata
 from uibus.infra.tasks import cancel_and_wait
 
@@ -71,14 +69,7 @@ PATH = "/mcp"
 KEEPALIVE_S = 15.0
 RESUME_S = 30.0  # a call whose stream broke waits this long for a resume; an ended stream is kept as long
 MAX_STREAMS = 1024  # ended streams kept for a late resume (the oldest go first past it)
-MAX_BUFFERED_BYTES = 8 * 1024 * 1024  # events of one call waiting for a reader; more and the call is cut
 MAX_REPLAY_BYTES = 64 * 1024 * 1024  # sent events all calls' streams keep for a resume (each at most 1 MiB)
-_AUTH_STATUS = {grpc.StatusCode.UNAUTHENTICATED: 401, grpc.StatusCode.PERMISSION_DENIED: 403}
-
-
-def _json(obj: Any) -> bytes:
-    # One line (neuro-san's client reads the answer as JSON lines), RFC 8259 only.
-    return dump_json_bytes(obj)
 
 
 class McpHttp:
@@ -88,7 +79,7 @@ class McpHttp:
         self.keepalive_s = keepalive_s
         self.resume_s = RESUME_S
         self.replay_bytes = sse.REPLAY_BYTES  # of events each call's stream keeps for a client resuming it
-        self.streams: dict[str, _Exchange] = {}  # calls' event streams, by the stream part of their ids
+        self.streams: dict[str, Exchange] = {}  # calls' event streams, by the stream part of their ids
         self.replay = sse.Replay(MAX_REPLAY_BYTES)  # their replay logs, together: the oldest streams' go first
         # With replicas, streams are also kept in the session log and followed on the bus (mcp_resume)
         self.bus = server.core.bus
@@ -120,7 +111,7 @@ class McpHttp:
         elif method == "GET" and header(scope, b"last-event-id").strip():
             await self._resume(scope, receive, send)
         else:
-            await respond(send, 405, _json(protocol.error(None, "UNIMPLEMENTED", f"{method} {PATH} is not served: "
+            await respond(send, 405, dump(protocol.error(None, "UNIMPLEMENTED", f"{method} {PATH} is not served: "
                                                           "POST a JSON-RPC message, DELETE to end a session, or GET "
                                                           "with Last-Event-ID to resume a call's event stream",
                                                           protocol.INVALID_REQUEST)),
@@ -128,7 +119,21 @@ class McpHttp:
 
     # ---- POST: one JSON-RPC message ------------------------------------------------------------
 
-    def _read(self, scope: Scope, body: bytes) -> tuple[Message | Rejected, Any]:
+    def _read(self, scope: Scope, body: bytes) -> tuple[Message | Rejected, Any, protocol.Envelope | None]:
+        """The message, or why there is none; the id to answer with (None when unknown); and, for a
+        request of the stateless era, its envelope (checked against the routing headers)."""
+        read, ident = self._message(scope, body)
+        if not isinstance(read, Message) or not read.is_request:
+            return read, ident, None
+        version = header(scope, b"mcp-protocol-version").strip()
+        if not era.is_modern(read.method, read.params, version):
+            return read, ident, None
+        try:
+            return read, ident, era.envelope(read.method or "", read.params, _routing(scope))
+        except era.EraError as exc:
+            return Rejected(exc), ident, None
+
+    def _message(self, scope: Scope, body: bytes) -> tuple[Message | Rejected, Any]:
         """The message, or why there is none; and the id to answer with (None when unknown)."""
         content_type = header(scope, b"content-type").split(";")[0].strip().lower()
         if content_type != "application/json":
@@ -145,13 +150,6 @@ class McpHttp:
             message = protocol.parse_message(value)
         except ProtocolError as exc:
             return Rejected(exc), None
-        version = header(scope, b"mcp-protocol-version").strip()
-        # Checked for the methods served here only: an unknown method is "method not found" in any
-        # version, which is what a client probing for a newer protocol era (server/discover) needs.
-        if (version and version not in protocol.VERSIONS and message.method != "initialize"
-                and self.server.serves(message)):
-            return Rejected(ProtocolError(f"MCP-Protocol-Version {version[:40]!r} is not supported; uibus speaks "
-                                          f"{', '.join(protocol.VERSIONS)}")), None
         return message, message.id
 
     @staticmethod
@@ -175,27 +173,36 @@ class McpHttp:
         except BodyTooLarge as exc:
             request: Message | Rejected = Rejected(exc)
             ident: Any = None
+            envelope = None
         else:
-            request, ident = self._read(scope, body)
-        session_id = header(scope, b"mcp-session-id").strip() or None
+            request, ident, envelope = self._read(scope, body)
+        # the stateless era has no sessions: a modern request's Mcp-Session-Id means nothing
+        session_id = None if envelope is not None else header(scope, b"mcp-session-id").strip() or None
         message = request if isinstance(request, Message) else None
         starting = message is not None and message.method == "initialize"
+        accepts_events = "text/event-stream" in header(scope, b"accept")
+        if message is not None and message.method == "subscriptions/listen" and envelope and not accepts_events:
+            await respond(send, 406, dump(protocol.error(ident, "INVALID_ARGUMENT", "subscriptions/listen answers "
+                                                          "with an event stream: send Accept: text/event-stream",
+                                                          protocol.INVALID_REQUEST)), "application/json")
+            return
         if session_id is not None and self.server.ended(session_id) and not starting:
-            await respond(send, 404, _json(protocol.error(ident, "NOT_FOUND", f"MCP session {session_id[:64]} has "
+            await respond(send, 404, dump(protocol.error(ident, "NOT_FOUND", f"MCP session {session_id[:64]} has "
                                                           "ended: initialize a new one", protocol.INVALID_REQUEST)),
                           "application/json")
             return
         handler = self.server.handler(message)
-        streamable = (message is not None and message.method == "tools/call" and message.is_request
-                      and "text/event-stream" in header(scope, b"accept"))
-        call = Call(message or Message(None), session_id, streamable)
+        streamable = (message is not None and message.is_request and accepts_events
+                      and message.method in ("tools/call", "subscriptions/listen"))
+        call = Call(message or Message(None), session_id, streamable, envelope)
         posted_gone = asyncio.ensure_future(wait_disconnect(receive))
-        exchange = _Exchange(send, ident, streamable, self.keepalive_s, call,
+        exchange = Exchange(send, ident, streamable, self.keepalive_s, call,
                              request.error if isinstance(request, Rejected) else None, posted_gone)
         exchange.authorization = header(scope, b"authorization")
         exchange.registry = self.streams
         exchange.replay_bytes, exchange.replay = self.replay_bytes, self.replay
-        exchange.share = self._sharing(scope, exchange)
+        exchange.share = self._sharing(scope, exchange) if envelope is None else None  # resumable: today's only
+        exchange.modern = envelope is not None
 
         async def gone() -> None:
             """The client went away: at once when no event stream was open; else once no reader has
@@ -209,7 +216,11 @@ class McpHttp:
             if exchange.streaming:
                 await exchange.abandoned(self.resume_s)
 
-        ctx = CallContext(metadata_of(scope), peer_of(scope), "mcp", route=PATH)
+        metadata = metadata_of(scope)
+        if message is not None and envelope is not None:  # trace context in _meta joins uibus's traces
+            sent = {key for key, _ in metadata}
+            metadata += tuple(pair for pair in era.trace_context(message.params) if pair[0] not in sent)
+        ctx = CallContext(metadata, peer_of(scope), "mcp", route=PATH)
         try:
             outcome = await drive(handler, request if message is None else call, ctx, exchange, gone=gone,
                                   within=lambda: self.server.tracking(session_id, ident))
@@ -219,7 +230,7 @@ class McpHttp:
             await exchange.close()
             await cancel_and_wait(posted_gone)
 
-    def _sharing(self, scope: Scope, exchange: _Exchange) -> Any:
+    def _sharing(self, scope: Scope, exchange: Exchange) -> Any:
         """With replicas: what makes the call's stream followable from any replica (its events
         to the session log and the bus), given the stream's name; None alone (nothing to share)."""
         if not self.bus.replicated:
@@ -242,7 +253,7 @@ class McpHttp:
         session_id = header(scope, b"mcp-session-id").strip() or None
 
         async def not_found() -> None:
-            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", f"no event stream of this session has "
+            await respond(send, 404, dump(protocol.error(None, "NOT_FOUND", f"no event stream of this session has "
                           f"event {last[:80]!r}: its call ended more than {self.resume_s:g} s ago, its session was "
                           "deleted, or it was served before a restart", protocol.INVALID_REQUEST)),
                           "application/json")
@@ -257,7 +268,7 @@ class McpHttp:
             return
         stream = found.stream
         if not await stream.take_over():  # the reader it lost, if the server has not seen it go yet
-            await respond(send, 409, _json(protocol.error(None, "ABORTED", "this event stream already has a reader",
+            await respond(send, 409, dump(protocol.error(None, "ABORTED", "this event stream already has a reader",
                                                           protocol.INVALID_REQUEST)), "application/json")
             return
         try:
@@ -265,11 +276,11 @@ class McpHttp:
         except sse.TooOld as exc:  # said, and the call ends: its client can no longer have all it sent
             await send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
             error = protocol.error(found.ident, "DATA_LOSS", f"{exc}; the call was cancelled")
-            await send({"type": "http.response.body", "body": sse.frame(_json(error), None, "message")})
+            await send({"type": "http.response.body", "body": sse.frame(dump(error), None, "message")})
             found.cut()
             return
         except sse.ResumeError as exc:
-            await respond(send, 404, _json(protocol.error(None, "NOT_FOUND", str(exc), protocol.INVALID_REQUEST)),
+            await respond(send, 404, dump(protocol.error(None, "NOT_FOUND", str(exc), protocol.INVALID_REQUEST)),
                           "application/json")
             return
         gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -290,14 +301,14 @@ class McpHttp:
             return
         await RemoteResume(self.bus, self.log, self.resume_s, self.keepalive_s).serve(
             session, last, session_id, header(scope, b"authorization"), send, wait_disconnect(receive), not_found,
-            lambda ident, status, message: _json(protocol.error(ident, status, message)))
+            lambda ident, status, message: dump(protocol.error(ident, status, message)))
 
     # ---- DELETE: end a session -----------------------------------------------------------------
 
     async def _delete(self, scope: Scope, receive: Receive, send: Send) -> None:
         session_id = header(scope, b"mcp-session-id").strip() or None
         if session_id is None:
-            await respond(send, 400, _json(protocol.error(None, "INVALID_ARGUMENT", f"DELETE {PATH} ends the session "
+            await respond(send, 400, dump(protocol.error(None, "INVALID_ARGUMENT", f"DELETE {PATH} ends the session "
                                                           "its Mcp-Session-Id header names; none was sent",
                                                           protocol.INVALID_REQUEST)), "application/json")
             return
@@ -307,186 +318,17 @@ class McpHttp:
         if code == grpc.StatusCode.OK:
             await respond(send, 204, b"")
         else:
-            await _refuse(send, None, code, details, None)
+            await refuse_call(send, None, code, details, None)
 
 
-class _Exchange:
-    """The answer to one POST (the call's `Sink`): a JSON body, or an event stream opened when the
-    call is admitted (the handler sends its initial metadata then). The stream's events go through
-    a uibus.edge.transports.sse queue, so a client that loses the POST's stream resumes it with a GET."""
-
-    encode = None
-    headers_after = None
-
-    def __init__(self, send: Send, ident: Any, streamable: bool, keepalive_s: float, call: Call,
-                 rejection: UibusError | None, posted_gone: asyncio.Future[Any]) -> None:
-        self.send = send
-        self.ident = ident
-        self.streamable = streamable
-        self.keepalive_s = keepalive_s
-        self.call = call
-        self.session_id = call.session_id
-        self.rejection = rejection  # why the transport could not read the input, if it could not
-        self.posted_gone = posted_gone  # the POST's client went away
-        self.authorization = ""  # the POST's, which a resuming GET must carry too
-        self.registry: dict[str, _Exchange] = {}
-        self.replay_bytes = sse.REPLAY_BYTES
-        self.replay: sse.Replay | None = None
-        self.share: Any = None  # with replicas: makes the stream's SharedStream, given its name (McpHttp._sharing)
-        self.shared: SharedStream | None = None
-        self._watching: asyncio.Task[None] | None = None  # remote readers' notices (they keep the call going)
-        self.reply: Reply | None = None
-        self.streaming = False
-        self.done = False
-        self.stream: sse.Queue | None = None
-        self.ended_at: float | None = None  # when the call's last event was queued
-        self._readers = asyncio.Event()  # a reader came or went, or the stream was cut
-        self.was_cut = asyncio.Event()
-        self._pumping: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        """The call was admitted and is about to wait: start the event stream (when the client takes
-        one), with its priming event (an id and no data: resumable from the first moment)."""
-        if not self.streamable or self.streaming:
-            return
-        self.streaming = True
-        self.stream = sse.Queue(sse.Budget(MAX_BUFFERED_BYTES), new_stream_name(), self.replay_bytes, self.replay)
-        self.registry[self.stream.name] = self
-        if self.share is not None:
-            self.shared = self.share(self.stream.name)
-            self._watching = asyncio.create_task(self.shared.watch_readers(self._readers.set),
-                                                 name="uibus-mcp-readers")
-        self._push(b"")
-        await self.send({"type": "http.response.start", "status": 200, "headers": sse.HEADERS})
-        self._pumping = asyncio.create_task(self.read(self.send, self.posted_gone), name="uibus-mcp-stream")
-
-    async def read(self, send: Send, gone: asyncio.Future[Any]) -> None:
-        """One reader of the stream (the POST, or a GET resuming it) until it ends or its client goes."""
-        assert self.stream is not None
-        stop = self.stream.begin_reading()
-        self._readers.set()
-        try:
-            await sse.pump(self.stream, send, gone, self.keepalive_s, stop)
-        finally:
-            self.stream.end_reading()
-            self._readers.set()
-
-    async def abandoned(self, patience: float) -> None:
-        """Returns once the stream has had no reader for `patience` seconds (or was cut)."""
-        while not self.was_cut.is_set():
-            self._readers.clear()
-            if self.stream is not None and self.stream.reading:
-                await self._readers.wait()
-                continue
-            try:
-                await asyncio.wait_for(self._readers.wait(), patience)
-            except TimeoutError:
-                return
-
-    def cut(self) -> None:
-        """The stream cannot go on (its client stopped reading, or asked for events no longer
-        kept): it ends, and the call with it."""
-        self.was_cut.set()
-        self._readers.set()
-        if self.stream is not None:
-            if self.shared is not None and not self.stream.closed:  # a remote reader ends here too
-                self.shared.record(self.stream.ids.last + 1, b"", end=True)
-            self.stream.drop()
-            self.stream.close()
-
-    def _push(self, message: dict[str, Any] | bytes, end: bool = False) -> None:
-        """Queues one event (b"": the priming one, an id and no data); `end`: the stream's last."""
-        assert self.stream is not None
-        try:
-            n, framed = (self.stream.push(message) if isinstance(message, bytes)
-                         else self.stream.push(_json(message), "message"))
-        except sse.Overflow:
-            self.cut()
-            return
-        if self.shared is not None:
-            self.shared.record(n, framed, end)
-
-    async def message(self, item: Reply | dict[str, Any]) -> None:
-        """The method's result, or a notification for the client on the way to it."""
-        if isinstance(item, Reply):
-            self.reply = item
-        else:
-            await self.event(item)
-
-    async def event(self, message: dict[str, Any]) -> None:
-        """A notification for the client: sent on the stream; without one there is no way to send it."""
-        if self.streaming:
-            self._push(message)
-
-    def _end(self, message: dict[str, Any] | None) -> None:
-        self.done = True
-        if message is not None:
-            self._push(message, end=True)
-        elif self.shared is not None and self.stream is not None and not self.stream.closed:
-            self.shared.record(self.stream.ids.last + 1, b"", end=True)  # ended without a last event
-        if self.stream is not None:
-            self.stream.close()
-        self.ended_at = time.monotonic()
-
-    async def finish(self, code: grpc.StatusCode, details: str, trailing: Metadata = ()) -> None:
-        """The response: the result, 202 for a notification, or the error (`rejection`: why the
-        transport could not read the input, which the pipeline answered unless it refused the token)."""
-        reply, call, rejection = self.reply, self.call, self.rejection
-        if code == grpc.StatusCode.OK and reply is None and call.message.is_request:
-            code, details = grpc.StatusCode.INTERNAL, "the method gave no result"
-        if code == grpc.StatusCode.OK:
-            if reply is None:  # a notification or a client's response: accepted, nothing to say
-                await self._whole(202, b"", ())
-                return
-            body = protocol.response(self.ident, reply.result)
-            extra: Headers = [(b"mcp-session-id", call.new_session.encode())] if call.new_session else []
-        else:
-            if not self.streaming:
-                await _refuse(self.send, self.ident, code, details, rejection)
-                self.done = True
-                return
-            body = protocol.error(self.ident, code.name, details)
-            extra = []
-        if self.streaming:
-            self._end(body)
-        else:
-            await self._whole(200, _json(body), extra)
-
-    async def cancelled(self) -> None:
-        """The client cancelled the request: it waits for no answer (the spec says to send none), but
-        the HTTP exchange must still end, so a stream just ends and a plain POST gets the error."""
-        if self.streaming:
-            self._end(None)
-        else:
-            await self._whole(200, _json(protocol.error(self.ident, "CANCELLED", "cancelled by the client")), ())
-
-    async def _whole(self, status: int, data: bytes, extra: Headers) -> None:
-        self.done = True
-        await respond(self.send, status, data, "application/json", list(extra))
-
-    async def close(self) -> None:
-        """The call is over: the POST's reader gets what is left (while its client stays), the
-        stream stays registered for a late resume (`McpHttp._sweep` forgets it)."""
-        if self.stream is not None and not self.stream.closed:  # abandoned: a late resume learns it
-            self._end(protocol.error(self.ident, "CANCELLED", "the call's event stream broke and no reader resumed "
-                                     "it in time: the call was cancelled"))
-        if self.ended_at is None:  # (a stream that was cut): forgotten like any other
-            self.ended_at = time.monotonic()
-        await cancel_and_wait(self._watching)
-        if self._pumping is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._pumping), self.keepalive_s)
-            except TimeoutError:  # a client that does not read: what it did not take stays for a resume
-                pass
-            finally:
-                await cancel_and_wait(self._pumping)
-
-
-async def _refuse(send: Send, ident: Any, code: grpc.StatusCode, details: str, rejection: UibusError | None) -> None:
-    """A failure before any answer went out: the JSON-RPC error, at the HTTP status MCP clients act on."""
-    ours = rejection is not None and code.name == rejection.code  # the pipeline answered the transport's Rejected
-    status = _AUTH_STATUS.get(code) or (http_status(code) if ours else 200)
-    rpc_code = protocol.rpc_code_of_error(rejection) if ours and rejection is not None else None
-    body = protocol.error(ident, code.name, details, rpc_code)
-    headers: Headers = [CHALLENGE] if status == 401 else []
-    await respond(send, status, _json(body), "application/json", headers)
+def _routing(scope: Scope) -> dict[str, str]:
+    """The routing headers, lower-cased, each sent once (a header sent twice is refused: readers of
+    the first and of the last copy would route one request two ways)."""
+    seen: dict[str, str] = {}
+    for raw_key, raw_value in scope["headers"]:
+        key = raw_key.decode("latin-1").lower()
+        if key in era.ROUTING_HEADERS:
+            if key in seen:
+                raise era.EraError(era.HEADER_MISMATCH, f"the {key} header appears more than once")
+            seen[key] = raw_value.decode("latin-1").strip()
+    return seen
