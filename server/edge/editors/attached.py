@@ -80,6 +80,9 @@ class Attached:
         # Told whether a turn runs in the session (any UI's) each time the listing changes: the v2
         # draft's state updates (uibus.edge.editors.v2_turns); None for a v1 editor.
         self.on_busy: Busy | None = None
+        # Told before another UI's turn's first piece reaches the editor: the v2 draft's `running`
+        # must come first, and the listing (polled) may say so only later. None for a v1 editor.
+        self.on_news: Callable[[], Awaitable[None]] | None = None
         self._shown_at = 0.0  # loop time the feed last showed another UI's message
 
     # ---- attach / detach ----
@@ -227,7 +230,10 @@ class Attached:
         if message.ts in self._own_ts:
             return
         self._shown_at = asyncio.get_running_loop().time()
-        for u in self.view.updates(message):
+        shown = list(self.view.updates(message))
+        if shown and self.on_news is not None:
+            await self.on_news()
+        for u in shown:
             await self.update(u, message.seq)
 
     # ---- the editor's own turn ----

@@ -90,7 +90,11 @@ class V2Turns:
         """Hooks `attached` to the session's listing: another UI's turn is this editor's news."""
         async def busy(now: bool) -> None:
             await self._listed(attached, now)
+
+        async def news() -> None:
+            await self._news(attached)
         attached.on_busy = busy
+        attached.on_news = news
 
     # ---- methods ----
 
@@ -183,6 +187,27 @@ class V2Turns:
         fg.stale = fg.listed_busy
         seq = (answer.get("_meta") or {}).get(SEQ_KEY, 0)
         await self._state(attached, fg, "idle", seq, stopReason=answer["stopReason"])
+
+    async def _news(self, attached: Attached) -> None:
+        """Another UI's turn shows its first piece while this editor still says idle: `running` goes
+        first (the draft's order), and its `idle` follows the listing or, should the listing never
+        have seen so short a turn, the session's own answer once the feed is quiet."""
+        fg = self.foreground(attached)
+        if not fg.ready or fg.state != "idle" or fg.own() or attached.prompt is not None or fg.stale:
+            return
+        await self._state(attached, fg, "running")
+        attached.tasks.spawn(self._until_idle(attached, fg), name=f"acp v2 idle {attached.name}")
+
+    async def _until_idle(self, attached: Attached, fg: Foreground) -> None:
+        while fg.state == "running" and not fg.own() and attached.prompt is None:
+            await attached.settled()
+            if fg.listed_busy:  # the listing saw the turn: it says when it ends (_listed)
+                return
+            if not await self.editor.uplink.busy(attached.name):
+                if fg.state == "running" and not fg.own() and attached.prompt is None and not fg.listed_busy:
+                    await self._state(attached, fg, "idle")
+                return
+            await asyncio.sleep(0.2)
 
     async def _listed(self, attached: Attached, busy: bool) -> None:
         """The listing says whether a turn runs: another UI's turn starts or ends for this editor.
