@@ -19,6 +19,7 @@ from tests.conftest import Reader, ServerProcess
 from tests.redisproc import RedisProcess, redis_server
 from tests.support import ext
 from uibus.clients.connection import Connection
+from uibus.domain.session_log import LOG_WRITE_S
 from uibus.pb.uibus.v1 import extension_ui_pb2, webview_pb2, webview_pb2_grpc
 
 __all__ = ["redis_server"]  # the fixture, imported to be used here
@@ -158,6 +159,10 @@ async def test_a_dialog_waiting_when_its_server_was_killed_is_closed_for_resumin
         asking = asyncio.ensure_future(ext(conn).Select(extension_ui_pb2.SelectRequest(title="old", options=["a"])))
         seen = await _next(ui, "the dialog never reached the UI")
         assert seen.request.HasField("select")
+        # A dialog's request is written behind (uibus.domain.session_log: only what a reply acknowledges
+        # is awaited), so the UI may see it a few ms before its commit. The crash this test is about
+        # comes after that write, not during it.
+        await asyncio.sleep(4 * LOG_WRITE_S)
         server.proc.kill()  # with the dialog waiting
         server.proc.wait(10)
         with contextlib.suppress(grpc.aio.AioRpcError):
