@@ -4,8 +4,9 @@ stateless era (2026-07-28: no handshake, each request carrying its `_meta` envel
 routing headers the server checks). N rounds (default 2000) of `tools/list` and of `tools/call`
 `notify_user` (a call that runs the pipeline and the domain without waiting for anyone), one
 keep-alive HTTP client, requests interleaved era by era so both see the same machine. Prints the
-median and p90 of each and the ratio modern / today; the handshake itself is not counted (a
-client pays it once per connection today, never in the new era).
+median and p90 of each and the ratio modern / today; the handshake is not counted there (a
+client pays it once per connection today, never in the new era), and is in a last line: a client
+that connects for one call.
 """
 
 from __future__ import annotations
@@ -64,11 +65,37 @@ async def main(n: int) -> None:
                     assert answer.status_code == 200 and "result" in answer.json(), answer.text
                     if i >= 50:
                         times.setdefault((method, era), []).append(spent)
+        # A client that connects for one call (a CLI, a serverless function): today it pays the
+        # handshake (initialize, notifications/initialized) each time; the new era sends the call alone.
+        once: dict[str, list[float]] = {"2025-11-25": [], MODERN: []}
+        call = {"name": "notify_user", "arguments": {"message": "hi"}}
+        for i in range(n // 4 + 10):
+            t = time.perf_counter()
+            init = await http.post(url, headers=base, json={"jsonrpc": "2.0", "id": 0, "method": "initialize",
+                                                            "params": {"protocolVersion": "2025-11-25",
+                                                                       "capabilities": {}}})
+            session = {**base, "mcp-session-id": init.headers["mcp-session-id"], "mcp-protocol-version": "2025-11-25"}
+            await http.post(url, headers=session, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+            await http.post(url, headers=session, json={"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                                        "params": call})
+            spent_today = (time.perf_counter() - t) * 1e6
+            t = time.perf_counter()
+            await http.post(url, headers={**base, "mcp-protocol-version": MODERN, "mcp-method": "tools/call",
+                                          "mcp-name": "notify_user"},
+                            json={"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {**call, "_meta": META}})
+            spent_new = (time.perf_counter() - t) * 1e6
+            if i >= 10:
+                once["2025-11-25"].append(spent_today)
+                once[MODERN].append(spent_new)
     for method in calls:
         today, p90_today = _stats(times[(method, "2025-11-25")])
         new, p90_new = _stats(times[(method, MODERN)])
         print(f"{method:11s} 2025-11-25 median={today:7.0f} us p90={p90_today:7.0f} us | {MODERN} median={new:7.0f} us "
               f"p90={p90_new:7.0f} us | ratio modern/today={new / today:.2f}x")
+    today, _ = _stats(once["2025-11-25"])
+    new, _ = _stats(once[MODERN])
+    print(f"one call from a new client: 2025-11-25 (initialize + initialized + call) median={today:7.0f} us | "
+          f"{MODERN} (the call) median={new:7.0f} us | ratio modern/today={new / today:.2f}x")
     await app.aclose(grace=0.5)
 
 
