@@ -21,7 +21,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from uibus.edge.mcp.protocol import INVALID_PARAMS, METHOD_NOT_FOUND, VERSIONS, Envelope, ProtocolError
+from uibus.edge.mcp.protocol import (
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    VERSIONS,
+    Envelope,
+    ProtocolError,
+)
 
 MODERN = ("2026-07-28",)  # the per-request-envelope revisions uibus serves
 SUPPORTED = (*VERSIONS, *MODERN)  # what server/discover lists: every revision, either era
@@ -41,7 +49,7 @@ MISSING_CLIENT_CAPABILITY = -32021
 UNSUPPORTED_VERSION = -32022
 # The HTTP status of each code, as the specification requires (every other error: 200).
 HTTP_STATUS = {HEADER_MISMATCH: 400, MISSING_CLIENT_CAPABILITY: 400, UNSUPPORTED_VERSION: 400,
-               INVALID_PARAMS: 400, -32600: 400, -32700: 400, METHOD_NOT_FOUND: 404}
+               INVALID_PARAMS: 400, INVALID_REQUEST: 400, PARSE_ERROR: 400, METHOD_NOT_FOUND: 404}
 
 # Methods whose target is mirrored in the `Mcp-Name` header, and the param it mirrors. The tasks
 # extension asks it of its methods too (the task id).
