@@ -28,7 +28,7 @@ from websockets.exceptions import InvalidStatus
 
 from tests.conftest import start_app
 from uibus.app import App
-from uibus.edge.pipeline import ANY_TOKEN, METRICS_READER
+from uibus.edge.calls.access import ANY_TOKEN, METRICS_READER
 from uibus.edge.transports.routes import MOUNT, PER_CALL, PROBE, PUBLIC, TABLE, Route
 from uibus.infra.config import Config
 

@@ -48,6 +48,15 @@ import grpc.aio
 from opentelemetry import context as otel_context
 
 from uibus.edge.calls import CallContext, Rejected, decode
+from uibus.edge.calls.access import (
+    ALL_SESSIONS,
+    ITS_SESSION,
+    OPEN,
+    OWN_USER,
+    access_of,
+    authorization_of,
+    every_session,
+)
 from uibus.edge.calls.scope import agent_check, agent_refusal, agent_tool
 from uibus.edge.metrics import Metrics
 from uibus.infra.auth import Grant, Tokens, bearer
@@ -62,62 +71,9 @@ from uibus.infra.telemetry.calls import call_spans
 
 log = logging.getLogger("uibus.edge.calls")
 
-OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no token
-# Calls that touch no session: any valid token may make them (by path prefix / suffix).
-SESSIONLESS_PREFIXES = ("/grpc.reflection.",)
-SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "AgentService/Connectivity",
-                        # listings of the sessions the token may use: filtered by `visible_sessions`
-                        "SessionService/ListSessions", "SessionService/WatchSessions")
-# Calls that see every session at once: only an all-sessions token may make them.
-PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
-
-# What a method's token must allow (see `access_of`); OWN_USER: no tokens, loopback: the caller's
-# socket must be uibus's own user's (uibus.infra.peers).
-OPEN, ANY_TOKEN, ALL_SESSIONS, ITS_SESSION, OWN_USER = "open", "any token", "all sessions", "its session", "own user"
-METRICS_READER = "metrics reader"  # an HTTP door's only other need: --metrics-token or an all-sessions token
-
 REVOKE_RETRY_S = 0.05  # a revoked stream whose cancel was lost is cancelled again this often ...
 REVOKE_RETRIES = 100  # ... this many times at most (5 s)
 
-
-def _authorization(metadata: Any) -> Any:
-    for key, value in metadata or ():
-        if key == "authorization":
-            return value
-    return None
-
-
-def check_bearer(tokens: Tokens, access: str, authorization: str | bytes | None) -> Grant | None:
-    """Policy 3 at an HTTP door, as the HTTP port's route table declares it (uibus.edge.transports.routes),
-    beside `Pipeline.authorize` for calls: one token reading for both. The token's grant (None: tokens
-    off, or the metrics token, which has none); Unauthenticated / PermissionDenied say what is needed."""
-    if not tokens.enabled:
-        return None
-    token = bearer(authorization)
-    grant = tokens.grant(token)
-    if access == METRICS_READER and not tokens.may_read_metrics(token):
-        if grant is not None:  # a tenant's token: /metrics shows every tenant's traffic
-            raise PermissionDenied("needs --metrics-token or a token that may use all sessions")
-        raise Unauthenticated("needs `Authorization: Bearer <token>` (--metrics-token or an all-sessions token)")
-    if grant is None and access != METRICS_READER:
-        raise Unauthenticated("needs `Authorization: Bearer <token>`")
-    return grant
-
-
-def _every_session(session: str) -> bool:
-    return True
-
-
-def access_of(method: str) -> str:
-    """What a call of `method` needs. Every method not listed as open, sessionless or process-wide
-    is checked against its session, so a new service is tenant-safe without being listed."""
-    if method.startswith(OPEN_METHODS):
-        return OPEN
-    if method in PROCESS_WIDE:
-        return ALL_SESSIONS
-    if method.startswith(SESSIONLESS_PREFIXES) or method.endswith(SESSIONLESS_SUFFIXES):
-        return ANY_TOKEN
-    return ITS_SESSION
 _STATUS = {code.name: code for code in grpc.StatusCode}
 _BY_VALUE = {code.value[0]: code.name for code in grpc.StatusCode}
 _BEHAVIORS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
@@ -254,13 +210,13 @@ class Pipeline:
         """Which sessions a call that spans sessions (SessionService/ListSessions) may see: those its
         token's grant allows; every session when no tokens are configured."""
         if not self.tokens.enabled:
-            return _every_session
+            return every_session
         return self.authenticate(metadata).allows
 
     def tools_for(self, metadata: Any) -> Callable[[str], bool]:
         """Which MCP tools a caller may call at all (MCP's tools/list shows those): all of them, but
         for an agent's minted token the ones an agent's calls allow (uibus.edge.calls.scope)."""
-        grant = self.tokens.grant(bearer(_authorization(metadata))) if self.tokens.enabled else None
+        grant = self.tokens.grant(bearer(authorization_of(metadata))) if self.tokens.enabled else None
         if grant is None or not grant.minted:
             return lambda _name: True
         return lambda name: agent_tool(grant, name)
@@ -400,7 +356,7 @@ class Pipeline:
                     if needs_auth and (not isinstance(context, CallContext) or context.transport != "inprocess"):
                         task = asyncio.current_task()
                         if task is not None:
-                            open_streams[task] = _authorization(context.invocation_metadata())
+                            open_streams[task] = authorization_of(context.invocation_metadata())
                     if spans is None:
                         admitted = admit(request, context)
                         lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))

@@ -80,12 +80,20 @@ class Grant:
     tenant: str = OPERATOR  # whose the caller is (module docstring, "Tenants")
     named: bool = False  # its tenant is the `(name)` its tokens-file line gives
     agent: str = ""  # minted: the hosted agent it was minted for (what it may do: uibus.edge.calls.scope)
+    # A person's grant (a provider's token, the page's sign-in, a tokens-file `person=`): who, for the
+    # audit log and session membership. "" for a machine's token.
+    person: str = ""
+    # The role this grant holds on every session it may use (uibus.infra.roles); "" = only the roles
+    # the session's members give the person. A machine's tokens-file token is `owner` of its sessions,
+    # as every token was before roles; a minted agent token has none (its scope decides).
+    role: str = "owner"
 
     @classmethod
     def exactly(cls, name: str, session: str, tenant: str = OPERATOR, agent: str = "") -> Grant:
         """Exactly `session` (its name is no pattern here: `*` in it matches only `*`), for the hosted
         agent `agent`: an agent's token, whose calls the pipeline limits to what an agent needs."""
-        return cls(name, (session,), re.compile(re.escape(session)), minted=True, tenant=tenant, agent=agent)
+        return cls(name, (session,), re.compile(re.escape(session)), minted=True, tenant=tenant, agent=agent,
+                   role="")
 
     @classmethod
     def of(cls, name: str, patterns: Iterable[str], tenant: str = OPERATOR, *, named: bool = False) -> Grant:

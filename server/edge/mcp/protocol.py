@@ -35,7 +35,7 @@ LATEST = VERSIONS[-1]
 # a uibus status rather than a protocol mistake; its `data.status` names that status.
 
 # Every MCP method runs as a call of this service in the handler pipeline: `/mcp/<method>` is its
-# label in metrics and logs, its access rule is the session's (uibus.edge.pipeline.access_of).
+# label in metrics and logs, its access rule is the session's (uibus.edge.calls.access.access_of).
 SERVICE = "mcp"
 INVALID = f"/{SERVICE}/invalid"          # a body that is not a JSON-RPC message (answered with its error)
 UNKNOWN = f"/{SERVICE}/unknown"          # a method uibus does not serve (-32601)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from uibus.edge.calls.access import ANY_TOKEN, METRICS_READER, check_bearer
 from uibus.edge.metrics import CONTENT_TYPE, Metrics
-from uibus.edge.pipeline import ANY_TOKEN, METRICS_READER, check_bearer
 from uibus.edge.transports.acp_ws import PATH as ACP_PATH
 from uibus.edge.transports.asgi import (
     CHALLENGE,
