@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from fnmatch import translate
 from pathlib import Path
 
-from uibus.infra.errors import ConfigError
+from uibus.infra.errors import ConfigError, UibusError
 
 log = logging.getLogger("uibus.infra.auth")
 
@@ -105,7 +105,7 @@ class Grant:
     @property
     def all_sessions(self) -> bool:
         """May use every session: the operator's token, allowed process-wide calls and /metrics."""
-        return not self.minted and ALL in self.patterns
+        return not self.minted and not self.person and ALL in self.patterns
 
     def allows(self, session: str) -> bool:
         return self.all_sessions or self._regex.fullmatch(session) is not None
@@ -185,12 +185,17 @@ class Tokens:
         # those whose token is no longer one of ours (`revoked`), within the reload.
         self.on_reload: list[Callable[[], None]] = []
         self._minted: dict[bytes, Grant] = {}
+        # Tokens that are not in the file but carry their own proof (a provider's JWT, the page's
+        # sign-in session): each verifier returns the grant of a token it recognises and accepts,
+        # None for a token that is not its kind, and raises Unauthenticated for one of its kind it
+        # refuses (expired, foreign issuer), so the caller hears why. Asked in order, after the file.
+        self.verifiers: list[Callable[[bytes], Grant | None]] = []
         if tokens_file:
             self._grants = {**self._read(), **self._fixed}
 
     @property
     def enabled(self) -> bool:
-        return bool(self._grants) or self._metrics is not None or bool(self.tokens_file)
+        return bool(self._grants) or self._metrics is not None or bool(self.tokens_file) or bool(self.verifiers)
 
     def __len__(self) -> int:
         return len(self._grants)
@@ -226,14 +231,24 @@ class Tokens:
     def revoked(self, authorization: str | bytes | None) -> bool:
         """Whether a stream opened with this `Authorization` value must end now: tokens are on and
         its token is no longer one of them."""
-        return self.enabled and self.grant(bearer(authorization)) is None
+        if not self.enabled:
+            return False
+        try:
+            return self.grant(bearer(authorization)) is None
+        except UibusError:  # a verifier's refusal: expired, or its issuer no longer trusted
+            return True
 
     def grant(self, token: bytes | None) -> Grant | None:
         """The grant of a presented token, None when it is not one of ours."""
         if token is None:
             return None
         digest = _digest(token)
-        return self._grants.get(digest) or self._minted.get(digest)
+        found = self._grants.get(digest) or self._minted.get(digest)
+        if found is None:
+            for verify in self.verifiers:
+                if (found := verify(token)) is not None:
+                    break
+        return found
 
     # ---- tokens minted for hosted agents ----
 
