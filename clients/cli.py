@@ -168,6 +168,10 @@ from uibus.clients import acp_cli  # noqa: E402 - `uibus acp`: uibus as an edito
 
 EXTRA_COMMANDS.append(acp_cli.add_parser)
 
+from uibus.clients import audit_cli  # noqa: E402 - `uibus audit verify|export`: the audit log, from its store
+
+EXTRA_COMMANDS.append(audit_cli.add_parser)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one subcommand. An unknown flag is reported by that subcommand's parser (its usage and

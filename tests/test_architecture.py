@@ -312,9 +312,10 @@ def test_the_http_port_routes_by_one_table() -> None:
 
 def test_one_place_reads_bearer_tokens() -> None:
     """Tokens are read in one place: uibus.edge.pipeline (`Pipeline.authorize` for every call) and
-    uibus.edge.calls.access (`check_bearer` for the HTTP doors the route table sends it), over uibus.infra.auth's primitives. A
-    transport (or anything else) that reads `Authorization: Bearer` itself is a second token check,
-    which drifts from the first (a revoked or minted token treated differently on one door)."""
+    uibus.edge.calls.access (`check_bearer` for the HTTP doors the route table sends it), over
+    uibus.infra.auth's primitives. A transport (or anything else) that reads `Authorization: Bearer`
+    itself is a second token check, which drifts from the first (a revoked or minted token treated
+    differently on one door)."""
     allowed = {"uibus.edge.pipeline", "uibus.edge.calls.access", "uibus.infra.auth"}
     readers = ("bearer", "grant", "may_read_metrics")
     found = []

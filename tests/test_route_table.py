@@ -60,11 +60,22 @@ EXAMPLES: dict[tuple[str, str], Example] = {
     ("/mcp", MOUNT): Example("POST", "/mcp", 401, {"content-type": "application/json",
                                                    "accept": "application/json, text/event-stream"}, MCP_PING),
     ("/api/v1/sessions", MOUNT): Example("GET", "/api/v1/sessions", 401),
+    ("/api/sessions", MOUNT): Example("GET", "/api/sessions/demo/whoami", 401),  # TeamService
+    ("/api/invites", MOUNT): Example("POST", "/api/invites/accept", 401, {"content-type": "application/json"},
+                                     b'{"token": "x"}'),
+    ("/api/audit", MOUNT): Example("GET", "/api/audit?session=demo", 401),  # AuditService/List
     ("/acp", MOUNT): Example("GET", "/acp", 401, {"accept": "text/event-stream"}, websocket=True),
     ("/", "grpc-web"): Example("POST", "/uibus.v1.HostService/GetSessionState", 200, GRPC_WEB, b"\0\0\0\0\0"),
+    ("/auth/", "signin"): Example("GET", "/auth/me", 404),  # sign-in is off without --oidc-issuer
     ("/api/v1/docs", "docs"): Example("GET", "/api/v1/docs", 200),
+    # RFC 9728 metadata: 404 without --oidc-issuer (tests/test_oidc_bearer.py serves it with one)
+    ("/.well-known/oauth-protected-resource", "resource metadata"):
+        Example("GET", "/.well-known/oauth-protected-resource", 404),
+    ("/.well-known/oauth-protected-resource/mcp", "resource metadata"):
+        Example("GET", "/.well-known/oauth-protected-resource/mcp", 404),
     ("/api/v1/", "api"): Example("GET", "/api/v1/list", 401),
     ("/", "page"): Example("GET", "/", 401),
+    ("/invite/", "invite"): Example("GET", "/invite/abc", 200),  # on to the page, the token in the fragment
     ("/favicon.ico", "favicon"): Example("GET", "/favicon.ico", 200),
     ("/favicon.svg", "favicon"): Example("GET", "/favicon.svg", 200),
     ("/healthz", "ok"): Example("GET", "/healthz", 200),

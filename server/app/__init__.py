@@ -34,8 +34,10 @@ from uibus.agents.config import load_agents
 from uibus.agents.limits import tenant_totals
 from uibus.app.figures import figures
 from uibus.app.installers import INSTALLERS
+from uibus.app.page_signin import enter_signin
 from uibus.domain.core import Core
 from uibus.edge import reflection
+from uibus.edge.calls.admission import admission_for
 from uibus.edge.metrics import Metrics
 from uibus.edge.pipeline import Pipeline
 from uibus.edge.transports.http import HttpServer, read_pem, server_tls
@@ -44,18 +46,21 @@ from uibus.edge.transports.mcp_http import PATH as MCP_PATH
 from uibus.edge.transports.routes import Routes
 from uibus.edge.wiring import AppKey, Installer, Labelled, Registry, Setup
 from uibus.infra import telemetry
+from uibus.infra.audit_backends import audit_log_for
 from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
 from uibus.infra.config import Config, is_loopback, redacted
+from uibus.infra.oidc import Oidc
+from uibus.infra.oidc import installed as oidc_installed
 from uibus.infra.peers import OwnUserOnly
 from uibus.infra.peers import available as peers_available
-from uibus.infra.quotas import QUOTAS, Quotas
 from uibus.infra.sqlite_store import SqliteStore
 from uibus.infra.store import Store
 from uibus.infra.tasks import Tasks, cancel_and_wait
 from uibus.infra.webview import webview_html
 from uibus.infra.worker_table import Worker
 from uibus.replicas.placement import Placement, placement_for, sharing_for
+from uibus.replicas.shared_quotas import quotas_for
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
@@ -177,6 +182,7 @@ class App:
         self.metrics: Metrics | None = None
         self.tokens = Tokens()  # the tokens in force once started (see `reload_tokens`)
         self.own_user: OwnUserOnly | None = None  # no tokens on loopback: who may call (uibus.infra.peers)
+        self.oidc: Oidc | None = None  # the identity provider (--oidc-issuer): its keys, its verifier
         self.service_names: list[str] = []
         self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
@@ -286,6 +292,7 @@ class App:
         if telemetry.acquire(None if self.worker is None else self.worker.index):
             res.callback("tracing", lambda: asyncio.to_thread(telemetry.release))
         store = await res.enter("store", self._store or open_store(cfg))
+        audit = self.audit = await res.enter("audit log", audit_log_for(store, cfg.audit_retention_days))
         bus = await res.enter("bus", make_bus(cfg))
         agents = await res.enter("agents", load_agents(cfg.agents, protect=cfg.own_paths(),
                                                        workspaces_dir=cfg.workspaces_dir))
@@ -293,11 +300,13 @@ class App:
             tenant_totals(cfg)  # --quota-tenant-memory-mb, --quota-tenant-pids (uibus.agents.limits)
         # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
-        quotas = self.quotas = Quotas({name: getattr(cfg, f"quota_{name}") for name in QUOTAS})
+        self.oidc = await res.enter("identity provider", oidc_installed(cfg, tokens))  # before `tokens.enabled`
+        signin = await enter_signin(res.enter, cfg, store, tokens, self.oidc, getattr(self, "audit", None))  # page
+        quotas = self.quotas = await res.enter("quotas", quotas_for(cfg, bus))  # shared on replicas
         # What other replicas must see of this one (shared store entries), when there are replicas.
         core = self.core = Core.build(cfg, bus, store, agents, tokens=tokens, quotas=quotas,
                                       mcp_url=lambda: self.mcp_url, observe_wait=self._dialog_wait,
-                                      sharing=sharing_for(bus, store))
+                                      sharing=sharing_for(bus, store), audit=audit)
         # Where turns, steering calls and answers run: here, or at their agent's or dialog's replica.
         placement = self.placement = placement_for(core, lease_s=cfg.agent_lease_seconds)
         # Closed after the servers stop, before the agents' backends, the bus and the store: every
@@ -323,6 +332,7 @@ class App:
             log.warning("this system cannot tell which user a loopback connection is from: every local user can "
                         "call this uibus; pass --auth-token to keep them out")
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas, own_user)
+        pipeline.admission = admission_for(cfg.tenant_concurrency, cfg.quota_calls_per_second * tokens.enabled, quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -357,7 +367,8 @@ class App:
         res.callback("servers", self._stop_servers)
         if cfg.http_port:
             routes = Routes(registry.lookup, metrics, webview_html, self.not_ready, cfg.max_message_bytes,
-                            setup.mounts, tokens=tokens, own_user=own_user)
+                            setup.mounts, tokens=tokens, own_user=own_user, oidc=self.oidc)
+            routes.signin = signin
             self._http = HttpServer(routes, cfg, worker.http_socket if worker is not None else None)
             await self._http.start()
             self.http_port = self._http.port

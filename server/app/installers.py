@@ -11,17 +11,23 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from uibus import version
+from uibus.domain.members import Members
 from uibus.edge.codebolt.gateway import Gateway
 from uibus.edge.mcp.server import McpServer
-from uibus.edge.services import agent, codebolt, extension_ui, host, sessions, ui, webview, worktree
+from uibus.edge.services import agent, audit, codebolt, extension_ui, host, sessions, team, ui, webview, worktree
 from uibus.edge.transports.acp_ws import PATH as ACP_PATH
 from uibus.edge.transports.acp_ws import AcpWebSocket
+from uibus.edge.transports.audit_http import PATH as AUDIT_PATH
+from uibus.edge.transports.audit_http import AuditHttp
 from uibus.edge.transports.codebolt_ws import CODEBOLTJS_PATH, PATH, AgentToApp
 from uibus.edge.transports.mcp_http import PATH as MCP_PATH
 from uibus.edge.transports.mcp_http import McpHttp
 from uibus.edge.transports.sessions_http import PATH as SESSIONS_PATH
 from uibus.edge.transports.sessions_http import SessionsHttp
+from uibus.edge.transports.team_http import INVITES_PATH, TeamHttp
+from uibus.edge.transports.team_http import SESSIONS_PATH as TEAM_PATH
 from uibus.edge.wiring import AppKey, Installer, Setup
+from uibus.infra.audit import AuditLog
 
 CODEBOLT = AppKey("codebolt", Gateway)  # the CodeBolt gateway: `app[CODEBOLT]`
 MCP = AppKey("mcp", McpHttp)  # the MCP endpoint (and its server, `.server`): `app[MCP]`
@@ -143,5 +149,37 @@ async def acp_endpoint(setup: Setup) -> AsyncIterator[None]:
         await endpoint.http.aclose()  # HTTP connections outlive their requests: closed with the app
 
 
-INSTALLERS: tuple[Installer, ...] = (ui_feed, worktrees, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
-                                     mcp_endpoint, session_api, acp_endpoint)
+@asynccontextmanager
+async def audit_api(setup: Setup) -> AsyncIterator[None]:
+    """uibus.v1.AuditService and `/api/audit`: reading the audit log (uibus.infra.audit)."""
+    log, pipeline = setup.core.audit, setup.pipeline
+    if isinstance(log, AuditLog):  # a core built without one records nothing: nothing to read
+        tokens = pipeline.tokens
+        setup.serve(audit.add_to(setup.registry, log, lambda md: not tokens.enabled or
+                                 pipeline.authenticate(md).all_sessions))
+        setup.mount(AUDIT_PATH, AuditHttp(setup.registry.lookup))
+        setup.gauge("uibus_audit_waiting_entries", "audit entries recorded but not yet written (the store refused "
+                    "them; answers to dialogs are refused meanwhile)", lambda: log.waiting)
+        setup.counter("uibus_audit_entries_total", "audit entries written by this process", lambda: log.written)
+    yield
+
+
+@asynccontextmanager
+async def team_api(setup: Setup) -> AsyncIterator[None]:
+    """uibus.v1.TeamService and `/api/sessions/<name>/{whoami,members,invites}`, `/api/invites/accept`:
+    roles per session. Installed first: the pipeline's role check reads the sessions' members from here on."""
+    core, pipeline = setup.core, setup.pipeline
+    members = Members(core.store, team.session_exists(core.store, core.history),
+                      invite_ttl_s=setup.config.invite_ttl_seconds)
+    pipeline.roles = team.install(members, pipeline.tokens.tenant)
+    tokens = pipeline.tokens
+    setup.serve(team.add_to(setup.registry, members, lambda: pipeline.roles,
+                            lambda md: pipeline.authenticate(md) if tokens.enabled else None, core.audit))
+    for prefix in (TEAM_PATH, INVITES_PATH):
+        setup.mount(prefix, TeamHttp(setup.registry.lookup, prefix, setup.config.max_message_bytes))
+    yield
+
+
+INSTALLERS: tuple[Installer, ...] = (team_api, ui_feed,
+                                     worktrees, extension_ui_dialogs, agents, webview_mux, codebolt_gateway,
+                                     mcp_endpoint, session_api, acp_endpoint, audit_api)

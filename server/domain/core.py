@@ -17,6 +17,7 @@ from uibus.domain.feed import UiFeed
 from uibus.domain.history import ChatHistory
 from uibus.domain.session_log import SessionLog
 from uibus.domain.sessions import Sessions
+from uibus.infra.audit import NoAudit, Recorder
 from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
 from uibus.infra.config import Config
@@ -40,16 +41,21 @@ class Core:
     # What other processes must see of this one (waiting dialogs, hosted agents' states): told to
     # the store/bus layer as it changes (uibus.infra.sharing); alone, nothing is kept.
     sharing: Sharing
+    # Where the acts people take are recorded, by whom (uibus.infra.audit); NoAudit: not recorded.
+    audit: Recorder
 
     @classmethod
     def build(cls, config: Config, bus: Bus, store: Store, agents: AgentTable, *, tokens: Tokens | None = None,
               quotas: Quotas | None = None, mcp_url: Callable[[], str] = str,
-              observe_wait: Callable[[str, str, float], None] | None = None, sharing: Sharing | None = None) -> Core:
+              observe_wait: Callable[[str, str, float], None] | None = None, sharing: Sharing | None = None,
+              audit: Recorder | None = None) -> Core:
         """Every domain object built once, each handed what it uses (no hook is set afterwards).
         `sharing`: what other processes are told of this one's dialogs and agents (None: alone);
         `tokens`, `quotas`: the app's (agents' /mcp tokens, tenants' shares of processes);
         `mcp_url()`: uibus's own MCP endpoint once the HTTP port listens, offered to ACP agents;
-        `observe_wait(kind, outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
+        `observe_wait(kind, outcome, seconds)`: how long each dialog waited for a person (/metrics);
+        `audit`: the audit log's port, the one every domain object records acts through."""
+        audit = audit if audit is not None else NoAudit()
         clock = TsClock()
         # the session log's retention: --log-max-events, --log-max-bytes, --log-max-age-seconds
         retention = LogRetention(max_entries=config.log_max_events, max_bytes=config.log_max_bytes,
@@ -60,7 +66,7 @@ class Core:
         # a turn starting or ending, a dialog opening or closing, shows in every sessions watch at once
         changes = Changes()
         dialogs = Dialogs(bus, store, sharing, config.queue_size, log=feed.log, on_change=changes.poke,
-                          observe_wait=observe_wait)
+                          observe_wait=observe_wait, audit=audit)
         # the worktrees of agents with option workspace = "worktree": --workspaces-dir, else the
         # agents file's workspaces_dir, else beside the default store
         root = config.workspaces_dir or agents.workspaces_dir or default_workspaces_dir()
@@ -73,7 +79,7 @@ class Core:
                     send_limit=config.max_message_bytes)
         listing = Sessions(store, dialogs, sessions, history, sharing, changes=changes, recent=feed.recent)
         return cls(config=config, bus=bus, store=store, clock=clock, feed=feed, history=history, chat=chat,
-                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, sharing=sharing)
+                   dialogs=dialogs, agent_sessions=sessions, sessions=listing, sharing=sharing, audit=audit)
 
     def begin_shutdown(self) -> None:
         """Refuse new streams and dialogs; end every open stream and waiting dialog."""

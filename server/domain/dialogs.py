@@ -45,6 +45,7 @@ from uibus.domain.pending_dialogs import (
 from uibus.domain.session_log import SessionLog
 from uibus.infra import dialog_limits as checks
 from uibus.infra import kinds, telemetry
+from uibus.infra.audit import NoAudit, Recorder
 from uibus.infra.bus import LIVE, Bus, Live
 from uibus.infra.errors import (
     FailedPrecondition,
@@ -116,8 +117,9 @@ def state_events(state: dict[str, Any]) -> list[pb.ExtensionUiEvent]:
 class Dialogs:
     def __init__(self, bus: Bus, store: Store, sharing: Sharing | None = None, queue_size: int = UI_QUEUE, *,
                  log: SessionLog | None = None, on_change: Callable[[], None] = lambda: None,
-                 observe_wait: Callable[[str, str, float], None] | None = None) -> None:
+                 observe_wait: Callable[[str, str, float], None] | None = None, audit: Recorder | None = None) -> None:
         """`sharing`: where the waiting dialogs are told, for other processes' UIs (none: alone);
+        `audit`: where each answer is recorded, by whom (uibus.infra.audit: approvals and denials);
         `log`: the session log the UIs' events are stamped into (resumable streams; without one
         events carry no seq); `on_change`: told when a dialog opens or closes; `observe_wait(kind,
         outcome, seconds)`: how long each dialog waited for a person (/metrics)."""
@@ -128,6 +130,7 @@ class Dialogs:
         self.pending = PendingDialogs(bus, self.sharing, log=log, on_change=on_change)
         self.ui_queue = max(UI_QUEUE, queue_size)
         self.observe_wait = observe_wait
+        self.audit: Recorder = audit if audit is not None else NoAudit()
 
     def count(self, session: str | None = None) -> int:
         """Dialogs waiting for an answer (of one session, or of all)."""
@@ -347,12 +350,40 @@ class Dialogs:
 
     async def answer(self, session: str, request: pb.RespondRequest) -> Verdict:
         """Applies an answer to a dialog held here and commits it: once this returns a taken answer,
-        the dialog's close is in the log (acknowledged is durable). `unknown` when no dialog of that
-        id is held here."""
+        the dialog's close is in the log (acknowledged is durable), and in the audit log, by whom.
+        `unknown` when no dialog of that id is held here. Refused (UNAVAILABLE) while the audit log
+        cannot write: no approval goes unrecorded."""
+        self.audit.ready()
+        dialog = self.pending.find(session, request.id) if request.id else None
         verdict = self.verdict(session, request)
         if verdict.error is None and not verdict.unknown:
             await self.settled(session)
+            if dialog is not None:
+                await self.record_answer(session, request, dialog.request)
         return verdict
+
+    async def record_answer(self, session: str, request: pb.RespondRequest,
+                            asked: pb.ExtensionUiRequest | None, *, forwarded: bool = False) -> None:
+        """The audit entry of an answer taken (here, or by the replica holding the dialog, `forwarded`):
+        the dialog's kind, its question, the answer. Recorded once, where the answer was given."""
+        kind = asked.WhichOneof("method") if asked is not None else None
+        question = getattr(asked, kind) if kind else None
+        how = request.WhichOneof("answer")
+        detail: dict[str, str | bool | None] = {
+            "dialog": request.id, "kind": kind or "", "title": getattr(question, "title", None),
+            "message": getattr(question, "message", None) or getattr(question, "placeholder", None),
+            "options": ", ".join(question.options) if kind == "select" else None}
+        if how == "confirmed":
+            detail["answer"] = "approved" if request.confirmed else "denied"
+        elif how == "cancelled":
+            detail["answer"] = "dismissed"
+        else:
+            detail["answer"], detail["value"] = "value", request.value
+        if forwarded:
+            detail["forwarded"] = True
+        act = "dialog.approve" if how == "confirmed" and request.confirmed else \
+            "dialog.deny" if how in ("confirmed", "cancelled") else "dialog.answer"
+        await self.audit.record(act, session=session, **detail)
 
     async def respond(self, session: str, request: pb.RespondRequest) -> None:
         """Answers a dialog held here, raising what was wrong (NOT_FOUND when none is)."""

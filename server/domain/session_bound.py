@@ -84,6 +84,8 @@ class SessionBound:
         if owner.tokens is not None and owner.tokens.enabled:  # a token for this (session, agent) alone
             token = owner.tokens.mint(self.session, agent or self._agent)
             self._minted.append(token)
+            # who caused it (the caller whose turn opened the agent), the agent, the session: never the token
+            self._dialogs.audit.note("token.mint", session=self.session, agent=agent or self._agent)
             headers["authorization"] = f"Bearer {token}"
         return url, headers
 

@@ -69,6 +69,12 @@ SNAPSHOT_S = 0.25  # the store's session index is read at most this often, howev
 log = logging.getLogger("uibus.domain.sessions")
 
 
+async def shown(visible: Callable[[str], Any], session: str) -> bool:
+    """`visible(session)`, which may be awaitable (a person's listing reads the session's members)."""
+    seen = visible(session)
+    return seen if isinstance(seen, bool) else bool(await seen)
+
+
 def _listed(title: str) -> str:
     """A title as a listing shows it: at most LISTED_TITLE_CHARS characters."""
     return title if len(title) <= LISTED_TITLE_CHARS else title[: LISTED_TITLE_CHARS - 1] + "…"
@@ -110,7 +116,8 @@ class Sessions:
         self.history = history
         self.watch_s = watch_s
         self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
-        self.steering = Steering(agents, self.sharing)
+        self.audit = dialogs.audit  # the domain's one audit port (uibus.infra.audit), given to the dialogs
+        self.steering = Steering(agents, self.sharing, self.audit)
         self._static: OrderedDict[str, _Static] = OrderedDict()
         self.changes = changes or Changes()
         self._snapshot: tuple[float, list[tuple[str, float]], asyncio.Event | None] = (0.0, [], None)
@@ -227,6 +234,7 @@ class Sessions:
             log.warning("workspace export failed", extra={"fields": {"session": session, "agent": agent,
                                                                      "error": str(exc)}})
             raise FailedPrecondition("git could not export this workspace (the server log says why)") from exc
+        await self.audit.record("workspace.export", session=session, agent=agent, branch=name, commit=commit)
         return pb.ExportWorkspaceReply(branch=name, commit=commit)
 
     async def entry(self, session: str, stamp: float) -> pb.SessionEntry:
@@ -266,7 +274,8 @@ class Sessions:
             check_session(prefix)  # every door (gRPC, HTTP API, MCP's list_sessions) the same bound
         listed = pb.SessionList()
         for session, stamp in await self._stamps(shared):
-            if session.startswith(prefix) and visible(session):
+            # `!…`: uibus's own records (the page's sign-in key), never a session (check_session refuses `!`)
+            if session.startswith(prefix) and not session.startswith("!") and await shown(visible, session):
                 listed.sessions.append(await self.entry(session, stamp))
                 if len(listed.sessions) >= MAX_LISTED:
                     break
@@ -322,6 +331,7 @@ class Sessions:
         await self.store.update(session, META, change)
         self._static.pop(session, None)
         self.poke()
+        await self.audit.record("session.create", session=session, title=title or None, agent=agent or None)
         return await self.get(session)
 
     async def delete(self, session: str) -> pb.DeleteSessionReply:
@@ -346,6 +356,8 @@ class Sessions:
         self.poke()
         if not existed and not closed and not (removed and removed.removed):
             raise NotFound(f"no session {session!r}")
+        await self.audit.record("session.delete", session=session, agents_closed=closed,
+                                branches_kept=", ".join(removed.kept_branches) if removed else None)
         return pb.DeleteSessionReply(
             agents_closed=closed, workspaces_removed=[w.agent for w in removed.removed] if removed else [],
             branches_kept=list(removed.kept_branches) if removed else [])

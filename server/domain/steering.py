@@ -20,6 +20,7 @@ import base64
 from typing import Any, Protocol, runtime_checkable
 
 from uibus.domain.agent_sessions import AgentSessions
+from uibus.infra.audit import NoAudit, Recorder
 from uibus.infra.errors import FailedPrecondition, InvalidArgument, NotFound
 from uibus.infra.sharing import LocalSharing, Sharing
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
@@ -76,10 +77,19 @@ def state_from(result: dict[str, Any]) -> pb.AgentState:
 class Steering:
     """The steering calls of the sessions API, on the hosted agents of this process."""
 
-    def __init__(self, agents: AgentSessions, sharing: Sharing | None = None) -> None:
-        """`sharing`: told when a call changed an agent's state (other processes list it)."""
+    def __init__(self, agents: AgentSessions, sharing: Sharing | None = None, audit: Recorder | None = None) -> None:
+        """`sharing`: told when a call changed an agent's state (other processes list it); `audit`:
+        where each steering act is recorded, by whom (a call carried here from another replica is
+        recorded there, where it was made: `here` records nothing)."""
         self.agents = agents
         self.sharing: Sharing = sharing if sharing is not None else LocalSharing()
+        self.audit: Recorder = audit if audit is not None else NoAudit()
+
+    async def record(self, action: str, session: str, agent: str, args: dict[str, str], *,
+                     forwarded: bool = False) -> None:
+        """The audit entry of one steering act (`steer.stop`, `steer.set_mode`, …)."""
+        await self.audit.record(f"steer.{action}", session=session, agent=agent, **args,
+                                **({"forwarded": True} if forwarded else {}))
 
     def state_or_none(self, session: str, name: str) -> pb.AgentState | None:
         """The state of (`session`, `name`) open here, None when it is not (shared with other replicas)."""
@@ -118,7 +128,9 @@ class Steering:
     async def stop(self, session: str, name: str) -> bool:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent whose turn to stop")
-        return self._stop_here(session, name)
+        stopped = self._stop_here(session, name)
+        await self.record("stop", session, name, {"stopped": "yes" if stopped else "no turn ran"})
+        return stopped
 
     def _stop_here(self, session: str, name: str) -> bool:
         return self.agents.stop(session, name)
@@ -126,17 +138,23 @@ class Steering:
     async def set_mode(self, session: str, name: str, mode_id: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        return await self._set_mode_here(session, name, mode_id)
+        state = await self._set_mode_here(session, name, mode_id)
+        await self.record("set_mode", session, name, {"mode_id": mode_id})
+        return state
 
     async def set_model(self, session: str, name: str, model_id: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        return await self._set_model_here(session, name, model_id)
+        state = await self._set_model_here(session, name, model_id)
+        await self.record("set_model", session, name, {"model_id": model_id})
+        return state
 
     async def new_conversation(self, session: str, name: str) -> pb.AgentState:
         if not name:
             raise InvalidArgument("agent is required: the hosted agent to steer")
-        return await self._new_conversation_here(session, name)
+        state = await self._new_conversation_here(session, name)
+        await self.record("new_conversation", session, name, {})
+        return state
 
     @staticmethod
     def _offered(agent: Any, name: str, what: str, method: str) -> Any:

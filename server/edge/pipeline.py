@@ -21,6 +21,8 @@ The policies, outermost first:
    hosted agent makes only the calls an agent needs (`agent_check`: default-deny, PERMISSION_DENIED);
    without tokens on a loopback bind, the caller's socket must be uibus's own user's (uibus.infra.peers),
    else UNAUTHENTICATED. HTTP doors that run no call (the page, /metrics, /acp) ask `check_bearer`;
+   a person's call (or a less-than-owner token's) also needs its method's least role (uibus.edge.calls.roles);
+   Then a unary call takes its tenant's token and slot (uibus.edge.calls.admission: fair shares);
 4. decoding and limits — a `Rejected` request (undecodable bytes, broken framing, over a limit)
    gets its error's status before the handler runs, with one short log line;
 5. liveness — a stream that yields `uibus.infra.bus.LIVE` (its subscription is registered) has its
@@ -57,8 +59,12 @@ from uibus.edge.calls.access import (
     authorization_of,
     every_session,
 )
+from uibus.edge.calls.acting import admitted
+from uibus.edge.calls.admission import Admission, tenant_here
+from uibus.edge.calls.roles import Deferred, RoleCheck, checked
 from uibus.edge.calls.scope import agent_check, agent_refusal, agent_tool
 from uibus.edge.metrics import Metrics
+from uibus.infra.actor import acting, current
 from uibus.infra.auth import Grant, Tokens, bearer
 from uibus.infra.bus import LIVE
 from uibus.infra.errors import PermissionDenied, UibusError, Unauthenticated
@@ -151,6 +157,8 @@ class Pipeline:
         self._rejected_log = Throttle()
         self._failed_log = Throttle()
         self.tokens.on_reload.append(self.revoke)
+        self.roles = RoleCheck()  # a person's role on a session (uibus.edge.calls.roles); team adds members
+        self.admission: Admission | None = None  # fair shares of unary calls by tenant; set before `wrap`
 
     def revoke(self) -> int:
         """Ends every open stream whose token the reload removed (UNAUTHENTICATED); how many."""
@@ -191,7 +199,7 @@ class Pipeline:
         grant = self.authenticate(metadata)
         if access == ITS_SESSION:
             session = session_from_metadata(metadata)
-            if not grant.allows(session):
+            if not grant.allows(session) and not grant.person:  # a person's: membership decides (`roles`)
                 raise PermissionDenied(f"this token may not use session {session!r} (it may use: "
                                        f"{' '.join(grant.patterns)})")
         elif access == ALL_SESSIONS and not grant.all_sessions:
@@ -211,7 +219,8 @@ class Pipeline:
         token's grant allows; every session when no tokens are configured."""
         if not self.tokens.enabled:
             return every_session
-        return self.authenticate(metadata).allows
+        grant = self.authenticate(metadata)
+        return self.roles.visible(grant) if checked(grant) else grant.allows  # type: ignore[return-value]
 
     def tools_for(self, metadata: Any) -> Callable[[str], bool]:
         """Which MCP tools a caller may call at all (MCP's tools/list shows those): all of them, but
@@ -291,6 +300,7 @@ class Pipeline:
         tenant_of = self.tenant_of
         open_streams = self._streams
         revoked = self._revoked
+        gate = self.admission if self.admission is not None and self.admission.covers(method or label) else None
 
         async def attach(context: Any) -> None:
             """The pipeline's own headers, to go out with the response's first message: grpc.aio sends
@@ -302,6 +312,7 @@ class Pipeline:
                 await context.send_initial_metadata(extra)
 
         agent_may = agent_check(method or label)
+        role_on = access == ITS_SESSION  # a person's (or a less-than-owner) call: its role on the session too
         own_user = self.own_user if access == OWN_USER else None
 
         def check_peer(context: Any) -> None:
@@ -318,29 +329,43 @@ class Pipeline:
 
         def admit(request: Any, context: Any) -> Any:
             """Policies 3 and 4: raises what refuses the call; the (checked) request otherwise."""
+            deferred = None
             if own_user is not None:  # no tokens, loopback: uibus's own user alone (uibus.infra.peers)
                 check_peer(context)
+                admitted(None, context)  # the actor the audit log names (uibus.edge.calls.acting)
             elif needs_auth:
-                scoped(authorize(access, context.invocation_metadata()), request)
+                grant = authorize(access, context.invocation_metadata())
+                admitted(grant, context)
+                scoped(grant, request)
+                deferred = grant if role_on and checked(grant) else None
+            else:
+                admitted(None, context)
             if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
                 raise rejected(label, request)
             if request_streaming:
-                return _checked_requests(request, label, rejected)
-            return request
+                request = _checked_requests(request, label, rejected)
+            return request if deferred is None else Deferred(deferred, request)  # its role: `settle`
 
         def admit_traced(request: Any, context: Any, span: Any) -> Any:
             """`admit`, naming the caller in the call's span when its token has a name."""
+            deferred = None
             if own_user is not None:
                 check_peer(context)
+                admitted(None, context)
             elif needs_auth:
                 grant = authorize(access, context.invocation_metadata())
+                admitted(grant, context)
                 spans.identify(span, grant.name)  # type: ignore[union-attr]
                 scoped(grant, request)
+                deferred = grant if role_on and checked(grant) else None
             if request.__class__ is Rejected:  # a message, or a whole client stream (broken framing)
                 raise rejected(label, request)
             if request_streaming:
-                return _checked_requests(request, label, rejected)
-            return request
+                request = _checked_requests(request, label, rejected)
+            return request if deferred is None else Deferred(deferred, request)  # its role: `settle`
+
+        def settle(request: Deferred, context: Any) -> Any:  # a person's call: its role (uibus.edge.calls.roles)
+            return request.settle(self.roles, method or label, context.invocation_metadata())
 
         def done(context: Any, code: str, started: float) -> None:
             if observe is not None:
@@ -352,6 +377,7 @@ class Pipeline:
                 started = time.perf_counter()
                 code = "OK"
                 span = failure = token = ctx = lease = task = None
+                before = current()  # the actor, restored at the end: an in-process call runs in its caller's task
                 try:
                     if needs_auth and (not isinstance(context, CallContext) or context.transport != "inprocess"):
                         task = asyncio.current_task()
@@ -359,12 +385,16 @@ class Pipeline:
                             open_streams[task] = authorization_of(context.invocation_metadata())
                     if spans is None:
                         admitted = admit(request, context)
+                        if admitted.__class__ is Deferred:
+                            admitted = await settle(admitted, context)
                         lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
                         source = behavior(admitted, context)
                     else:  # the span is current while the handler makes each message (not between)
                         span, ctx = spans.start(context)
                         token = otel_context.attach(ctx)
                         admitted = admit_traced(request, context, span)
+                        if admitted.__class__ is Deferred:
+                            admitted = await settle(admitted, context)
                         lease = quotas.hold("streams", tenant_of(context.invocation_metadata()))
                         source = behavior(admitted, context)
                         if not span.is_recording():  # not sampled: no child will be either
@@ -403,6 +433,7 @@ class Pipeline:
                             raise
                     await context.abort(status[code], details)
                 finally:
+                    acting(before)
                     if task is not None:
                         open_streams.pop(task, None)
                         revoked.pop(task, None)
@@ -418,14 +449,21 @@ class Pipeline:
         async def call(request: Any, context: Any) -> Any:
             started = time.perf_counter()
             code = "OK"
-            span = token = failure = None
+            span = token = failure = tenant = None
+            before = current()
             try:
                 if spans is None:
                     request = admit(request, context)
+                    if request.__class__ is Deferred:
+                        request = await settle(request, context)
                 else:  # one task runs a coroutine to its end: the span is current throughout
                     span, ctx = spans.start(context)
                     token = otel_context.attach(ctx)
                     request = admit_traced(request, context, span)
+                    if request.__class__ is Deferred:
+                        request = await settle(request, context)
+                if gate is not None:  # the tenant's turn (uibus.edge.calls.admission)
+                    tenant = await gate.take(tenant_here(current().tenant, tenant_of, context.invocation_metadata()))
                 if extra:  # before the handler runs: a `write()` stream sends its headers with its first write
                     await attach(context)
                 result = behavior(request, context)
@@ -440,6 +478,9 @@ class Pipeline:
                     raise
                 await context.abort(status[code], details)
             finally:
+                acting(before)
+                if tenant is not None:
+                    gate.leave(tenant)  # type: ignore[union-attr]
                 done(context, code, started)
                 if span is not None:
                     otel_context.detach(token)  # type: ignore[arg-type]

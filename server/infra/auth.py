@@ -54,11 +54,12 @@ import logging
 import re
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import translate
 from pathlib import Path
 
 from uibus.infra.errors import ConfigError, UibusError
+from uibus.infra.roles import ROLES, is_role
 
 log = logging.getLogger("uibus.infra.auth")
 
@@ -66,6 +67,8 @@ ALL = "*"
 OPERATOR = "operator"  # the tenant of the --auth-token, and of sessions no tenant's token may use
 _TENANT = re.compile(r"\(([A-Za-z0-9][A-Za-z0-9._-]{0,63})\)")
 _RESERVED = re.compile(r"operator|anonymous|t-.*")
+_PERSON = re.compile(r"[^\s\x00-\x1f]{1,256}")
+OWNER_ROLE = "owner"
 _PATTERN = re.compile(r"[A-Za-z0-9._:@/+=\-*?\[\]!]{1,256}")
 
 
@@ -156,6 +159,7 @@ def parse_tokens_file(text: str, source: str) -> dict[bytes, Grant]:
             if _RESERVED.fullmatch(name):
                 raise ConfigError("--tokens-file", f"{where}: tenant name {name!r} is reserved (operator, "
                                                    "anonymous, t-…)")
+        person, role, patterns = _person_and_role(patterns, where)
         if not patterns:
             raise ConfigError("--tokens-file", f"{where}: a token needs at least one session pattern (`*` = all)")
         for pattern in patterns:
@@ -165,9 +169,32 @@ def parse_tokens_file(text: str, source: str) -> dict[bytes, Grant]:
         key = _digest(token.encode())
         if key in grants:
             raise ConfigError("--tokens-file", f"{where}: the same token is already on {grants[key].name}")
-        grants[key] = Grant.of(f"--tokens-file line {number}", patterns, name or _unnamed((key,)),
-                               named=bool(name))
+        grants[key] = replace(Grant.of(f"--tokens-file line {number}", patterns, name or _unnamed((key,)),
+                                       named=bool(name)), person=person, role=role)
     return grants
+
+
+def _person_and_role(words: list[str], where: str) -> tuple[str, str, list[str]]:
+    """The words `person=<id>` (the token is that person's: session membership, the audit log) and
+    `role=<role>` (the role it holds on every session its patterns allow; default owner), at most
+    one each, and the other words (the session patterns)."""
+    found: dict[str, str] = {}
+    rest = []
+    for word in words:
+        key, eq, value = word.partition("=")
+        if eq and key in ("person", "role"):
+            if key in found:
+                raise ConfigError("--tokens-file", f"{where}: one {key}= per token")
+            found[key] = value
+        else:
+            rest.append(word)
+    person, role = found.get("person", ""), found.get("role", OWNER_ROLE)
+    if "person" in found and not _PERSON.fullmatch(person):
+        raise ConfigError("--tokens-file", f"{where}: person={person[:40]!r} is not a person's id (1 to 256 "
+                                           "characters, no spaces)")
+    if not is_role(role):
+        raise ConfigError("--tokens-file", f"{where}: role={role[:40]!r} is not a role (one of: {', '.join(ROLES)})")
+    return person, role, rest
 
 
 class Tokens:
@@ -200,6 +227,11 @@ class Tokens:
     def __len__(self) -> int:
         return len(self._grants)
 
+    def __bool__(self) -> bool:
+        """Always true, whatever `len` says: `tokens or Tokens()` (the pipeline's, the routes') must
+        keep a Tokens whose only tokens are verifiers' (a provider's) or the metrics token."""
+        return True
+
     def _read(self) -> dict[bytes, Grant]:
         path = Path(self.tokens_file)
         try:
@@ -221,12 +253,17 @@ class Tokens:
             return False
         self._grants = {**grants, **self._fixed}
         log.info("tokens reloaded", extra={"fields": {"file": self.tokens_file, "tokens": len(grants)}})
+        self.tell_revoked()
+        return True
+
+    def tell_revoked(self) -> None:
+        """Runs the `on_reload` hooks: what holds streams open ends those whose token no longer counts
+        (after a reload, and after a page's sign-out revoked its session token)."""
         for hook in list(self.on_reload):
             try:
                 hook()
             except Exception as exc:  # one holder's failure must not keep the others' revoked streams open
                 log.error("ending revoked streams failed", extra={"fields": {"error": f"{type(exc).__name__}: {exc}"}})
-        return True
 
     def revoked(self, authorization: str | bytes | None) -> bool:
         """Whether a stream opened with this `Authorization` value must end now: tokens are on and

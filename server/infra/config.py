@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from uibus.infra.errors import ConfigError
+from uibus.infra.oidc_config import oidc_problems
 from uibus.infra.quotas import QUOTAS
 
 
@@ -157,6 +158,8 @@ class Config:
         "help": "bytes all subscribers together may have queued; the fullest stream is ended beyond it"})
     session_ttl_seconds: float = field(default=30 * 24 * 3600.0, metadata={
         "help": "a session's stored state is deleted after this long without a write; 0 keeps it forever"})
+    invite_ttl_seconds: float = field(default=7 * 24 * 3600.0, metadata={
+        "help": "how long an invite to a session (TeamService/CreateInvite without ttl_seconds) stays valid"})
     max_sessions: int = field(default=100_000, metadata={
         "help": "sessions kept in the store; beyond it the longest-idle ones are deleted"})
     history_bytes: int = field(default=8 * 1024 * 1024, metadata={
@@ -168,6 +171,9 @@ class Config:
         "help": "bytes of events kept in each session's log (oldest dropped first); 0: no byte bound"})
     log_max_age_seconds: float = field(default=7 * 24 * 3600.0, metadata={
         "help": "entries of a session's log older than this are dropped (at its next write); 0: no age bound"})
+    audit_retention_days: float = field(default=365.0, metadata={
+        "help": "audit log entries older than this many days are removed (the chain stays verifiable from an "
+                "anchor); 0 keeps them forever"})
     keepalive_seconds: float = field(default=20.0, metadata={
         "help": "gRPC server pings an idle connection this often; 0 turns keepalive off"})
     keepalive_timeout_seconds: float = field(default=10.0, metadata={
@@ -182,6 +188,34 @@ class Config:
                 "may use; `*` = all; `#` comments); reloaded on SIGHUP"})
     metrics_token: str = field(default="", repr=False, metadata={
         "help": "a token that may read /metrics (besides --auth-token and all-sessions tokens)", "secret": True})
+    # A person's identity provider (uibus.infra.oidc; docs/security/sign-in.md): its access tokens are
+    # bearer tokens on every door, and /mcp names it to MCP clients (RFC 9728).
+    oidc_issuer: str = field(default="", metadata={
+        "help": "OpenID Connect issuer URL (https, or http on loopback): its JWT access tokens are accepted on "
+                "every door; empty turns sign-in off"})
+    oidc_client_id: str = field(default="", metadata={"help": "uibus's client id at --oidc-issuer"})
+    oidc_client_secret: str = field(default="", repr=False, metadata={
+        "help": "the client's secret (set it by env, or use --oidc-client-secret-file)", "secret": True})
+    oidc_client_secret_file: str = field(default="", metadata={"help": "a file holding --oidc-client-secret"})
+    oidc_audience: str = field(default="", metadata={
+        "help": "comma-separated `aud` values an access token must name one of (e.g. https://uibus.example/mcp); "
+                "default: --oidc-client-id"})
+    oidc_person_claim: str = field(default="sub", metadata={"help": "the claim naming the person (e.g. email)"})
+    oidc_tenant_claim: str = field(default="tenant", metadata={"help": "the claim naming the person's tenant"})
+    oidc_tenant: str = field(default="people", metadata={"help": "the tenant of a token without --oidc-tenant-claim"})
+    oidc_roles_claim: str = field(default="groups", metadata={
+        "help": "the claim (a list or a space-separated string) whose values grant a tenant-wide role"})
+    oidc_role_map: str = field(default="", metadata={
+        "help": "more claim values that grant a role: `admins=owner,reviewers=observer` (uibus-owner, "
+                "uibus-approver, uibus-participant, uibus-observer always do; the strongest wins)"})
+    oidc_leeway_seconds: float = field(default=30.0, metadata={
+        "help": "clock skew allowed on a token's exp, nbf and iat"})
+    # The page's sign-in session (uibus.infra.web_sessions): a cookie uibus signs, never the provider's tokens.
+    session_secret_file: str = field(default="", metadata={
+        "help": "file of the key (>= 32 bytes) that signs the page's sign-in cookies; empty: a random key kept "
+                "in the store, shared by every replica"})
+    session_max_age_seconds: float = field(default=8 * 3600.0, metadata={
+        "help": "a page's sign-in lasts at most this long (and never past the provider's ID token)"})
     tls_cert: str = field(default="", metadata={"help": "PEM certificate chain; enables TLS on both ports"})
     tls_key: str = field(default="", metadata={"help": "PEM private key for --tls-cert"})
     http_tls_cert: str = field(default="", metadata={
@@ -222,6 +256,13 @@ class Config:
                 "kernel: past it one of them is stopped, \"stopped: the tenant's memory limit\")"})
     quota_tenant_pids: int = field(default=QUOTAS["tenant_pids"].default, metadata={
         "help": "processes one tenant's hosted agents may run together (a cgroup per tenant: a fork past it fails)"})
+    quota_calls_per_second: int = field(default=QUOTAS["calls_per_second"].default, metadata={
+        "help": "unary calls one tenant may make per second on each replica (a token bucket holding a tenth of a "
+                "second of it); a call over it waits for its token (up to 1 s), then RESOURCE_EXHAUSTED; only "
+                "with tokens configured; 0 turns it off"})
+    tenant_concurrency: int = field(default=16, metadata={
+        "help": "unary calls one tenant may have running at once; more wait their turn (16 per call, then "
+                "RESOURCE_EXHAUSTED), so a busy tenant cannot slow the others' calls; 0 turns it off"})
     ws_ping_seconds: float = field(default=20.0, metadata={
         "help": "WebSocket ping interval; 0 turns pings off"})
     ws_ping_timeout_seconds: float = field(default=20.0, metadata={
@@ -269,14 +310,18 @@ class Config:
         check(self.mailboxes_bytes >= self.mailbox_bytes, "mailboxes_bytes", "must be at least --mailbox-bytes")
         for name in QUOTAS:
             check(getattr(self, f"quota_{name}") >= 0, f"quota_{name}", "must be 0 (off) or more")
+        check(self.tenant_concurrency >= 0, "tenant_concurrency", "must be 0 (off) or more")
         check(not self.workspaces_dir or Path(self.workspaces_dir).expanduser().is_absolute(), "workspaces_dir",
               "must be an absolute path (every replica must name the same directory)")
         # The log's bounds may each be off (0), as LogRetention's; the newest entry is always kept.
         for name in ("log_max_events", "log_max_bytes"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
         for name in ("session_ttl_seconds", "log_max_age_seconds", "keepalive_seconds", "grace_seconds",
-                     "drain_seconds", "ws_ping_seconds"):
+                     "drain_seconds", "ws_ping_seconds", "audit_retention_days"):
             check(getattr(self, name) >= 0, name, "must be 0 (off) or more")
+        check(self.session_max_age_seconds > 0, "session_max_age_seconds", "must be more than 0")
+        check(0 < self.invite_ttl_seconds <= 90 * 24 * 3600, "invite_ttl_seconds",
+              "must be within 1..7776000 (90 days)")
         for name in ("keepalive_timeout_seconds", "http_header_timeout_seconds", "http_body_timeout_seconds",
                      "http_idle_seconds",
                      "ws_ping_timeout_seconds", "agent_lease_seconds"):
@@ -301,10 +346,12 @@ class Config:
         check(not 1 < self.workers <= 64 or bool(self.redis_url), "workers",
               "more than 1 needs --redis-url (the workers share sessions and events through Redis)")
         # A bind other machines can reach must not serve without tokens by accident (docs/security.md).
-        check(self.trust_network or bool(self.auth_token or self.tokens_file) or is_loopback(self.host), "host",
+        check(self.trust_network or bool(self.auth_token or self.tokens_file or self.oidc_issuer)
+              or is_loopback(self.host), "host",
               f"{self.host or '(every interface)'} is not a loopback address and neither --auth-token nor "
               "--tokens-file is set, so anyone who can reach this machine could drive every API: set a token, "
               "or add --trust-network if every host on this network is trusted")
+        problems += oidc_problems(self)
         check(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
               f"{self.log_level[:20]!r} is not one of DEBUG, INFO, WARNING, ERROR")
         check(self.loop in LOOPS, "loop", f"{self.loop[:20]!r} is not one of {', '.join(LOOPS)}")
@@ -314,8 +361,8 @@ class Config:
     def own_paths(self) -> tuple[str, ...]:
         """uibus's own files, which no sandboxed agent may see (uibus.agents.bubblewrap masks them):
         the store (and its SQLite side files), the tokens file, every TLS file."""
-        paths = [self.tokens_file, self.tls_cert, self.tls_key, self.http_tls_cert, self.http_tls_key,
-                 self.tls_client_ca]
+        paths = [self.tokens_file, self.session_secret_file, self.tls_cert, self.tls_key, self.http_tls_cert,
+                 self.http_tls_key, self.tls_client_ca]
         if self.store and self.store != ":memory:" and not self.redis_url:
             paths += [self.store, self.store + "-wal", self.store + "-shm", self.store + "-journal"]
         return tuple(p for p in paths if p)

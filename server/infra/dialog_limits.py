@@ -16,9 +16,11 @@ without either importing the other.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
+from uibus.infra.roles import ROLES, is_role
 from uibus.pb.uibus.v1 import extension_ui_pb2 as pb
 
 MAX_TITLE = 4096
@@ -60,12 +62,30 @@ def _timeout(request: pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | p
     return None
 
 
+# A dialog's addressee (teams: uibus.domain.members): "" (by kind), a role, or `person:<id>`.
+PERSON = "person:"
+_PERSON_ID = re.compile(r"[^\s\x00-\x1f]{1,256}")
+
+
+def addressee_problem(addressee: str) -> str | None:
+    """Why `addressee` is none: "" (the default), a role, or `person:<id>`."""
+    if not addressee or is_role(addressee):
+        return None
+    if addressee.startswith(PERSON) and _PERSON_ID.fullmatch(addressee[len(PERSON):]):
+        return None
+    return f"addressee {addressee[:40]!r} is neither a role ({', '.join(ROLES)}) nor person:<id>"
+
+
+def _addressee(r: pb.SelectRequest | pb.ConfirmRequest | pb.InputRequest | pb.EditorRequest) -> str | None:
+    return addressee_problem(r.addressee)
+
+
 def _first(problems: Iterable[str | None]) -> str | None:
     return next((p for p in problems if p), None)
 
 
 def check_select(r: pb.SelectRequest) -> str | None:
-    problem = _first((_title(r.title), _timeout(r)))
+    problem = _first((_title(r.title), _timeout(r), _addressee(r)))
     if problem:
         return problem
     if not r.options:
@@ -79,15 +99,18 @@ def check_select(r: pb.SelectRequest) -> str | None:
 
 
 def check_confirm(r: pb.ConfirmRequest) -> str | None:
-    return _first((_title(r.title), _too_long("message", r.message, MAX_TEXT), _timeout(r)))
+    return _first((_title(r.title), _too_long("message", r.message, MAX_TEXT), _timeout(r),
+                   _addressee(r)))
 
 
 def check_input(r: pb.InputRequest) -> str | None:
-    return _first((_title(r.title), _too_long("placeholder", r.placeholder, MAX_TEXT), _timeout(r)))
+    return _first((_title(r.title), _too_long("placeholder", r.placeholder, MAX_TEXT), _timeout(r),
+                   _addressee(r)))
 
 
 def check_editor(r: pb.EditorRequest) -> str | None:
-    return _first((_title(r.title), _too_long("prefill", r.prefill, MAX_LONG_TEXT), _timeout(r)))
+    return _first((_title(r.title), _too_long("prefill", r.prefill, MAX_LONG_TEXT), _timeout(r),
+                   _addressee(r)))
 
 
 def check_notify(r: pb.NotifyRequest) -> str | None:

@@ -8,7 +8,9 @@ tokens every caller is the one tenant `anonymous`. Every door asks this one modu
 * `hold(quota, tenant)`: a lease on something held open (a connection, a watch), given back with
   `release` (idempotent) or as a context manager; QuotaExceeded when the tenant holds its limit;
 * `tick(quota, tenant)`: something done at a rate (sessions created per minute), counted in a
-  sliding minute; QuotaExceeded when the tenant made its limit within the last 60 s.
+  sliding minute; QuotaExceeded when the tenant made its limit within the last 60 s. `await take(…)`
+  is the same for callers that can wait: with replicas (uibus.replicas.shared_quotas) it is the one
+  round trip that counts the tenant's minute on every replica together.
 
 QuotaExceeded is RESOURCE_EXHAUSTED (gRPC), 429 (HTTP), and on JSON-RPC the code QUOTA_EXCEEDED
 with `data.quota` naming it: the message always names the quota, its limit and its option. A limit
@@ -61,6 +63,9 @@ QUOTAS: dict[str, Quota] = {q.name: q for q in (
     # Enforced by the kernel, not counted here: the cgroup of the tenant's agents (uibus.agents.limits).
     Quota("tenant_memory_mb", "--quota-tenant-memory-mb", 16384, "MB of memory its hosted agents use together"),
     Quota("tenant_pids", "--quota-tenant-pids", 2048, "processes its hosted agents run together"),
+    # Per replica, by uibus.edge.calls.admission's token bucket (not counted here), only with tokens: a
+    # quarter of what one core serves (~3,500 unary calls/s here), so one tenant at its rate leaves the rest.
+    Quota("calls_per_second", "--quota-calls-per-second", 800, "unary calls per second (on this replica)"),
 )}
 
 
@@ -106,6 +111,7 @@ class Quotas:
         self._held: dict[tuple[str, str], int] = {}
         self._ticks: dict[tuple[str, str], deque[float]] = {}
         self.refused: dict[tuple[str, str], int] = {}  # (quota, tenant label) -> refusals
+        self.waited: dict[tuple[str, str], int] = {}  # (quota, tenant label) -> calls slowed (calls_per_second)
         self._labels: dict[str, str] = {}
 
     def label(self, tenant: str) -> str:
@@ -131,6 +137,11 @@ class Quotas:
         q = QUOTAS[quota]
         return QuotaExceeded(f"quota {quota} exceeded: tenant {tenant!r} is at its limit of {self.limits[quota]} "
                              f"{q.what}{detail} (option {q.option}); other tenants are not affected", quota)
+
+    def slowed(self, quota: str, tenant: str) -> None:
+        """Counts a call that waited for its turn under `quota` rather than being refused (/metrics)."""
+        key = (quota, self.label(tenant))
+        self.waited[key] = self.waited.get(key, 0) + 1
 
     def hold(self, quota: str, tenant: str) -> Lease:
         """A lease on one more of `quota` for `tenant`, or QuotaExceeded."""
@@ -164,6 +175,11 @@ class Quotas:
                 if not old or now - old[-1] >= WINDOW_S:
                     del self._ticks[key]
 
+    async def take(self, quota: str, tenant: str) -> None:
+        """`tick` for a caller that can wait: with replicas the count is shared and this is one round trip
+        to Redis (uibus.replicas.shared_quotas); here it is `tick` itself."""
+        self.tick(quota, tenant)
+
     # ---- /metrics ----
 
     def collect(self) -> Iterator[Metric]:
@@ -180,7 +196,12 @@ class Quotas:
                                    labels=["quota", "tenant"])
         for (quota, tenant), n in sorted(held.items()):
             in_use.add_metric([quota, tenant], n)
+        waited = CounterMetricFamily("uibus_quota_waited", "Calls slowed to the tenant's rate (waited for their "
+                                     "token) rather than refused", labels=["quota", "tenant"])
+        for (quota, tenant), n in sorted(self.waited.items()):
+            waited.add_metric([quota, tenant], n)
         yield refused
+        yield waited
         yield in_use
 
     def describe(self) -> list[Any]:

@@ -96,6 +96,12 @@ class SqliteStore(Store):
                 raise
             raise ConfigError("--store", f"{shown}: {_open_problem(exc)}") from exc
 
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The file's one connection, for tables kept beside the store's in the same file (the audit
+        log, uibus.infra.audit_sqlite), written inline on the same thread."""
+        return self._db
+
     def _damage(self) -> str:
         """What `PRAGMA quick_check` finds wrong with the file ("" when nothing): every page and
         b-tree checked, without the index cross-checks of integrity_check (twice its cost)."""

@@ -37,6 +37,7 @@ _LOGIN = """<!doctype html>
 <body><main>
 <h1>uibus</h1>
 <p id="why">This server needs a token. Paste it here, or open this page as <code>/#token=…</code>.</p>
+<!-- SIGNIN -->
 <form id="login"><input id="token" type="password" autocomplete="current-password" aria-label="token"
   placeholder="token" required><button type="submit">Open</button></form>
 </main>
@@ -78,6 +79,24 @@ _LOGIN = """<!doctype html>
 """
 
 
-def login_html() -> str:
-    """The page `GET /` answers (401) to a browser without a token when tokens are configured."""
-    return _LOGIN
+# With --oidc-issuer, people sign in through the provider (uibus.edge.transports.signin); the token
+# form stays for machines' tokens. `notice` says why a sign-in cookie no longer counts (expired,
+# signed out elsewhere), so a person whose session ended is told, not just asked again.
+_SIGNIN = """<p id="signin-notice" role="alert">{notice}</p>
+<p><a id="signin" class="signin" href="/auth/login">Sign in</a> with your organisation's account</p>
+<script>
+"use strict";
+document.getElementById("signin").href = "/auth/login?return=" +
+  encodeURIComponent(location.pathname + location.search);
+if (!document.getElementById("signin-notice").textContent) document.getElementById("signin-notice").hidden = true;
+</script>
+"""
+
+
+def login_html(*, signin: bool = False, notice: str = "") -> str:
+    """The page `GET /` answers (401) to a browser without a token when tokens are configured;
+    `signin`: with the link to sign in through the provider, and `notice` why a sign-in ended."""
+    if not signin:
+        return _LOGIN
+    safe = notice.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _LOGIN.replace("<!-- SIGNIN -->", _SIGNIN.replace("{notice}", safe[:300]))

@@ -30,6 +30,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcon
 from typing import Any
 
 from uibus.domain.core import Core
+from uibus.domain.members import may_answer
 from uibus.domain.steering import state_from
 from uibus.infra.bus import Bus
 from uibus.infra.sharing import LocalSharing, Sharing
@@ -101,7 +102,8 @@ class Placement:
     # ---- dialogs ----
 
     async def respond(self, session: str, request: ext_pb.RespondRequest) -> None:
-        """Answers a dialog of the session, wherever it is held."""
+        """Answers a dialog of the session, wherever it is held, if it is the caller's to answer."""
+        await may_answer(self.core.dialogs, session, request)  # addressed to a role or a person
         await self.core.dialogs.respond(session, request)
 
     # ---- /metrics and lifecycle ----
@@ -179,7 +181,9 @@ class LeasedPlacement(Placement):
         if not agent or self.core.agent_sessions.live_agent(session, agent) is not None \
                 or not self.core.chat.hosted(agent):
             return None
-        return await self.forwarding.steer(session, agent, action, args)
+        result = await self.forwarding.steer(session, agent, action, args)
+        await self.core.sessions.steering.record(action, session, agent, args, forwarded=True)  # here, by whom
+        return result
 
     async def delete_session(self, session: str) -> sessions_pb2.DeleteSessionReply:
         # A turn another replica's agent runs is stopped there (steering is carried to the owner);
@@ -193,11 +197,15 @@ class LeasedPlacement(Placement):
         return await super().delete_session(session)
 
     async def respond(self, session: str, request: ext_pb.RespondRequest) -> None:
+        await may_answer(self.core.dialogs, session, request)  # here, from the shared record when held elsewhere
         verdict = await self.core.dialogs.answer(session, request)
         if verdict.unknown:  # perhaps another replica holds it (which commits its close before it replies)
             shared = self.sharing
             holder = await shared.shared_dialogs.holder_of(session, request.id)  # to it alone when it listens
+            asked = next((d for d in await shared.read_dialogs_elsewhere(session) if d.id == request.id), None)
             verdict = await shared.answers.forward(session, request, verdict, holder)
+            if verdict.error is None:  # the audit entry is written here, where the answer was given
+                await self.core.dialogs.record_answer(session, request, asked, forwarded=True)
         if verdict.error is not None:
             raise verdict.error
 

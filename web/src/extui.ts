@@ -58,6 +58,7 @@ export function extensionUi(client: Client<typeof ExtensionUiService>, ui: Ui): 
     const card = el("section", "dialog");
     card.dataset.dialog = req.id;
     card.dataset.kind = req.method.case ?? "";
+    card.dataset.addressee = (req.method.value as { addressee?: string } | undefined)?.addressee ?? ""; // roles.ts
     const buttons = el("div", "buttons");
     // `answer` is read when clicked, so input/editor send the field's text at that moment.
     const button = (label: string, answer: () => RespondRequest["answer"], primary = false) => {

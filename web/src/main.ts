@@ -20,7 +20,12 @@ import { ConciergeService } from "./gen/neuro_san/api/grpc/concierge_pb";
 import { ExtensionUiService } from "./gen/uibus/v1/extension_ui_pb";
 import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import { WebviewService } from "./gen/uibus/v1/webview_pb";
+import { AuditService } from "./gen/uibus/v1/audit_pb";
+import { startAudit } from "./audit";
 import { startControl } from "./control";
+import { TeamService } from "./gen/uibus/v1/team_pb";
+import { startRoles } from "./roles";
+import { csrfValue, startSignin, watched } from "./signin";
 import { startWorkspaces } from "./workspace";
 import { extensionUi } from "./extui";
 import { renderBody } from "./render";
@@ -49,9 +54,11 @@ const provider = (params.get("provider") || "").toUpperCase() === "TAB" ? Webvie
 const withSession: Interceptor = (next) => async (req) => {
   req.header.set("x-uibus-session", session);
   if (token) req.header.set("authorization", `Bearer ${token}`);
-  return next(req);
+  else if (csrfValue()) req.header.set("x-uibus-csrf", csrfValue());  // signed in: the cookie's CSRF proof
+  return token ? next(req) : watched(next(req));
 };
 const transport = createGrpcWebTransport({ baseUrl: server, interceptors: [withSession] });
+void startSignin(token, server);  // who is signed in, "Sign out", expiry (signin.ts)
 const ui = createClient(UiService, transport);
 const webview = createClient(WebviewService, transport);
 const concierge = createClient(ConciergeService, transport);
@@ -464,6 +471,8 @@ function switchTo(name: string, push = true): void {
   logEvent("session", session);
   followSession();
   control.sessionChanged();
+  audit.sessionChanged();
+  roles.sessionChanged();
 }
 addEventListener("popstate", () => switchTo(new URLSearchParams(location.search).get("session") || "default", false));
 
@@ -478,5 +487,9 @@ const control = startControl({
   menuButton: $<HTMLButtonElement>("menu"), agentSelect, input, stop: $<HTMLButtonElement>("stop"),
   mode: $<HTMLSelectElement>("mode"), model: $<HTMLSelectElement>("model"), commands: $<HTMLElement>("commands"),
 });
+const audit = startAudit({ audit: createClient(AuditService, transport), current: () => session, log: logEvent,
+                           header: document.querySelector<HTMLElement>("body > header")! });  // audit.ts
+const roles = startRoles({ team: createClient(TeamService, transport), current: () => session, log: logEvent,
+                          dialogs: $<HTMLElement>("dialogs") });  // what this person may do here (roles.ts)
 followSession();
 void loadAgents().then(() => control.sessionChanged());

@@ -18,9 +18,12 @@ OPEN_METHODS = ("/grpc.health.v1.Health/",)  # probes carry no token
 SESSIONLESS_PREFIXES = ("/grpc.reflection.",)
 SESSIONLESS_SUFFIXES = ("ConciergeService/List", "AgentService/Function", "AgentService/Connectivity",
                         # listings of the sessions the token may use: filtered by `visible_sessions`
-                        "SessionService/ListSessions", "SessionService/WatchSessions")
+                        "SessionService/ListSessions", "SessionService/WatchSessions",
+                        # the caller's own role (none is an answer), an invite (it names its session)
+                        "TeamService/WhoAmI", "TeamService/AcceptInvite")
 # Calls that see every session at once: only an all-sessions token may make them.
-PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",)
+PROCESS_WIDE = ("/uibus.v1.HostService/GetBusStats",
+                "/uibus.v1.AuditService/Verify")  # the whole audit chain, every session's entries in it
 
 # What a method's token must allow (see `access_of`); OWN_USER: no tokens, loopback: the caller's
 # socket must be uibus's own user's (uibus.infra.peers).

@@ -65,6 +65,8 @@ class CallContext(grpc.aio.ServicerContext):  # type: ignore[type-arg]
         self.transport = transport  # the metrics label: grpc-web, http, websocket, inprocess
         self.state = state  # what a transport hands its own handlers (the CodeBolt connection)
         self.route = route  # an HTTP transport's route template (`http.route` of the call's span)
+        self.door = transport  # the door the audit log names (an in-process call: the door that made it, /acp)
+        self.client = ""  # the caller's user-agent when its transport strips it from the metadata (HTTP doors)
         self._metadata = metadata
         self._peer = peer
         self._deadline = None if timeout is None else time.monotonic() + timeout

@@ -214,6 +214,7 @@ class Editor:
         version = params.get("protocolVersion")
         if not isinstance(version, int):
             raise RpcError(INVALID_PARAMS, "protocolVersion (an integer) is required")
+        self.uplink.name_client(params.get("clientInfo"))  # who the audit log says made this editor's calls
         if version < v2.PROTOCOL_VERSION:
             return await self.offer(params.get("clientCapabilities"))
         self.v2 = V2Turns(self)

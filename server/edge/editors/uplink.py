@@ -18,6 +18,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from uibus.agents.acp_access import DIRECTORIES_KEY, encode
+from uibus.edge.calls.acting import client_named
 from uibus.infra.session import SESSION_KEY, SINCE_KEY
 from uibus.pb.neuro_san.api.grpc import agent_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
@@ -55,6 +56,7 @@ class Uplink:
     def __init__(self, channel: Any, agent: str = "") -> None:
         self.channel = channel
         self.agent = agent  # "" = the server's default agent (the canonical AgentService path)
+        self._user_agent = str(getattr(channel, "client", ""))  # the door's own name for the caller
         service = f"{agent}.AgentService" if agent else CANONICAL_AGENT
         self._chat = _rpc(channel, f"/{service}/StreamingChat", agent_pb2.ChatRequest, agent_pb2.ChatResponse,
                           streaming=True)
@@ -85,6 +87,12 @@ class Uplink:
         if directories is not None:
             metadata = (*metadata, (DIRECTORIES_KEY, encode(directories)))
         return each(self._chat(request, metadata=metadata))
+
+    def name_client(self, info: Any) -> None:
+        """The editor's `clientInfo` (initialize) as the audit log's client of every call it makes
+        from now on — on an in-process channel (`/acp`); a gRPC channel's user-agent is its own."""
+        if hasattr(self.channel, "client"):
+            self.channel.client = client_named(info, self._user_agent)
 
     async def facts(self) -> dict[str, Any] | None:
         """Connectivity's metadata for the configured agent; None where uibus cannot be reached."""

@@ -13,7 +13,7 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from uibus.domain.sessions import Sessions
+from uibus.domain.sessions import Sessions, shown
 from uibus.edge.mcp import protocol
 from uibus.edge.mcp.protocol import InvalidParams
 from uibus.infra.errors import NotFound
@@ -99,7 +99,7 @@ async def read_session(sessions: Sessions, uri: Any, visible: Callable[[str], bo
         raise InvalidParams(f"resources/read needs params.uri, a resource of resources/list "
                             f"({RESOURCE_PREFIX}<session>)")
     name = uri[len(RESOURCE_PREFIX):]
-    if not name or not visible(name):
+    if not name or not await shown(visible, name):
         raise NotFound(f"no resource {uri[:200]!r} (no session of that name this token may see)")
     entry = await sessions.get(name)
     text = json_format.MessageToJson(entry, preserving_proto_field_name=True, indent=None)

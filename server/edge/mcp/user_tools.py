@@ -122,7 +122,7 @@ async def run_user_tool(dialogs: Dialogs, quotas: Quotas, tool: str, session: st
         return
     dialog = _dialog(args)
     if envelope is not None and envelope.elicits_forms():
-        yield _elicited(dialog, session, args, params or {})
+        yield await _elicited(dialogs, dialog, session, args, params or {})
         return
     with quotas.hold("dialogs", tenant):
         yield LIVE  # admitted and valid: the wait for the person begins
@@ -130,9 +130,12 @@ async def run_user_tool(dialogs: Dialogs, quotas: Quotas, tool: str, session: st
     yield _answer(dialog, result)
 
 
-def _elicited(dialog: elicit.Dialog, session: str, args: dict[str, Any], params: Mapping[str, Any]) -> dict[str, Any]:
+async def _elicited(dialogs: Dialogs, dialog: elicit.Dialog, session: str, args: dict[str, Any],
+                    params: Mapping[str, Any]) -> dict[str, Any]:
     """ask_user in the stateless era: the first request gets the question back as an input request;
-    its retry, carrying the answer and the requestState, gets the answer as a UI's would read."""
+    its retry, carrying the answer and the requestState, gets the answer as a UI's would read. The
+    answer is the MCP client's person's, so it is in the audit log as a UI's answer would be (and,
+    as there, refused while the log cannot write)."""
     responses, state = params.get("inputResponses"), params.get("requestState")
     if responses is None and state is None:
         return {"resultType": "input_required", "inputRequests": {ASKED: elicit.form(dialog)},
@@ -141,6 +144,11 @@ def _elicited(dialog: elicit.Dialog, session: str, args: dict[str, Any], params:
     if not isinstance(responses, dict) or ASKED not in responses:
         raise InvalidParams(f"ask_user: the retry must carry inputResponses.{ASKED}, the answer to the question")
     respond = elicit.answer(dialog, responses[ASKED], f"inputResponses.{ASKED}")
+    dialogs.audit.ready()
+    respond.id = ASKED
+    kind = {ext.SelectRequest: "select", ext.ConfirmRequest: "confirm", ext.InputRequest: "input"}.get(
+        type(dialog), "editor")
+    await dialogs.record_answer(session, respond, ext.ExtensionUiRequest(id=ASKED, **{kind: dialog}))
     return _answer(dialog, elicit.result_of(respond))
 
 

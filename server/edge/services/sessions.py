@@ -58,7 +58,7 @@ class SessionService(sessions_pb2_grpc.SessionServiceServicer):
     async def CreateSession(self, request: pb.CreateSessionRequest,
                             context: grpc.aio.ServicerContext) -> pb.SessionEntry:
         session = session_of(context)
-        self.quotas.tick("sessions_per_minute", self.tenant_of(context.invocation_metadata()))
+        await self.quotas.take("sessions_per_minute", self.tenant_of(context.invocation_metadata()))
         return await self.sessions.create(session, request.title, request.agent)
 
     async def DeleteSession(self, request: pb.DeleteSessionRequest,

@@ -268,6 +268,8 @@ class WorktreeService(worktree_pb2_grpc.WorktreeServiceServicer):
             message += f"; its commits are kept as branch '{kept}' of the base repository"
         elif request.delete_branch:
             message += f" and deleted branch '{w.branch}'"
+        await self.agents.dialogs.audit.record("workspace.delete", session=session, agent=w.agent, branch=w.branch,
+                                               kept=kept or None)
         return worktree_pb2.WorktreeResult(success=True, message=message)
 
     async def switchWorktree(self, request: worktree_pb2.SwitchWorktreeRequest,
@@ -345,6 +347,8 @@ class WorktreeService(worktree_pb2_grpc.WorktreeServiceServicer):
             await self.agents.close_agent(session, w.agent, "its worktree was merged and deleted")
             await spaces.remove(w, keep_commits=False)
             message += " and removed worktree"
+        await self.agents.dialogs.audit.record("workspace.merge", session=session, agent=w.agent, branch=w.branch,
+                                               target=target, merged=merged.ok, conflicts=len(merged.conflicts))
         return worktree_pb2.MergeWorktreeResult(success=merged.ok, message=message,
                                                 has_conflicts=bool(merged.conflicts),
                                                 conflicting_files=merged.conflicts, source_branch=w.branch,

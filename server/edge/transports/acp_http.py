@@ -52,7 +52,7 @@ from uibus.edge.transports.asgi import (
     respond_json,
     wait_disconnect,
 )
-from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.edge.transports.grpcweb import Lookup, client_of, metadata_of, peer_of
 from uibus.edge.transports.inprocess import Channel
 from uibus.infra.auth import Tokens
 from uibus.infra.jsonrpc import INVALID_REQUEST, QUOTA_EXCEEDED, RpcError, read
@@ -336,7 +336,7 @@ class AcpHttp:
             return
         metadata = tuple(metadata_of(scope))
         channel = Channel(self.lookup, tuple((k, v) for k, v in metadata if k != SESSION_KEY), peer_of(scope),
-                          self.max_message_bytes)
+                          self.max_message_bytes, door="acp", client=client_of(scope))
         conn = HttpConnection(secrets.token_urlsafe(18), header(scope, b"authorization"), Uplink(channel, agent),
                               prefix, lease, identity=Identity(grant is not None,
                                                                grant.tenant if grant is not None else None))

@@ -27,7 +27,7 @@ from uibus.edge.editors.agent import DEFAULT_PREFIX, Editor, check_prefix
 from uibus.edge.editors.uplink import Uplink
 from uibus.edge.transports.acp_http import AcpHttp
 from uibus.edge.transports.asgi import GRANT, Receive, Scope, Send, error_body, header, refuse
-from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.edge.transports.grpcweb import Lookup, client_of, metadata_of, peer_of
 from uibus.edge.transports.inprocess import Channel
 from uibus.infra.auth import Tokens
 from uibus.infra.errors import InvalidArgument
@@ -130,7 +130,8 @@ class AcpWebSocket:
                     return data if data is not None else event.get("bytes") or b""
 
         await send({"type": "websocket.accept"})
-        channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes)
+        channel = Channel(self.lookup, metadata, peer_of(scope), self.max_message_bytes, door="acp",
+                          client=client_of(scope))
         grant = scope.get(GRANT)
         editor = Editor(Uplink(channel, agent), write, prefix=prefix,
                         identity=Identity(grant is not None, grant.tenant if grant is not None else None))

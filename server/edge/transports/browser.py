@@ -43,8 +43,9 @@ from uibus.infra.logs import Throttle
 log = logging.getLogger("uibus.web")
 
 ALLOW_HEADERS = ("content-type, x-grpc-web, x-user-agent, grpc-timeout, x-uibus-session, x-uibus-since, authorization, "
-                 "service_version, user_id, request_id, mcp-session-id, mcp-protocol-version, last-event-id, "
-                 "traceparent, tracestate, baggage")  # W3C trace context: a traced page's calls join its trace
+                 "x-uibus-csrf, service_version, user_id, request_id, mcp-session-id, mcp-protocol-version, "
+                 # W3C trace context: a traced page's calls join its trace
+                 "last-event-id, traceparent, tracestate, baggage")
 EXPOSE_HEADERS = "grpc-status, grpc-message, grpc-status-details-bin, content-type, mcp-session-id"
 MAX_AGE = "600"
 # Origins of IDE webviews, by scheme: a web page can never have these.

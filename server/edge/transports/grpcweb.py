@@ -81,6 +81,14 @@ def metadata_of(scope: Scope) -> Metadata:
     return tuple(out)
 
 
+def client_of(scope: Scope) -> str:
+    """The caller's name for itself (its user-agent), which the metadata leaves out: for the audit log."""
+    for key, value in scope["headers"]:
+        if key == b"user-agent":
+            return value.decode("latin-1")[:120]
+    return ""
+
+
 def peer_of(scope: Scope) -> str:
     """The client address in grpc's `peer()` form."""
     client = scope.get("client")
@@ -199,6 +207,7 @@ class GrpcWeb:
         text = content_type.startswith("application/grpc-web-text")
         metadata = metadata_of(scope)
         ctx = CallContext(metadata, peer_of(scope), "grpc-web", route=path)
+        ctx.client = client_of(scope)
         if scope["method"] != "POST":  # refusals run no handler: nothing to finish but the answer
             await _Response(send, text, ctx).finish(
                 grpc.StatusCode.UNIMPLEMENTED, f"gRPC-Web calls are POST requests, not {scope['method']}")

@@ -33,7 +33,8 @@ class Channel:
     """A grpc.aio-like channel whose calls run in this process; `metadata` goes on every call."""
 
     def __init__(self, lookup: Lookup, metadata: Iterable[tuple[str, str | bytes]] = (),
-                 peer: str = "inprocess", max_message_bytes: int = 0) -> None:
+                 peer: str = "inprocess", max_message_bytes: int = 0, *, door: str = "inprocess",
+                 client: str = "") -> None:
         """`max_message_bytes` (0: none): the bound a gRPC server puts on each request message
         (--max-message-bytes), for doors that call through here on a client's behalf (`/acp`), so
         a message refused over gRPC is refused the same way here (RESOURCE_EXHAUSTED)."""
@@ -41,6 +42,7 @@ class Channel:
         self._metadata = tuple(metadata)
         self._peer = peer
         self.max_message_bytes = max_message_bytes
+        self.door, self.client = door, client  # whose calls these are, for the audit log (`/acp`'s editor)
 
     def unary_unary(self, method: str, request_serializer: Serializer = None,
                     response_deserializer: Deserializer = None) -> _Unary:
@@ -75,7 +77,9 @@ class Channel:
         handler = self._lookup(method, md)
         if handler is None:
             raise _error(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}")
-        return handler, CallContext(md, self._peer, "inprocess", timeout)
+        ctx = CallContext(md, self._peer, "inprocess", timeout)
+        ctx.door, ctx.client = self.door, self.client
+        return handler, ctx
 
 
 class _Method:

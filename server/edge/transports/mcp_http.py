@@ -36,11 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from typing import Any
 
 import grpc
 
 from uibus.edge.calls import CallContext, Outcome, Rejected, drive, unary
+from uibus.edge.calls.acting import client_named
 from uibus.edge.mcp import era, protocol
 from uibus.edge.mcp.protocol import Call, InvalidParams, Message, ProtocolError
 from uibus.edge.mcp.server import McpServer
@@ -57,7 +59,7 @@ from uibus.edge.transports.asgi import (
     respond,
     wait_disconnect,
 )
-from uibus.edge.transports.grpcweb import metadata_of, peer_of
+from uibus.edge.transports.grpcweb import client_of, metadata_of, peer_of
 from uibus.edge.transports.mcp_exchange import Exchange, dump, refuse_call
 from uibus.edge.transports.mcp_resume import RemoteResume, SharedStream, auth_hash
 from uibus.infra.errors import UibusError
@@ -70,6 +72,7 @@ KEEPALIVE_S = 15.0
 RESUME_S = 30.0  # a call whose stream broke waits this long for a resume; an ended stream is kept as long
 MAX_STREAMS = 1024  # ended streams kept for a late resume (the oldest go first past it)
 MAX_REPLAY_BYTES = 64 * 1024 * 1024  # sent events all calls' streams keep for a resume (each at most 1 MiB)
+MAX_CLIENTS = 4096  # MCP sessions whose client's name (initialize's clientInfo) is kept, for the audit log
 
 
 class McpHttp:
@@ -84,6 +87,9 @@ class McpHttp:
         # With replicas, streams are also kept in the session log and followed on the bus (mcp_resume)
         self.bus = server.core.bus
         self.log = server.core.feed.log
+        # Each MCP session's client as it named itself in initialize (the audit log's `client` of its
+        # later calls); this replica's sessions only, the oldest forgotten first: then the user-agent.
+        self.clients: OrderedDict[str, str] = OrderedDict()
 
     def _sweep(self) -> None:
         """Forgets the streams of calls that ended more than `resume_s` ago (and the oldest ended
@@ -221,6 +227,7 @@ class McpHttp:
             sent = {key for key, _ in metadata}
             metadata += tuple(pair for pair in era.trace_context(message.params) if pair[0] not in sent)
         ctx = CallContext(metadata, peer_of(scope), "mcp", route=PATH)
+        ctx.client = self._client(scope, message, envelope, session_id)
         try:
             outcome = await drive(handler, request if message is None else call, ctx, exchange, gone=gone,
                                   within=lambda: self.server.tracking(session_id, ident))
@@ -229,6 +236,20 @@ class McpHttp:
         finally:
             await exchange.close()
             await cancel_and_wait(posted_gone)
+        if call.new_session:  # initialize: its clientInfo names the session's client from now on
+            self.clients[call.new_session] = ctx.client
+            while len(self.clients) > MAX_CLIENTS:
+                self.clients.popitem(last=False)
+
+    def _client(self, scope: Scope, message: Message | None, envelope: Any, session_id: str | None) -> str:
+        """Who the audit log names as the call's client: the clientInfo of the request's envelope
+        (the stateless era), of initialize, or of the session's initialize; else the user-agent."""
+        agent = client_of(scope)
+        if envelope is not None:
+            return client_named(envelope.client, agent)
+        if message is not None and message.method == "initialize":
+            return client_named(message.params.get("clientInfo"), agent)
+        return self.clients.get(session_id, agent) if session_id else agent
 
     def _sharing(self, scope: Scope, exchange: Exchange) -> Any:
         """With replicas: what makes the call's stream followable from any replica (its events
@@ -316,6 +337,7 @@ class McpHttp:
         await unary(self.server.handlers[protocol.path_of("delete")], Call(Message("delete"), session_id), ctx)
         code, details = ctx.status()
         if code == grpc.StatusCode.OK:
+            self.clients.pop(session_id, None)
             await respond(send, 204, b"")
         else:
             await refuse_call(send, None, code, details, None)

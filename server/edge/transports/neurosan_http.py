@@ -34,7 +34,7 @@ from uibus.edge.transports.asgi import (
     wait_disconnect,
     wrong_method,
 )
-from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.edge.transports.grpcweb import Lookup, client_of, metadata_of, peer_of
 from uibus.infra.errors import InvalidArgument
 from uibus.infra.json_input import dump_json_bytes, load_json
 from uibus.infra.proto_check import enum_spellings
@@ -110,6 +110,7 @@ class NeuroSanHttp:
             return
 
         ctx = CallContext(metadata, peer_of(scope), "http", route=route)
+        ctx.client = client_of(scope)
         sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)
         await drive(handler, request, ctx, sink, gone=lambda: wait_disconnect(receive))
 

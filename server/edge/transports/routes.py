@@ -44,17 +44,25 @@ from uibus.edge.transports.asgi import (
     respond,
     wrong_method,
 )
+from uibus.edge.transports.audit_http import PATH as AUDIT_PATH
 from uibus.edge.transports.browser import BrowserGuard, BrowserPolicy
 from uibus.edge.transports.codebolt_ws import CODEBOLTJS_PATH
 from uibus.edge.transports.codebolt_ws import PATH as CODEBOLT_PATH
 from uibus.edge.transports.grpcweb import GrpcWeb, Lookup, peer_of
 from uibus.edge.transports.mcp_http import PATH as MCP_PATH
 from uibus.edge.transports.neurosan_http import PREFIX, NeuroSanHttp
+from uibus.edge.transports.oauth_resource import PATHS as RESOURCE_METADATA
+from uibus.edge.transports.oauth_resource import ProtectedResource, challenging
 from uibus.edge.transports.openapi import DOCS_PATH, document_json
 from uibus.edge.transports.sessions_http import PATH as SESSIONS_PATH
+from uibus.edge.transports.signin import EXPIRED, SignIn
+from uibus.edge.transports.signin import PREFIX as SIGNIN_PREFIX
+from uibus.edge.transports.team_http import INVITE_LINK, INVITES_PATH, invite_link
+from uibus.edge.transports.team_http import SESSIONS_PATH as TEAM_PATH
 from uibus.infra.auth import Tokens
 from uibus.infra.errors import PermissionDenied, Unauthenticated
 from uibus.infra.json_input import dump_json
+from uibus.infra.oidc import Oidc
 from uibus.infra.peers import OwnUserOnly
 from uibus.infra.webview import login_html
 
@@ -105,13 +113,21 @@ TABLE: tuple[Route, ...] = (
     Route(CODEBOLTJS_PATH, MOUNT, PER_CALL, prefix=True, websocket=True),
     Route(MCP_PATH, MOUNT, PER_CALL),  # /mcp alone; each JSON-RPC message is a call
     Route(SESSIONS_PATH, MOUNT, PER_CALL, prefix=True),
+    Route(TEAM_PATH, MOUNT, PER_CALL, prefix=True),  # /api/sessions/<name>/members …: TeamService
+    Route(INVITES_PATH, MOUNT, PER_CALL, prefix=True),
+    Route(AUDIT_PATH, MOUNT, PER_CALL, prefix=True),  # each request a call of uibus.v1.AuditService
     # The editor's connection runs its calls in process, after the door: the door takes the token.
     Route(ACP_PATH, MOUNT, ANY_TOKEN, prefix=True, websocket=True, answer=JSON),
     Route("/", "grpc-web", PER_CALL, prefix=True, content_type="application/grpc-web"),
+    # The page's sign-in (OIDC code flow, the session cookie): before any token, so open to all.
+    Route(SIGNIN_PREFIX, "signin", PUBLIC, prefix=True),
     Route(DOCS_PATH, "docs", PUBLIC, methods=GET, answer=JSON),  # the same for everyone: message schemas
+    # Where a client gets a token (RFC 9728, MCP authorization): uibus.edge.transports.oauth_resource.
+    *(Route(path, "resource metadata", PUBLIC, methods=GET, answer=JSON) for path in RESOURCE_METADATA),
     Route(PREFIX, "api", PER_CALL, prefix=True),
     # The browser cannot send a header when it navigates: a refusal is the page that asks for the token.
     Route("/", "page", ANY_TOKEN, methods=GET, answer=LOGIN),
+    Route(INVITE_LINK, "invite", PUBLIC, prefix=True, methods=GET),  # on to the page: /#invite=<token>
     Route("/favicon.ico", "favicon", PUBLIC, methods=GET),  # fetched without the page's token
     Route("/favicon.svg", "favicon", PUBLIC, methods=GET),
     Route("/healthz", "ok", PROBE, methods=GET),
@@ -129,7 +145,7 @@ class Routes:
                  not_ready: Callable[[], str | None],
                  max_message_bytes: int = 4 * 1024 * 1024, mounts: Mapping[str, ASGIApp] | None = None,
                  tokens: Tokens | None = None, own_user: OwnUserOnly | None = None,
-                 table: tuple[Route, ...] = TABLE) -> None:
+                 table: tuple[Route, ...] = TABLE, oidc: Oidc | None = None) -> None:
         self.grpc_web = GrpcWeb(lookup, max_message_bytes)
         self.api = NeuroSanHttp(lookup, max_message_bytes)
         self.metrics = metrics
@@ -148,8 +164,14 @@ class Routes:
         self.table = table
         self.handlers: dict[str, ASGIApp] = {
             "grpc-web": self.grpc_web, "api": self.api, "docs": _docs, "page": self._page, "favicon": _favicon,
-            "ok": _ok, "ready": self._ready, "metrics": self._metrics, "not found": _not_found}
+            "ok": _ok, "ready": self._ready, "metrics": self._metrics, "not found": _not_found,
+            "signin": self._signin, "resource metadata": ProtectedResource(oidc), "invite": invite_link}
+        # With a provider, every 401 names where a token comes from (uibus.edge.transports.oauth_resource).
+        self.oidc = oidc
         self.guard: ASGIApp | None = None  # the browser policy in front of `_admit`: set by `build`
+        # The page's sign-in (uibus.edge.transports.signin), when --oidc-issuer is set: its routes, and
+        # the one place a session cookie becomes the request's authorization (`_admit`).
+        self.signin: SignIn | None = None
 
     def check(self) -> None:
         """Raises ValueError for a table that is not whole: a route of an unknown handler or token,
@@ -186,6 +208,8 @@ class Routes:
     async def _admit(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The gate's steps 2 to 4 (the module docstring), then the route's handler."""
         route: Route = scope[_ROUTE]
+        if self.oidc is not None:
+            send = challenging(scope, send)
         if route.tokens != PROBE and self.own_user is not None and \
                 (why := self.own_user.refusal(peer_of(scope))) is not None:
             await refuse(scope, send, 401, why + "\n")
@@ -197,6 +221,12 @@ class Routes:
                 await respond(send, 405, f"no {scope['method']} route for {scope['path']}: use {route.methods[0]}\n",
                               headers=[(b"allow", ", ".join(route.methods).encode())])
             return
+        if self.signin is not None and route.handler != "signin":  # the cookie, as a bearer (SignIn.admit)
+            safe = scope["type"] == "http" and scope["method"] in GET and route.methods == GET
+            if (refused := self.signin.admit(scope, safe)) is not None:
+                status, why = refused
+                await self._denied(route, scope, send, Unauthenticated(why) if status == 401 else PermissionDenied(why))
+                return
         if route.tokens in (ANY_TOKEN, METRICS_READER):
             try:
                 scope[GRANT] = check_bearer(self.tokens, route.tokens, header(scope, b"authorization"))
@@ -212,7 +242,8 @@ class Routes:
         status = 401 if isinstance(exc, Unauthenticated) else 403
         extra = [CHALLENGE] if status == 401 else []
         if route.answer == LOGIN:  # the page asks for the token (URL fragment, or a prompt): uibus.infra.webview
-            await respond(send, 401, login_html(), "text/html; charset=utf-8",
+            page = login_html(signin=self.signin is not None, notice=scope.get(EXPIRED, ""))
+            await respond(send, 401, page, "text/html; charset=utf-8",
                           [*extra, (b"cache-control", b"no-store"), *self.page_headers])
         elif route.answer == JSON:
             await refuse(scope, send, status, dump_json(error_body(grpc.StatusCode[exc.code], f"{route.path} {exc}")),
@@ -225,6 +256,12 @@ class Routes:
     async def _page(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, self.page(), "text/html; charset=utf-8",
                       [(b"cache-control", b"no-cache"), *self.page_headers])
+
+    async def _signin(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.signin is None:
+            await respond(send, 404, "sign-in is off: start uibus with --oidc-issuer (docs/security/sign-in.md)\n")
+        else:
+            await self.signin(scope, receive, send)
 
     async def _ready(self, scope: Scope, receive: Receive, send: Send) -> None:
         reason = self.not_ready()

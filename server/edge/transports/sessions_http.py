@@ -31,7 +31,7 @@ from uibus.edge.transports.asgi import (
     wait_disconnect,
     wrong_method,
 )
-from uibus.edge.transports.grpcweb import Lookup, metadata_of, peer_of
+from uibus.edge.transports.grpcweb import Lookup, client_of, metadata_of, peer_of
 from uibus.edge.transports.neurosan_http import _Json, _Lines, _parse
 from uibus.infra.json_input import dump_json
 from uibus.pb.uibus.v1 import sessions_pb2 as pb
@@ -89,5 +89,6 @@ class SessionsHttp:
         if request is None:  # the client went away
             return
         ctx = CallContext(metadata, peer_of(scope), "http")
+        ctx.client = client_of(scope)
         sink: Sink = _Lines(send) if handler.response_streaming else _Json(send)
         await drive(handler, request, ctx, sink, gone=lambda: wait_disconnect(receive))
