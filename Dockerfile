@@ -1,14 +1,15 @@
-# uibus container image: `docker build -t uibus:0.1.0 .` then `docker run -p 26040:26040 -p 8080:8080 uibus:0.1.0`.
+# uibus container image, tagged with this checkout's version (.ci/version; docs/operations.md):
+#   docker build --build-arg VERSION=$(.ci/version) -t uibus:$(.ci/version --tag) .
 # BuildKit (the default builder of current Docker; `DOCKER_BUILDKIT=1` for the 20.10 CLI).
 # Two stages so the image carries no compiler or grpcio-tools: protos are compiled into the wheel.
 # The base is pinned to a patch release so a rebuild gets the same Python; move it on purpose, for
 # both stages at once, e.g. `docker build --build-arg BASE=python:3.11.17-slim-bookworm@sha256:<digest> .`.
 ARG BASE=python:3.11.17-slim-bookworm
-# The release this image is (`docker build --build-arg VERSION=$(.venv/bin/uibus --version | cut -d' ' -f2)`):
-# the build context has no .git, so setuptools-scm is told it, and the package, `uibus --version`,
-# uibus_build_info and the OCI label below all say the same. The default is pyproject.toml's
-# fallback_version (tests/test_deploy.py keeps them equal).
-ARG VERSION=0.1.0
+# The version this image is (`--build-arg VERSION=$(.ci/version)`, e.g. 0.1.1.dev5+g1a2b3c4): the build
+# context has no .git, so setuptools-scm is told it, and the package, `uibus --version`,
+# uibus_build_info and the OCI label below all say the same. Without it, pyproject.toml's
+# fallback_version, which says "not a release" (tests/test_release.py keeps them equal).
+ARG VERSION=0+unknown
 
 FROM ${BASE} AS build
 WORKDIR /src
@@ -48,7 +49,7 @@ USER 10001:10001
 WORKDIR /var/lib/uibus
 # Bind every interface: probes and other containers reach the pod/container address, not loopback.
 # So uibus serves only with a token (it exits 2 without one, docs/security.md):
-#   docker run -e UIBUS_AUTH_TOKEN=$(openssl rand -hex 32) -p 26040:26040 -p 8080:8080 uibus:0.1.0
+#   docker run -e UIBUS_AUTH_TOKEN=$(openssl rand -hex 32) -p 26040:26040 -p 8080:8080 uibus:$(.ci/version --tag)
 ENV UIBUS_HOST=0.0.0.0 \
     UIBUS_PORT=26040 \
     UIBUS_HTTP_PORT=8080 \

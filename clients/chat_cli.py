@@ -7,6 +7,9 @@
 The conversation lives on the server, in the session (`--session`), so a later `uibus chat` — or
 a webview of the same session — continues it; `--new` starts over. The reply is asked for with
 the MAXIMAL filter so its pieces can be printed as they arrive.
+
+When the agent fails a turn, the error goes to stderr and `uibus chat` exits 1 (at once, unless
+interactive: then at the end); the reply on stdout is only ever the agent's answer.
 """
 
 from __future__ import annotations
@@ -36,9 +39,26 @@ def streaming_chat(conn: Connection, agent: str) -> grpc.aio.UnaryStreamMultiCal
                                      response_deserializer=agent_pb2.ChatResponse.FromString)
 
 
+class AgentFailed(Exception):
+    """The agent failed the turn: the server's final message says so (its `structure.error`)."""
+
+
+def failure_of(message: chat_pb2.ChatMessage) -> str:
+    """The failure a turn's final message reports ("" for an answer). uibus marks a failed turn's
+    final message with `structure.error` (uibus.domain.chat), so a reply that merely starts with
+    "Error from" is still an answer."""
+    if not message.HasField("structure"):
+        return ""
+    found = message.structure.fields.get("error")
+    if found is None:
+        return ""
+    return found.string_value or message.text or "the agent failed"
+
+
 async def one_turn(call: grpc.aio.UnaryStreamMultiCallable, text: str, *, new: bool, sly_data: dict[str, Any],
                    out: Any, verbose: bool) -> str:
-    """Sends one message and prints the reply as it streams; returns the whole answer."""
+    """Sends one message and prints the reply as it streams; returns the whole answer. A failed
+    turn raises AgentFailed (after what streamed before the failure, ended with a newline)."""
     request = agent_pb2.ChatRequest(user_message=chat_pb2.ChatMessage(type=chat_pb2.ChatMessage.HUMAN, text=text),
                                     chat_filter=agent_pb2.ChatFilter(chat_filter_type=agent_pb2.MAXIMAL))
     if new:
@@ -46,7 +66,7 @@ async def one_turn(call: grpc.aio.UnaryStreamMultiCallable, text: str, *, new: b
     if sly_data:
         request.sly_data.update(sly_data)
     streamed = False
-    answer = ""
+    answer, failed = "", ""
     async for response in call(request):
         message = response.response
         if message.type == _AI:
@@ -54,13 +74,17 @@ async def one_turn(call: grpc.aio.UnaryStreamMultiCallable, text: str, *, new: b
             out.flush()
             streamed = True
         elif message.type == _FRAMEWORK:
+            failed = failure_of(message)
             answer = message.text
-            if not streamed:
+            if not streamed and not failed:
                 out.write(answer)
         elif verbose and message.text:
             print(f"[{chat_pb2.ChatMessage.ChatMessageType.Name(message.type)}] {message.text}", file=sys.stderr)
-    out.write("\n")
+    if streamed or not failed:
+        out.write("\n")
     out.flush()
+    if failed:
+        raise AgentFailed(failed)
     return answer
 
 
@@ -77,7 +101,7 @@ async def run(ns: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     async with Connection(ns.target, session=ns.session, token=ns.token, tls=ns.tls) as conn:
         call = streaming_chat(conn, ns.agent)
-        new = ns.new
+        new, failed = ns.new, False
         messages = iter(ns.message) if ns.message else None
         while True:
             if messages is not None:
@@ -88,10 +112,16 @@ async def run(ns: argparse.Namespace) -> int:
                 line = await loop.run_in_executor(None, sys.stdin.readline)
                 text = line.rstrip("\n") if line else None
             if text is None:
-                return 0
+                return 1 if failed else 0
             if not text.strip():
                 continue
-            await one_turn(call, text, new=new, sly_data=sly_data, out=sys.stdout, verbose=ns.verbose)
+            try:
+                await one_turn(call, text, new=new, sly_data=sly_data, out=sys.stdout, verbose=ns.verbose)
+            except AgentFailed as exc:
+                print(f"uibus chat: {exc}", file=sys.stderr, flush=True)
+                if not interactive:  # a script's next message would build on a turn that failed
+                    return 1
+                failed = True
             new = False
 
 

@@ -2,8 +2,10 @@
 
     uibus serve                                  # run the service on embedded defaults
     uibus subscribe subscribeToTheme             # print events as JSON lines until Ctrl-C
+    uibus subscribe partialMessage --since 41    # what changed after seq 41, then live
     uibus publish theme '{"kind":"dark"}'        # publish a UI event as the host
     uibus call scrollToSettings '{"value":"x"}'  # call any RPC with a JSON request
+    uibus call uibus.v1.SessionService/CreateSession '{"title":"q1"}' --session q1
     uibus --version                              # the installed uibus version
 
 Replies print as JSON with every field, zero values included ({"subscribers": 0}, not {}).
@@ -24,17 +26,35 @@ from google.protobuf import json_format
 from uibus import version
 from uibus.clients import ext_ui_stdio
 from uibus.clients.connection import Connection, to_json
+from uibus.infra.session import SINCE_KEY
 from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import host_pb2
 
 SUBSCRIPTIONS = [m for m in ui_pb2.DESCRIPTOR.services_by_name["UiService"].methods_by_name
                  if m.startswith("subscribeTo")]
+RESUMABLE = ("subscribeToPartialMessage",)  # the UiService stream that takes a cursor; the others are live only
 BUTTONS = {"mcp": host_pb2.BUTTON_MCP, "history": host_pb2.BUTTON_HISTORY, "chat": host_pb2.BUTTON_CHAT,
            "account": host_pb2.BUTTON_ACCOUNT, "settings": host_pb2.BUTTON_SETTINGS}
 
 
 def _connection(ns: argparse.Namespace) -> Connection:
     return Connection(ns.target, session=ns.session, token=ns.token, tls=ns.tls)
+
+
+def _since(ns: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The cursor as the resumable streams take it (metadata `x-uibus-since`)."""
+    return () if ns.since is None else ((SINCE_KEY, str(ns.since)),)
+
+
+def _cursor(value: str) -> int:
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a sequence number (a non-negative integer)")
+    return int(value)
+
+
+def _since_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--since", type=_cursor, metavar="SEQ",
+                   help=f"resume after this sequence number (a message's `seq`): {what} (docs/streams/resume.md)")
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -51,13 +71,17 @@ async def _subscribe(ns: argparse.Namespace) -> int:
     if rpc not in SUBSCRIPTIONS:
         print(f"uibus subscribe: unknown stream {ns.rpc!r}; one of: {', '.join(SUBSCRIPTIONS)}", file=sys.stderr)
         return 2
+    if ns.since is not None and rpc not in RESUMABLE:
+        print(f"uibus subscribe: {rpc} is live only; --since resumes {', '.join(RESUMABLE)} "
+              "(docs/streams/resume.md)", file=sys.stderr)
+        return 2
     request: dict[str, object] = {}
     if rpc == "subscribeToFocusChatInput":
         request["value"] = ns.client_id
     elif ns.provider:
         request["providerType"] = ns.provider
     async with _connection(ns) as conn:
-        async for line in conn.call_json(f"cline.UiService/{rpc}", json.dumps(request)):
+        async for line in conn.call_json(f"cline.UiService/{rpc}", json.dumps(request), _since(ns)):
             print(line, flush=True)
     return 0
 
@@ -98,7 +122,7 @@ async def _publish(ns: argparse.Namespace) -> int:
 async def _call(ns: argparse.Namespace) -> int:
     async with _connection(ns) as conn:
         try:
-            async for line in conn.call_json(ns.rpc, ns.json):
+            async for line in conn.call_json(ns.rpc, ns.json, _since(ns)):
                 print(line, flush=True)
         except LookupError as exc:
             print(f"uibus call: {exc.args[0]}", file=sys.stderr)
@@ -134,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rpc", help="e.g. subscribeToPartialMessage or partialMessage")
     p.add_argument("--provider", choices=["SIDEBAR", "TAB"], help="provider type for button streams")
     p.add_argument("--client-id", default="cli", help="client id for subscribeToFocusChatInput")
+    _since_option(p, "the latest state of every message that changed after it comes first, then live")
     _client_options(p)
     p.set_defaults(func=_async_command(_subscribe))
 
@@ -145,9 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(p)
     p.set_defaults(func=_async_command(_publish))
 
-    p = sub.add_parser("call", help="call any RPC with a JSON request; prints JSON responses")
-    p.add_argument("rpc", help="method name, e.g. scrollToSettings or uibus.v1.HostService/GetBusStats")
+    p = sub.add_parser("call", help="call any RPC uibus serves with a JSON request; prints JSON responses "
+                                     "(a stream's as JSON lines)")
+    p.add_argument("rpc", help="method name, e.g. scrollToSettings, uibus.v1.SessionService/CreateSession or "
+                               "hello_world.AgentService/StreamingChat")
     p.add_argument("json", nargs="?", default="{}", help="request as proto3 JSON")
+    _since_option(p, "for the streams that resume")
     _client_options(p)
     p.set_defaults(func=_async_command(_call))
 
@@ -171,6 +199,10 @@ EXTRA_COMMANDS.append(acp_cli.add_parser)
 from uibus.clients import audit_cli  # noqa: E402 - `uibus audit verify|export`: the audit log, from its store
 
 EXTRA_COMMANDS.append(audit_cli.add_parser)
+
+from uibus.clients import backup_cli  # noqa: E402 - `uibus backup DEST`: one consistent copy of the SQLite store
+
+EXTRA_COMMANDS.append(backup_cli.add_parser)
 
 
 def main(argv: list[str] | None = None) -> int:

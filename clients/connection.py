@@ -16,9 +16,9 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-from google.protobuf import json_format, symbol_database
-from google.protobuf.descriptor import MethodDescriptor
+from google.protobuf import json_format
 
+from uibus.clients import descriptors
 from uibus.pb.cline import ui_pb2_grpc
 from uibus.pb.uibus.v1 import host_pb2_grpc
 
@@ -90,22 +90,23 @@ class Connection:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def call_json(self, method: str, request_json: str = "{}") -> AsyncIterator[str]:
-        """Calls any method uibus serves by name (`scrollToSettings`, `cline.UiService/openUrl`)
-        with a JSON request, yielding each response as JSON (one for unary, many for streams)."""
-        desc = find_method(method)
-        db = symbol_database.Default()
-        req_cls = db.GetSymbol(desc.input_type.full_name)
-        resp_cls = db.GetSymbol(desc.output_type.full_name)
-        request = json_format.Parse(request_json or "{}", req_cls())
-        path = f"/{desc.containing_service.full_name}/{desc.name}"
-        kw = {"request_serializer": req_cls.SerializeToString, "response_deserializer": resp_cls.FromString}
-        if desc.server_streaming:
-            call = self.channel.unary_stream(path, **kw)(request)
+    async def call_json(self, method: str, request_json: str = "{}",
+                        metadata: tuple[tuple[str, str], ...] = ()) -> AsyncIterator[str]:
+        """Calls any method uibus serves by name (`scrollToSettings`, `cline.UiService/openUrl`,
+        `hello_world.AgentService/StreamingChat`: uibus.clients.descriptors) with a JSON request,
+        yielding each response as JSON (one for unary, many for streams); LookupError for a name
+        that matches no method (or several), saying the nearest ones."""
+        found = await descriptors.find(self.channel, method)
+        if found.client_streaming:
+            raise LookupError(f"{found.path[1:]} takes a stream of requests; uibus call sends one")
+        request = json_format.Parse(request_json or "{}", found.request(), descriptor_pool=found.pool)
+        kw = {"request_serializer": found.request.SerializeToString, "response_deserializer": found.response.FromString}
+        if found.server_streaming:
+            call = self.channel.unary_stream(found.path, **kw)(request, metadata=metadata or None)
             async for resp in call:
                 yield to_json(resp)
         else:
-            yield to_json(await self.channel.unary_unary(path, **kw)(request))
+            yield to_json(await self.channel.unary_unary(found.path, **kw)(request, metadata=metadata or None))
 
 
 def to_json(message: Any) -> str:
@@ -117,38 +118,3 @@ def to_json(message: Any) -> str:
                                                 always_print_fields_with_no_presence=True),
                       separators=(",", ":"))
 
-
-# Generated modules whose services `call_json` can reach; missing ones are skipped.
-SERVICE_MODULES = (
-    "uibus.pb.cline.ui_pb2",
-    "uibus.pb.uibus.v1.host_pb2",
-    "uibus.pb.uibus.v1.extension_ui_pb2",
-    "uibus.pb.uibus.v1.codebolt_pb2",
-    "uibus.pb.neuro_san.api.grpc.agent_pb2",
-    "uibus.pb.neuro_san.api.grpc.concierge_pb2",
-)
-
-
-def find_method(name: str) -> MethodDescriptor:
-    """Finds `Service/Method`, `pkg.Service/Method` or a bare method name among uibus's services."""
-    import importlib
-
-    service_name, _, method_name = name.rpartition("/")
-    matches = []
-    for module_name in SERVICE_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        for service in module.DESCRIPTOR.services_by_name.values():
-            if service_name and service_name not in (service.name, service.full_name):
-                continue
-            method = service.methods_by_name.get(method_name)
-            if method is not None:
-                matches.append(method)
-    if not matches:
-        raise LookupError(f"no uibus method is called {name!r}")
-    if len(matches) > 1:
-        raise LookupError(f"{name!r} is ambiguous: " + ", ".join(
-            f"{m.containing_service.full_name}/{m.name}" for m in matches))
-    return matches[0]

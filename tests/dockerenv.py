@@ -48,9 +48,11 @@ STANDINS = {  # image -> (Dockerfile under tests/docker, the rootfs image it sta
     "uibus-standin/redis": ("redis.Dockerfile", "uibus-standin/trixie"),
     "uibus-standin/nginx": ("nginx.Dockerfile", "uibus-standin/trixie"),
 }
-# The tag compose's file names too; another name only to build a second checkout's image on the same
-# engine without replacing the one a running suite uses (the compose test still needs this one).
-IMAGE = os.environ.get("UIBUS_TEST_IMAGE") or "uibus:0.1.0"
+# The tests' name for this checkout's image (not a version: one name, so repeated runs replace it rather
+# than keep an image per commit; its label and `uibus --version` carry the version); the compose test
+# hands compose its tag as UIBUS_IMAGE_TAG. Another name only to build a second checkout's image on
+# the same engine without replacing the one a running suite uses.
+IMAGE = os.environ.get("UIBUS_TEST_IMAGE") or "uibus:checkout"
 
 
 def package_version() -> str | None:

@@ -25,6 +25,7 @@ import difflib
 import importlib
 import os
 import pkgutil
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -42,6 +43,17 @@ def _cell(text: str) -> str:
 
 
 # -- CLI ----------------------------------------------------------------------------------------
+
+_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*[a-z0-9]")
+
+
+def _code_flags(text: str) -> str:
+    """A help text's flag names as code (`--auth-token`), outside code spans it already has: the site
+    keeps a code name in a table on one line (docs-site/hooks.py), where plain text breaks after a
+    hyphen (`--auth-` / `token`)."""
+    parts = text.split("`")
+    return "`".join(_FLAG.sub(lambda m: f"`{m.group(0)}`", part) if i % 2 == 0 else part
+                    for i, part in enumerate(parts))
 
 
 def cli_page() -> str:
@@ -68,13 +80,13 @@ def cli_page() -> str:
         lines.append(f"\n## uibus {name}\n\n{_cell(helps.get(name, ''))}\n\n")
         rows = []
         for a in p._actions:
-            if isinstance(a, argparse._HelpAction):
+            if isinstance(a, argparse._HelpAction) or a.help == argparse.SUPPRESS:  # --help hides it too
                 continue
             flag = ", ".join(f"`{o}`" for o in a.option_strings) or f"`{a.metavar or a.dest}` (positional)"
             env = f"`UIBUS_{a.dest.upper()}`" if name == "serve" else ""
             # argparse's own %-escapes undone; the default store path is the reader's home, not ours.
             text = (a.help or "").replace("%%", "%").replace(str(Path.home()), "~")
-            rows.append(f"| {flag} | {env} | {_cell(text)} |\n")
+            rows.append(f"| {flag} | {env} | {_code_flags(_cell(text))} |\n")
         if rows:
             lines.append("| Flag | Env var | What it does |\n|---|---|---|\n")
             lines.extend(rows)

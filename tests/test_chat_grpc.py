@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -55,7 +56,7 @@ async def test_agents_come_from_a_toml_config(config, connect, tmp_path: Path):
                     'tools = ["search"]\ndisplay_as = "coded_tool"\nparameters = { type = "object" }\n'
                     '[agents.options]\ngreeting = "Alpha here."\ndelay_ms = 0\n'
                     '[[agents]]\nname = "beta"\ndescription = "second"\ntags = ["b", "c"]\n')
-    async with running(config, str(path)) as app:
+    async with running(replace(config, store=str(tmp_path / "toml.db")), str(path)) as app:  # beside `connect`'s app
         async with Connection(f"127.0.0.1:{app.port}") as conn:
             listed = await concierge_pb2_grpc.ConciergeServiceStub(conn.channel).List(concierge_pb2.ConciergeRequest())
             assert [(a.agent_name, a.description, list(a.tags)) for a in listed.agents] == [

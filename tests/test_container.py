@@ -165,7 +165,9 @@ async def test_compose_stack_through_its_front_and_across_replicas(docker: Docke
     grpc_port, http_port = free_port(), free_port()
     env = {"UIBUS_REDIS_IMAGE": "uibus-standin/redis", "UIBUS_NGINX_IMAGE": "uibus-standin/nginx",
            "UIBUS_FRONT_GRPC_PORT": str(grpc_port), "UIBUS_FRONT_HTTP_PORT": str(http_port),
-           "UIBUS_AUTH_TOKEN": TOKEN, "REDIS_PASSWORD": "redis-" + TOKEN}
+           "UIBUS_AUTH_TOKEN": TOKEN, "REDIS_PASSWORD": "redis-" + TOKEN,
+           # the image the fixture built: compose names it by these (`.ci/version --env` for an operator)
+           "UIBUS_IMAGE_TAG": IMAGE.split(":", 1)[1], "UIBUS_VERSION": docker.built_version or "0+unknown"}
     require_binary("docker-compose")  # before the try: its skip must not meet the cleanup's compose calls
     started = time.monotonic()
     try:

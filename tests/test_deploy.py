@@ -30,10 +30,13 @@ REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "deploy" / "k8s"
 BASE = K8S / "base"
 OVERLAYS = K8S / "overlays"
-# The release the image, compose and the k8s base are tagged with by default: pyproject's fallback version
-# (the version is otherwise derived from git tags; tests/test_release.py).
+# The Dockerfile's VERSION without a build argument: pyproject's fallback, "not a release"
+# (tests/test_release.py). The k8s base deploys the last release (RELEASES' last line); compose builds
+# and tags this checkout's version, which `.ci/version --env` gives it (compose refuses to start without).
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools_scm"]["fallback_version"]
-IMAGE = f"uibus:{VERSION}"
+RELEASE = [line.split()[0] for line in (REPO / "RELEASES").read_text().splitlines()
+           if line.strip() and not line.startswith("#")][-1]
+IMAGE = "uibus:${UIBUS_IMAGE_TAG:?set UIBUS_IMAGE_TAG and UIBUS_VERSION to what .ci/version --env prints}"
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -75,7 +78,7 @@ def test_k8s_deployment_probes_are_grpc_on_26040(monkeypatch: pytest.MonkeyPatch
     assert "replicas" not in dep["spec"]  # the HPA owns it; a fixed count would fight it on every apply
     pod = dep["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["image"] == IMAGE
+    assert container["image"] == f"uibus:{RELEASE}"
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == 26040, probe
         assert container[probe]["grpc"].get("service", "") == ""  # uibus reports "" NOT_SERVING on shutdown
@@ -144,7 +147,7 @@ def test_compose_builds_the_image_once_and_front_waits_for_healthy_replicas() ->
     builders = {name: s for name, s in services.items() if "build" in s}
     (builder,) = builders.values()  # a second `build` of the same image would build it twice
     assert builder["image"] == IMAGE and builder["build"]["context"] == "."
-    assert builder["build"]["args"]["VERSION"] == VERSION
+    assert builder["build"]["args"]["VERSION"].startswith("${UIBUS_VERSION:?")
     assert builder.get("pull_policy") == "build"  # never a same-named image from a registry instead
     users = [s for name, s in services.items() if s.get("image") == IMAGE and name not in builders]
     assert users and all(s.get("pull_policy") == "never" for s in users)

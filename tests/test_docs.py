@@ -12,10 +12,11 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests import docs_gen
-from tests.conftest import REPO
+from tests.conftest import REPO, require
 from uibus.infra.config import Config
 
 DOCS = REPO / "docs"
@@ -50,9 +51,13 @@ def test_reference_pages_match_the_code() -> None:
                        + "\n".join(diffs.values())[:4000])
 
 
+@pytest.mark.node
 def test_docs_site_builds_strict(tmp_path: Path) -> None:
     """`mkdocs build --strict` from mkdocs.yml: every warning (a link to a missing page or anchor, a
-    page left out of the nav) fails the build. Built into a temporary directory, not ./site."""
+    page left out of the nav) fails the build. Built into a temporary directory, not ./site. The
+    build needs docs-site's npm packages (the site's own Mermaid; tests/test_docs_offline.py)."""
+    require("docs-site's npm packages (.ci/setup: npm ci --prefix docs-site)",
+            (REPO / "docs-site/node_modules/mermaid/dist/mermaid.min.js").is_file(), "node")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site"),
                           "--config-file", str(REPO / "mkdocs.yml")], capture_output=True, text=True, env=env,

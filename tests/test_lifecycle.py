@@ -225,7 +225,8 @@ async def test_a_failed_start_undoes_what_started(config, tmp_path):
 async def test_a_port_taken_fails_start_and_releases_everything(config):
     log: list[str] = []
     async with App(replace(config, http_port=free_port())) as first:
-        taken = replace(config, port=0, http_port=first.http_port)  # the HTTP port is taken
+        # the HTTP port is taken (a store of its own: the first one's is refused, tests/test_store_lock.py)
+        taken = replace(config, port=0, http_port=first.http_port, store=config.store + ".second")
         second = App(taken, installers=[*INSTALLERS, recording(log, "x")])
         with pytest.raises(OSError):
             await second.start()

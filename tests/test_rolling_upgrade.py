@@ -42,7 +42,7 @@ from uibus.pb.cline import common_pb2, ui_pb2
 from uibus.pb.uibus.v1 import extension_ui_pb2 as ext_pb
 from uibus.pb.uibus.v1 import extension_ui_pb2_grpc
 
-PREVIOUS = "477ee00"  # uibus 0.1.0, the previous release (CHANGELOG.md); tag it v0.1.0 to name it so
+PREVIOUS = "477ee00"  # uibus 0.1.0, the previous release (RELEASES, tag v0.1.0; tests/test_release.py keeps them equal)
 PREVIOUS_VENV = REPO / ".venv-previous"
 LEASE_S = 4.0  # a turn that waited for a lease to expire would take at least this long
 

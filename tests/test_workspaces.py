@@ -324,7 +324,8 @@ async def test_the_page_shows_each_sessions_branch_and_diff(config: Config, tmp_
                 await page.goto(f"http://127.0.0.1:{app.http_port}/?session=a-1")
                 await page.wait_for_selector('#status[data-state="live"]', timeout=10_000)
                 await page.wait_for_selector('#session-list li[data-session="a-2"] .s-ws', timeout=10_000)
-                assert await page.text_content('#session-list li[data-session="a-2"] .s-ws') == "⎇ pi +1 −0"
+                assert await page.text_content('#session-list li[data-session="a-2"] .s-ws') == "pi +1 −0"
+                assert await page.locator('#session-list li[data-session="a-2"] .s-ws svg.icon').count() == 1
                 row = '#workspaces .ws-row[data-agent="pi"]'
                 await page.wait_for_selector(row, timeout=10_000)
                 assert await page.text_content(f"{row} .ws-changes") == "1 file +1 −0"

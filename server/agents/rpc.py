@@ -12,9 +12,12 @@ conversation. With option `resume` (default true) the `sessionFile` that `get_st
 conversation's handle (uibus.domain.agent_handles): a later process of the same uibus session (after
 an idle close, a restart, on another replica) reopens it with `switch_session`. A turn is one `prompt`:
 
-* it ends at `agent_end`, or at the prompt's `response` for an extension command (`/name`), which
-  pi runs at once and answers when it has finished (a model prompt is answered *first* and its run
-  follows, so the response cannot end it);
+* it ends at `agent_end`, or at the prompt's `response` for an extension command — a `/name` the
+  agent's `get_commands` lists as one (anything else, `/usr/bin/true` too, is a model prompt) —
+  which pi runs at once and answers when it has finished (a model prompt is answered *first* and its
+  run follows, so the response cannot end it). Even then the response ends it only when a `get_state`
+  asked after it says no run started (pi starts a prompt's run before it reads the next command), so
+  a run's output is never cut off into no turn or the next one;
 * text deltas are the reply's pieces; thinking and tool executions are MAXIMAL messages and Cline
   messages on the session's webviews (REASONING, COMMAND_SAY + COMMAND_OUTPUT_SAY for `bash`, TOOL_SAY
   with ClineSayTool JSON for the others);
@@ -108,6 +111,7 @@ class RpcSession(StdioSession):
         self._answered: set[str] = set()
         self._fires: asyncio.Queue[Event] = asyncio.Queue()
         self._command_turn = False  # this turn's prompt is an extension command (see prepare)
+        self._runs_started = 0  # agent_start events seen: did a command's prompt start a run after all?
         self.steering = PiSteering(self.command, self._keep_conversation)  # models, commands, sessions
 
     # ---- the process ----
@@ -178,6 +182,7 @@ class RpcSession(StdioSession):
             self._ui_request(message)
             return
         elif kind == "agent_start":
+            self._runs_started += 1
             self.run_started()
         elif kind == "agent_end":
             self.run_ended()
@@ -280,21 +285,38 @@ class RpcSession(StdioSession):
 
     async def _extension_command(self, line: str) -> bool:
         """Whether `/line` names an extension command (which pi runs before it answers the prompt,
-        so the turn ends at the response), not a prompt template or a skill (a model run, ending at
-        agent_end). Asked of the agent each time (`get_commands`: extensions may add commands); an
-        agent that cannot say is taken at its word that `/name` is a command, as pi's RPC docs show."""
+        so the turn ends at the response), not a prompt template, a skill or a path such as
+        `/usr/bin/true` (a model run, ending at agent_end). Asked of the agent each time
+        (`get_commands`: extensions may add commands). Only a command the agent listed is one: an
+        agent that cannot say, or lists none, gets a model prompt (whose turn waits for agent_end;
+        taking it for a command ended the turn before its run and gave the run to no turn)."""
         name = line.split(None, 1)[0] if line.strip() else ""
+        if not name:
+            return False
         try:
             async with asyncio.timeout(self.options.start_timeout):
                 reply = await self.command("get_commands")
         except (AgentError, TimeoutError):
-            return True
+            return False
         data = reply.get("data")
         commands = data.get("commands") if isinstance(data, dict) else None
         if not reply.get("success") or not isinstance(commands, list):
-            return True
+            return False
         return any(isinstance(c, dict) and c.get("name") == name and c.get("source") == "extension"
                    for c in commands)
+
+    async def _run_followed(self, started: int) -> bool:
+        """After a command's response: whether the prompt started a run after all (an agent that
+        listed a command it then did not run, or one whose command starts a run). pi starts a
+        prompt's run before it reads our next command, so `get_state` is the barrier: its answer
+        comes after that run's `agent_start`, with `isStreaming` set."""
+        try:
+            async with asyncio.timeout(self.options.start_timeout):
+                state = await self.command("get_state")
+        except TimeoutError:
+            return True  # cannot tell: wait for agent_end (bounded by the turn's deadline)
+        data = state.get("data") if isinstance(state.get("data"), dict) else {}
+        return self._runs_started != started or data.get("isStreaming") is True
 
     async def prepare(self, turn: Turn) -> None:
         self._command_turn = turn.text.startswith("/") and await self._extension_command(turn.text[1:])
@@ -309,6 +331,7 @@ class RpcSession(StdioSession):
             except AgentError:
                 run.ended = True  # refused before anything was sent: no run to abort
                 raise
+            started = self._runs_started
             self.process.send({"type": "prompt", "message": turn.text, "id": ident, **images})
             while True:
                 message = await run.next()
@@ -320,8 +343,9 @@ class RpcSession(StdioSession):
                         run.ended = True  # refused: no run to abort
                         raise AgentError(_str(message.get("error")) or "the agent refused the prompt")
                     responded = True
-                    if is_command and not self.running:
-                        break  # pi ran the command before it answered
+                    if is_command and not self.running and not await self._run_followed(started):
+                        break  # pi ran the command before it answered, and no run followed
+                    is_command = False  # a run is on: this turn is its, to agent_end
                     continue
                 if kind == "agent_end":
                     run.ended = True

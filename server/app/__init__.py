@@ -49,7 +49,7 @@ from uibus.infra import telemetry
 from uibus.infra.audit_backends import audit_log_for
 from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
-from uibus.infra.config import Config, is_loopback, redacted
+from uibus.infra.config import Config, address, is_loopback, redacted
 from uibus.infra.oidc import Oidc
 from uibus.infra.oidc import installed as oidc_installed
 from uibus.infra.peers import OwnUserOnly
@@ -70,14 +70,14 @@ T = TypeVar("T")
 
 
 def open_store(config: Config) -> Store:
-    """The configured session store: Redis when a URL is given, else the SQLite file; either keeps
-    sessions for the configured idle TTL and up to the configured number."""
+    """Redis when a URL is given, else the SQLite file that this uibus alone serves (infra.store_lock)."""
     ttl_s, max_sessions = config.session_ttl_seconds, config.max_sessions
     if config.redis_url:
         from uibus.infra.redis import RedisStore
 
         return RedisStore(config.redis_url, ttl_s=ttl_s, max_sessions=max_sessions, cluster=config.redis_cluster)
-    return SqliteStore(config.store, ttl_s=ttl_s, max_sessions=max_sessions)
+    return SqliteStore(config.store, ttl_s=ttl_s, max_sessions=max_sessions,
+                       serving={"grpc": address(config.host, config.port), "http": config.http_port})
 
 
 def make_bus(config: Config) -> Bus:

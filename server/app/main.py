@@ -11,12 +11,14 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from uibus.app.workers import SIGNALS, supervise
 from uibus.edge.transports.browser import BrowserPolicy
 from uibus.infra import logs
 from uibus.infra.config import Config, address, describe, why_not
 from uibus.infra.errors import ConfigError
+from uibus.infra.store_lock import StoreInUse, holder
 from uibus.infra.worker_table import Worker
 
 
@@ -84,6 +86,9 @@ def run(ns: argparse.Namespace) -> int:
     try:
         config = Config.from_args(ns)
         BrowserPolicy.from_config(config)  # a bad --allowed-hosts / --cors-origins entry: one line, before any bind
+        held = None if config.redis_url or config.store == ":memory:" else holder(Path(config.store).expanduser())
+        if held is not None:  # before the ports: a second serve with the same ports is told the cause
+            return _fail(describe(held, ns), 1)
         for flag, port in (("--port", config.port), ("--http-port", config.http_port)):
             reason = _cannot_listen(config.host, port)
             if reason:
@@ -119,6 +124,8 @@ def _serve(config: Config, ns: argparse.Namespace, worker: Worker | None = None)
     try:
         with asyncio.Runner(loop_factory=loop_factory(config.loop)) as runner:
             runner.run(serve(config, worker))
+    except StoreInUse as exc:  # another uibus took the store since run() asked: a machine state, as a port
+        return describe(exc, ns), 1
     except ConfigError as exc:  # the store, TLS, agents or tokens file, found bad while starting
         return describe(exc, ns), 2
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are installed

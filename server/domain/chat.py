@@ -331,7 +331,7 @@ class Chat:
                             now = time.monotonic()
                             if now - published_at >= PARTIAL_INTERVAL_S:
                                 published_at = now
-                                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True)
+                                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, partial=True, agent=agent)
                         elif isinstance(piece, Final):
                             final = piece
                         elif isinstance(piece, Stop):
@@ -346,7 +346,7 @@ class Chat:
             # Cancelled or closed: still end the webview's message (if one was shown), so no UI shows
             # a reply "typing" forever; say() never awaits, so this cannot delay the cancel.
             if published_at:
-                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts)
+                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, agent=agent)
             raise
         finally:
             await held.aclose()  # the next turn of this (session, agent) may start
@@ -362,10 +362,10 @@ class Chat:
             answer = "".join(parts)
             new_ctx, returned_sly = next_context(ctx, agent, text, answer), None
         if not error:
-            feed.say(session, answer, ui_pb2.TEXT, ts=ts)
+            feed.say(session, answer, ui_pb2.TEXT, ts=ts, agent=agent)
         else:  # what was streamed stays as it was, finished; the failure is Cline's ERROR message
             if published_at:
-                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts)
+                feed.say(session, "".join(parts), ui_pb2.TEXT, ts=ts, agent=agent)
             feed.say(session, answer, ui_pb2.ERROR)
         if not error and keep:
             new_ctx = await self._keep(session, agent, ctx, new_ctx, own_context, text, answer)
@@ -375,6 +375,8 @@ class Chat:
         message = chat_pb2.ChatMessage(type=_FRAMEWORK, text=answer, chat_context=new_ctx)
         if stop:
             message.structure.update({"stop_reason": stop})
+        if error:  # the marker a client tells a failure by (`uibus chat` exits non-zero), not the text's wording
+            message.structure.update({"error": answer, "tool": agent})
         if returned_sly:
             message.sly_data.update(returned_sly)
         reply = agent_pb2.ChatResponse(request=echo, response=message) if maximal \

@@ -47,6 +47,7 @@ MAX_INTENT_FIELD_CHARS = 256
 HOST_REQUESTS = "host_request"  # the kind of the host's requests in the session log
 MAX_URL_CHARS = 2048
 MAX_THEME_CHARS = 256 * 1024
+AGENT_PROVIDER = "uibus"  # a hosted agent's reply: model_info.provider_id (model_id: the agent's name)
 _EMPTY = common_pb2.Empty()
 _PROVIDER_TYPES = frozenset(ui_pb2.WebviewProviderType.values())
 # The valid numbers of each enum field, computed once: `EnumTypeWrapper.values()` builds a new list
@@ -369,10 +370,15 @@ class UiFeed:
         self.log.stamp(session, message)  # its seq and epoch, and into the log, before fan-out
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, message, key=message.ts)
 
-    def say(self, session: str, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False) -> int:
-        """A SAY message of uibus's own (chat replies, CodeBolt messages); `ts` from `clock`."""
+    def say(self, session: str, text: str, say: int = ui_pb2.TEXT, *, ts: int = 0, partial: bool = False,
+            agent: str = "") -> int:
+        """A SAY message of uibus's own (chat replies, CodeBolt messages); `ts` from `clock`. A hosted
+        agent's reply names the agent (`model_info`: provider `uibus`, model the agent), so a page
+        that replays it later heads it as the live reply was headed."""
         ts = ts or self.clock.next()
         msg = ui_pb2.ClineMessage(ts=ts, type=ui_pb2.SAY, say=say, text=text, partial=partial)  # type: ignore[arg-type]
+        if agent:
+            msg.model_info.provider_id, msg.model_info.model_id = AGENT_PROVIDER, agent
         self.log.stamp(session, msg)
         return self.bus.publish(session, kinds.PARTIAL_MESSAGE, msg, key=ts)
 

@@ -130,6 +130,11 @@ class Incoming:
         for task in list(self._open.values()):
             task.cancel()
 
+    async def join(self) -> None:
+        """Waits until none runs (each ends its own way: answered, or cancelled by its owner)."""
+        while self._open:
+            await asyncio.wait(list(self._open.values()))
+
     async def aclose(self, patience: float | None = 5.0) -> None:
         """Refuses new ones, cancels the running ones and waits for them to end."""
         await self._tasks.aclose(patience=patience)
@@ -313,6 +318,15 @@ class Peer:
         await self._send(answer)
 
     # ---- the end ---------------------------------------------------------------------------------
+
+    async def finish(self, why: str) -> None:
+        """The peer's input ended but our way to it has not (a pipe's reader at EOF; `uibus acp`
+        with its stdin read to the end): every request the peer sent is still answered — waited
+        for, not cancelled —, while ours fail with `why` at once, since no answer can come any more.
+        `aclose` is still the end, after this."""
+        self.ended = self.ended or why
+        self.pending.fail_all(why)
+        await self.incoming.join()
 
     async def aclose(self, why: str = "the connection closed") -> None:
         """The end: every request of ours still waiting fails with `why`, every request of the

@@ -16,6 +16,7 @@ from uibus.infra.errors import ConfigError, StoreFull, StoreUnavailable
 from uibus.infra.filemodes import private_store, said
 from uibus.infra.sqlite_log import append_batch
 from uibus.infra.store import EVICT_BATCH, NO_KEY, LogEntry, LogRead, LogRetention, Store, now_ms
+from uibus.infra.store_lock import StoreLock
 
 __all__ = ["SqliteStore"]
 
@@ -41,8 +42,12 @@ class SqliteStore(Store):
     StoreFull / StoreUnavailable.
     """
 
-    def __init__(self, path: str, *, ttl_s: float = 0, max_sessions: int = 0, sweep_s: float | None = None) -> None:
+    def __init__(self, path: str, *, ttl_s: float = 0, max_sessions: int = 0, sweep_s: float | None = None,
+                 serving: dict[str, Any] | None = None) -> None:
+        """`serving`: this store is the one a uibus serves, which says so (its addresses) in the store's
+        lock file and holds it until `close` (uibus.infra.store_lock); StoreInUse when another does."""
         super().__init__(ttl_s=ttl_s, max_sessions=max_sessions, sweep_s=sweep_s)
+        self._lock: StoreLock | None = None
         self._faults = _Faults(self)
         self._closed = False
         self._corrupt = False  # a page was found damaged: the probe re-checks the file, not just one write
@@ -55,11 +60,15 @@ class SqliteStore(Store):
                 if file.is_dir():
                     raise ConfigError("--store", f"{shown}: is a directory, not a SQLite file")
                 tightened = private_store(file)  # its user's alone: 0600 in a 0700 folder (infra.filemodes)
+                if serving is not None:
+                    self._lock = StoreLock(file, serving)
             self.path = path
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         except OSError as exc:  # a parent that is a file, no permission to create the folder
+            self._unlock()
             raise ConfigError("--store", f"{shown}: cannot create its folder ({exc.strerror or exc})") from exc
         except sqlite3.Error as exc:
+            self._unlock()
             raise ConfigError("--store", f"{shown}: {_open_problem(exc)}") from exc
         try:
             self._db.executescript(
@@ -92,9 +101,14 @@ class SqliteStore(Store):
         except (sqlite3.Error, ConfigError) as exc:
             with contextlib.suppress(sqlite3.Error):
                 self._db.close()
+            self._unlock()
             if isinstance(exc, ConfigError):
                 raise
             raise ConfigError("--store", f"{shown}: {_open_problem(exc)}") from exc
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
 
     @property
     def connection(self) -> sqlite3.Connection:
@@ -404,6 +418,7 @@ class SqliteStore(Store):
             except sqlite3.Error as exc:
                 log.warning("session store not closed cleanly; the next start replays its journal",
                             extra={"fields": {"step": step, "path": self.path, "error": str(exc)}})
+        self._unlock()  # after the checkpoint: the next uibus starts on a settled file
 
 
 class _Faults:

@@ -12,6 +12,7 @@ import type { Client } from "@connectrpc/connect";
 import type { JsonObject } from "@bufbuild/protobuf";
 import { AuditService } from "./gen/uibus/v1/audit_pb";
 import type { AuditEntry } from "./gen/uibus/v1/audit_pb";
+import { iconButton } from "./icons";
 
 export type AuditView = {
   audit: Client<typeof AuditService>;
@@ -92,9 +93,7 @@ export function startAudit(v: AuditView): { sessionChanged: () => void } {
   view.hidden = true;
   view.setAttribute("aria-label", "audit log");
   const head = el("div", "audit-head");
-  const close = el("button", "secondary", "×");
-  close.type = "button";
-  close.title = "close";
+  const close = iconButton("close", "close the audit log");
   head.append(el("h2", "", "Audit log"), close);
   const person = el("input");
   person.id = "audit-person";

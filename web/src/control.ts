@@ -10,6 +10,7 @@ import { ConnectError } from "@connectrpc/connect";
 import type { Client } from "@connectrpc/connect";
 import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import type { AgentState, SessionEntry } from "./gen/uibus/v1/sessions_pb";
+import { icon } from "./icons";
 
 export type Control = {
   sessions: Client<typeof SessionService>;
@@ -103,7 +104,8 @@ export function startControl(c: Control): { sessionChanged: () => void; listed: 
       if (e.waitingDialogs) li.append(el("b", "count", String(e.waitingDialogs)));
       li.append(name);
       for (const w of e.workspaces) { // each agent's branch and what it changed (agents with their own worktree)
-        const ws = el("small", "s-ws", `⎇ ${w.agent} +${w.linesAdded} −${w.linesRemoved}`);
+        const ws = el("small", "s-ws", `${w.agent} +${w.linesAdded} −${w.linesRemoved}`);
+        ws.prepend(icon("branch"));
         ws.title = `${w.branch}: ${w.filesChanged} file(s) changed`;
         li.append(ws);
       }

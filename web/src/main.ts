@@ -28,6 +28,8 @@ import { startRoles } from "./roles";
 import { csrfValue, startSignin, watched } from "./signin";
 import { startWorkspaces } from "./workspace";
 import { extensionUi } from "./extui";
+import { iconButton } from "./icons";
+import { startLayout } from "./layout";
 import { renderBody } from "./render";
 import type { Format } from "./render";
 
@@ -77,9 +79,12 @@ document.title = `uibus · ${session}`;
 // Everything that follows the open session stops when this aborts (switching sessions).
 let following = new AbortController();
 
+// The stream's state, in the header's pill and — while nothing is shown yet — in the conversation
+// (a spinner and "Connecting…" until the stream is live, rather than "Waiting for messages…").
 function setStatus(state: "connecting" | "live" | "down", text: string): void {
   statusEl.dataset.state = state;
   statusEl.textContent = text;
+  messages.dataset.state = state;
 }
 
 function logEvent(label: string, detail = ""): void {
@@ -103,7 +108,17 @@ function sayName(say: ClineSay): string {
   return ClineSay[say]?.toLowerCase().replace(/_say$/, "") ?? String(say);
 }
 
+// A hosted agent's reply names its agent (model_info: provider "uibus", model the agent's name).
+const AGENT_PROVIDER = "uibus";
+function replyAgent(m: ClineMessage): string {
+  const info = m.modelInfo;
+  return m.type === ClineMessageType.SAY && m.say === ClineSay.TEXT && info?.providerId === AGENT_PROVIDER
+    ? info.modelId : "";
+}
+
+// A bubble's heading: an agent's reply is headed with the agent's name, live (send) or replayed.
 function messageLabel(m: ClineMessage): string {
+  if (replyAgent(m)) return replyAgent(m);
   if (m.type === ClineMessageType.ASK) return `ask · ${ClineAsk[m.ask]?.toLowerCase() ?? m.ask}`;
   return sayName(m.say).replace(/_/g, " ");
 }
@@ -143,6 +158,9 @@ function scrollDown(): void {
 let pendingChat: { el: HTMLElement; ts: string | null } | null = null;
 // Questions asked from this page, not yet matched to the copy the server keeps (see showPartial).
 const sentByMe: { text: string; el: HTMLElement }[] = [];
+// Replies whose chat ended before the session's copy of them came (the page's one stream may lag the
+// chat's): that copy, when it comes, is theirs — the reply shows once, headed as it was.
+const lateReplies: { el: HTMLElement; agent: string; text: string }[] = [];
 
 function showPartial(m: ClineMessage, replayed = false): void {
   const key = m.ts.toString();
@@ -154,6 +172,11 @@ function showPartial(m: ClineMessage, replayed = false): void {
       && say && m.say === ClineSay.TEXT) {
     pendingChat.ts = key;
     el = pendingChat.el;
+  }
+  if (!el && !replayed && say && m.say === ClineSay.TEXT) {
+    const i = lateReplies.findIndex((r) => r.agent === replyAgent(m)
+      && (m.partial ? r.text.startsWith(m.text) : r.text === m.text));
+    if (i >= 0) el = lateReplies.splice(i, 1)[0].el;
   }
   // A chat question (shown live to every UI of the session, and replayed): the "you" bubble this
   // page already shows for it, if it sent it (kept as drawn, with its attachments' names), else a new one.
@@ -171,7 +194,9 @@ function showPartial(m: ClineMessage, replayed = false): void {
   // While a reply is awaited, what the agent does meanwhile shows above it (the reply stays last).
   if (!el) {
     const before = pendingChat?.el.isConnected ? pendingChat.el : null;
-    el = bubble(say ? "say" : "ask", messageLabel(m), before);
+    const agent = replyAgent(m);
+    el = bubble(agent ? "agent" : say ? "say" : "ask", messageLabel(m), before);
+    if (agent) el.dataset.agent = agent;
   }
   byTs.set(key, el);
   el.dataset.ts = key;
@@ -273,9 +298,8 @@ async function follow(signal: AbortSignal): Promise<void> {
         if (complete && seq > cursor) cursor = seq;
       };
       await ui.initializeWebview(create(EmptyRequestSchema), { signal: mine.signal });
-      setStatus("live", "live");
       for await (const ev of stream) {
-        if (first) { first = false; attempt = 0; }
+        if (first) { first = false; attempt = 0; setStatus("live", "live"); } // its first event: live
         const e = ev.event;
         if (ev.replayComplete) {
           complete = true;
@@ -364,10 +388,7 @@ function showAttachments(): void {
     const chip = document.createElement("span");
     chip.className = "attachment";
     chip.textContent = a.name;
-    const drop = document.createElement("button");
-    drop.type = "button";
-    drop.textContent = "×";
-    drop.title = "remove";
+    const drop = iconButton("close", `remove ${a.name}`, "");
     drop.addEventListener("click", () => { attachments.splice(i, 1); showAttachments(); });
     chip.append(drop);
     return chip;
@@ -396,7 +417,7 @@ async function send(text: string): Promise<void> {
   const files = attachments.splice(0);
   showAttachments();
   const mine = bubble("user", "you");
-  renderBody(mine, "plain", files.length ? `${text}\n📎 ${files.map((f) => f.name).join(", ")}` : text);
+  renderBody(mine, "plain", files.length ? `${text}\n(attached: ${files.map((f) => f.name).join(", ")})` : text);
   sentByMe.push({ text, el: mine });
   const reply = bubble("agent partial", agent);
   renderBody(reply, "markdown", "");
@@ -405,6 +426,7 @@ async function send(text: string): Promise<void> {
   const button = form.querySelector<HTMLButtonElement>("button[type=submit]")!;
   button.disabled = true;
   scrollDown();
+  let said = "";
   try {
     const request = create(ChatRequestSchema, { userMessage: { type: ChatMessage_ChatMessageType.HUMAN, text,
       mimeData: files.map((f) => ({ mimeType: f.type, mimeBytes: f.bytes })) } });
@@ -412,11 +434,16 @@ async function send(text: string): Promise<void> {
       const m = res.response;
       if (m && m.text && (m.type === ChatMessage_ChatMessageType.AGENT_FRAMEWORK || m.type === ChatMessage_ChatMessageType.AI)) {
         renderBody(reply, "markdown", m.text);
+        said = m.text;
         scrollDown();
       }
     }
     reply.classList.remove("partial");
     reply.classList.add("done");
+    if (pendingChat?.el === reply && pendingChat.ts === null) {
+      lateReplies.push({ el: reply, agent, text: said });
+      lateReplies.splice(0, lateReplies.length - 8); // a reply whose copy never comes is forgotten in time
+    }
   } catch (err) {
     reply.classList.remove("partial");
     reply.classList.add("error");
@@ -457,6 +484,7 @@ function switchTo(name: string, push = true): void {
   session = name;
   byTs.clear();
   sentByMe.length = 0;
+  lateReplies.length = 0;
   pendingChat = null;
   messages.replaceChildren();
   cursor = 0n; // the new session's log: from its state, not from a seq of the old one's
@@ -491,5 +519,6 @@ const audit = startAudit({ audit: createClient(AuditService, transport), current
                            header: document.querySelector<HTMLElement>("body > header")! });  // audit.ts
 const roles = startRoles({ team: createClient(TeamService, transport), current: () => session, log: logEvent,
                           dialogs: $<HTMLElement>("dialogs") });  // what this person may do here (roles.ts)
+startLayout(input);
 followSession();
 void loadAgents().then(() => control.sessionChanged());

@@ -8,6 +8,7 @@ import { ConnectError } from "@connectrpc/connect";
 import type { Client } from "@connectrpc/connect";
 import { SessionService } from "./gen/uibus/v1/sessions_pb";
 import type { SessionEntry, Workspace, WorkspaceDiff } from "./gen/uibus/v1/sessions_pb";
+import { icon, iconButton } from "./icons";
 
 export type WorkspaceView = {
   sessions: Client<typeof SessionService>;
@@ -42,9 +43,7 @@ export function startWorkspaces(v: WorkspaceView): { show: (entry: SessionEntry 
   function renderDiff(d: WorkspaceDiff, agent: string): void {
     const head = el("div", "ws-head");
     head.append(el("b", "", `${agent}: ${d.workspace?.branch ?? ""}`));
-    const close = el("button", "secondary", "×");
-    close.type = "button";
-    close.title = "close the diff";
+    const close = iconButton("close", "close the diff");
     close.addEventListener("click", () => { open = ""; v.diff.hidden = true; v.diff.replaceChildren(); });
     const exp = el("button", "secondary ws-export", "Export…");
     exp.type = "button";
@@ -105,7 +104,8 @@ export function startWorkspaces(v: WorkspaceView): { show: (entry: SessionEntry 
     v.list.replaceChildren(...spaces.map((w) => {
       const row = el("div", "ws-row");
       row.dataset.agent = w.agent;
-      const b = el("button", "secondary ws-open", `${w.agent} ⎇ ${w.branch}`);
+      const b = el("button", "secondary ws-open", `${w.agent} `);
+      b.append(icon("branch"), w.branch);
       b.type = "button";
       b.title = `base ${w.base.slice(0, 12)}${w.error ? ` (${w.error})` : ""}: show the diff`;
       b.addEventListener("click", () => void load(w.agent, key(w)));

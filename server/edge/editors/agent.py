@@ -291,6 +291,7 @@ class Editor:
     async def new(self, params: dict[str, Any]) -> dict[str, Any]:
         _cwd(params)
         dirs = await roots.directories(params, self.uplink)
+        await self.uplink.check_agent()  # an agent the server does not have: refused here, naming those it has
         name = f"{self.prefix}{secrets.token_hex(8)}"
         await self.uplink.create(name)  # listed at once (session/list, every UI's ListSessions)
         await self._attach(name, replay=False, directories=dirs)

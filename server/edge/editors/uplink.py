@@ -140,6 +140,20 @@ class Uplink:
         """The sessions the channel's token may use (named `prefix…`), most recently active first."""
         return await self._list(sessions_pb2.ListSessionsRequest(prefix=prefix))
 
+    async def check_agent(self) -> None:
+        """Raises the server's UNIMPLEMENTED, which names the agents it has, when the configured agent
+        is not one of them: `session/new` refuses at once rather than leaving it to the first prompt.
+        The default agent ("") is always there; any other failure is left to the prompt to say."""
+        if not self.agent:
+            return
+        try:
+            await self._connectivity(agent_pb2.ConnectivityRequest(), timeout=CONNECTIVITY_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        except TimeoutError:
+            return
+
     async def create(self, session: str) -> None:
         """Makes `session` exist (CreateSession: listed at once, counted in the tenant's sessions
         per minute), naming the configured agent."""

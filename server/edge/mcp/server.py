@@ -333,15 +333,17 @@ class McpServer:
             return
         structured: dict[str, Any] = {}
         text = final.text
+        failed = final.HasField("structure") and "error" in final.structure.fields  # uibus.domain.chat's marker
         if final.HasField("structure"):
             structured["structure"] = json_format.MessageToDict(final.structure)
-            text += f"\n```json\n{json.dumps(structured['structure'], indent=2)}\n```"
+            if not failed:  # a failure's structure repeats its text: the text alone, as a tool error
+                text += f"\n```json\n{json.dumps(structured['structure'], indent=2)}\n```"
         if final.HasField("chat_context"):
             structured["chat_context"] = json_format.MessageToDict(final.chat_context,
                                                                    preserving_proto_field_name=True)
         if final.HasField("sly_data"):
             structured["sly_data"] = json_format.MessageToDict(final.sly_data)
-        yield Reply(protocol.text_result(text, structured or None))
+        yield Reply(protocol.text_result(text, structured or None, is_error=failed))
 
 
 SERVED = ("initialize", "ping", "tools/list", "tools/call", "resources/list", "resources/read",
