@@ -45,6 +45,21 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by them
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The docs' command blocks that are not run here (marked `docs-test: skip`, each naming the test
+    that covers it: tests/test_docs_run.py checks that), listed so a reader of the log sees them."""
+    ran = (r for reports in terminalreporter.stats.values() for r in reports)
+    if not any(str(getattr(r, "nodeid", "")).startswith("tests/test_docs_run.py") for r in ran):
+        return
+    from tests.docs_blocks import all_blocks
+
+    skipped = [b for b in all_blocks() if b.skip]
+    if skipped:
+        terminalreporter.section("docs blocks not run here (each names the test that covers it)")
+        for block in skipped:
+            terminalreporter.write_line(f"{block.where}: {block.skip}")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The markers of what a test needs (pyproject.toml's list): from the fixtures it uses (marked
     with tests.support.needs), and `slow` for a test allowed more than the default timeout."""
