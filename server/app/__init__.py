@@ -34,7 +34,7 @@ from uibus.agents.config import load_agents
 from uibus.agents.limits import tenant_totals
 from uibus.app.figures import figures
 from uibus.app.installers import INSTALLERS
-from uibus.app.page_signin import enter_signin
+from uibus.app.page_signin import enter_identity, enter_signin
 from uibus.domain.core import Core
 from uibus.edge import reflection
 from uibus.edge.calls.admission import admission_for
@@ -50,8 +50,6 @@ from uibus.infra.audit_backends import audit_log_for
 from uibus.infra.auth import Tokens
 from uibus.infra.bus import Bus
 from uibus.infra.config import Config, address, is_loopback, redacted
-from uibus.infra.oidc import Oidc
-from uibus.infra.oidc import installed as oidc_installed
 from uibus.infra.peers import OwnUserOnly
 from uibus.infra.peers import available as peers_available
 from uibus.infra.sqlite_store import SqliteStore
@@ -60,7 +58,7 @@ from uibus.infra.tasks import Tasks, cancel_and_wait
 from uibus.infra.webview import webview_html
 from uibus.infra.worker_table import Worker
 from uibus.replicas.placement import Placement, placement_for, sharing_for
-from uibus.replicas.shared_quotas import quotas_for
+from uibus.replicas.quota_sharing import quotas_for
 
 log = logging.getLogger("uibus")
 HEALTH = "grpc.health.v1.Health"
@@ -182,7 +180,7 @@ class App:
         self.metrics: Metrics | None = None
         self.tokens = Tokens()  # the tokens in force once started (see `reload_tokens`)
         self.own_user: OwnUserOnly | None = None  # no tokens on loopback: who may call (uibus.infra.peers)
-        self.oidc: Oidc | None = None  # the identity provider (--oidc-issuer): its keys, its verifier
+        self.oidc: Any = None  # the identity provider (--oidc-issuer): its keys, its verifier
         self.service_names: list[str] = []
         self.port = 0  # the bound gRPC port
         self.http_port = 0  # the bound HTTP port (0 = no HTTP server)
@@ -300,7 +298,7 @@ class App:
             tenant_totals(cfg)  # --quota-tenant-memory-mb, --quota-tenant-pids (uibus.agents.limits)
         # Agents' /mcp tokens minted here (never --auth-token), tenants named, their process shares counted.
         tokens = self.tokens = Tokens(cfg.auth_token, cfg.tokens_file, cfg.metrics_token)
-        self.oidc = await res.enter("identity provider", oidc_installed(cfg, tokens))  # before `tokens.enabled`
+        self.oidc = await enter_identity(res.enter, cfg, tokens)  # before `tokens.enabled`
         signin = await enter_signin(res.enter, cfg, store, tokens, self.oidc, getattr(self, "audit", None))  # page
         quotas = self.quotas = await res.enter("quotas", quotas_for(cfg, bus))  # shared on replicas
         # What other replicas must see of this one (shared store entries), when there are replicas.
@@ -332,7 +330,9 @@ class App:
             log.warning("this system cannot tell which user a loopback connection is from: every local user can "
                         "call this uibus; pass --auth-token to keep them out")
         pipeline = Pipeline(metrics, tokens, worker.headers if worker is not None else (), quotas, own_user)
-        pipeline.admission = admission_for(cfg.tenant_concurrency, cfg.quota_calls_per_second * tokens.enabled, quotas)
+        # Fair shares are between tenants: without tokens every caller is the one tenant `anonymous`.
+        pipeline.admission = admission_for(cfg.tenant_concurrency * tokens.enabled,
+                                           cfg.quota_calls_per_second * tokens.enabled, quotas)
         server = self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),

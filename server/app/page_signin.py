@@ -13,10 +13,20 @@ from uibus.edge.transports.signin import Provider, SignIn
 from uibus.infra.auth import Tokens
 from uibus.infra.config import Config
 from uibus.infra.store import Store
-from uibus.infra.web_sessions import WebSessions
 
 T = TypeVar("T")
 Enter = Callable[[str, AbstractAsyncContextManager[T]], Awaitable[T]]
+
+
+async def enter_identity(enter: Enter[Any], config: Config, tokens: Tokens) -> Any:
+    """The identity provider (--oidc-issuer: its keys fetched, its verifier on `tokens`), entered with
+    `enter`; None without one. Imported here only then: its JOSE and HTTP stack is ~20 MB of a
+    uibus that has no provider (uibus.infra.oidc)."""
+    if not config.oidc_issuer:
+        return None
+    from uibus.infra.oidc import installed
+
+    return await enter("identity provider", installed(config, tokens))
 
 
 async def enter_signin(enter: Enter[Any], config: Config, store: Store, tokens: Tokens,
@@ -26,6 +36,8 @@ async def enter_signin(enter: Enter[Any], config: Config, store: Store, tokens: 
     verifier takes every JWT and would refuse the page's (another issuer)."""
     if provider is None:
         return None
+    from uibus.infra.web_sessions import WebSessions  # its JOSE stack: only when sign-in is on
+
     web: WebSessions = await enter("page sign-in sessions", WebSessions(
         store, max_age_s=config.session_max_age_seconds, secret_file=config.session_secret_file))
     tokens.verifiers.insert(0, web.verify)

@@ -64,7 +64,7 @@ from uibus.edge.calls.admission import Admission, tenant_here
 from uibus.edge.calls.roles import Deferred, RoleCheck, checked
 from uibus.edge.calls.scope import agent_check, agent_refusal, agent_tool
 from uibus.edge.metrics import Metrics
-from uibus.infra.actor import acting, current
+from uibus.infra.actor import acting, current, snapshot
 from uibus.infra.auth import Grant, Tokens, bearer
 from uibus.infra.bus import LIVE
 from uibus.infra.errors import PermissionDenied, UibusError, Unauthenticated
@@ -377,7 +377,7 @@ class Pipeline:
                 started = time.perf_counter()
                 code = "OK"
                 span = failure = token = ctx = lease = task = None
-                before = current()  # the actor, restored at the end: an in-process call runs in its caller's task
+                before = snapshot()  # the actor, restored at the end: an in-process call runs in its caller's task
                 try:
                     if needs_auth and (not isinstance(context, CallContext) or context.transport != "inprocess"):
                         task = asyncio.current_task()
@@ -450,7 +450,7 @@ class Pipeline:
             started = time.perf_counter()
             code = "OK"
             span = token = failure = tenant = None
-            before = current()
+            before = snapshot()
             try:
                 if spans is None:
                     request = admit(request, context)

@@ -10,6 +10,7 @@ every signature, and a call that carries no actor (uibus's own work: a turn's en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -27,15 +28,25 @@ class Actor:
 
 
 SYSTEM = Actor("uibus", door="internal")
-_CURRENT: ContextVar[Actor] = ContextVar("uibus_actor", default=SYSTEM)
+# The actor, or how to make it: the pipeline names every call's actor but only a few calls record
+# anything (an approval, a stop), so it sets a maker and `current()` makes the Actor when asked.
+Maker = Actor | Callable[[], Actor]
+_CURRENT: ContextVar[Maker] = ContextVar("uibus_actor", default=SYSTEM)
 
 
 def current() -> Actor:
+    found = _CURRENT.get()
+    return found if found.__class__ is Actor else found()  # type: ignore[operator, return-value]
+
+
+def snapshot() -> Maker:
+    """The current actor as it was set (not made): what `acting` restores after a nested call."""
     return _CURRENT.get()
 
 
-def acting(actor: Actor) -> object:
-    """Makes `actor` the current one for this context; the token `restore` takes."""
+def acting(actor: Maker) -> object:
+    """Makes `actor` (or what `actor()` makes, when asked) the current one for this context; the
+    token `restore` takes."""
     return _CURRENT.set(actor)
 
 

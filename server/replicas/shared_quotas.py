@@ -1,7 +1,7 @@
 """Per-tenant quotas that hold across replicas: a tenant's N replicas together hold ONE quota.
 
 `uibus.infra.quotas.Quotas` counts in one process, so with N replicas a tenant would hold N × each
-quota. With a Redis URL the app uses `SharedQuotas` instead (`quotas_for`); every door still asks the
+quota. With a Redis URL the app uses `SharedQuotas` instead (uibus.replicas.quota_sharing); every door still asks the
 same `hold` / `tick` / `take`, and nothing in the domain or the edge knows which one it got.
 
 * **Rate quotas** (`sessions_per_minute`) are exact: `take` runs one Lua script (RATE) on a sorted set
@@ -36,20 +36,17 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 from urllib.parse import quote
 
 from redis.exceptions import RedisError
 
-from uibus.infra.bus import Bus
-from uibus.infra.config import Config
-from uibus.infra.quotas import QUOTAS, WINDOW_S, Quotas
+from uibus.infra.quotas import WINDOW_S, Quotas
 from uibus.infra.redis.conn import CLUSTER_OUTAGE, OUTAGE_ERRORS, make_client
 
 log = logging.getLogger("uibus.quotas")
 
-__all__ = ["SharedQuotas", "quotas_for"]
+__all__ = ["SharedQuotas"]
 
 REFRESH_S = 0.5  # the longest between two exchanges of held counts (the heartbeat)
 MIN_GAP_S = 0.05  # changes within this of the last exchange wait for the next (one write for a burst)
@@ -100,15 +97,6 @@ return 1
 """
 
 _OUTAGE = (*OUTAGE_ERRORS, *CLUSTER_OUTAGE, TimeoutError)
-
-
-def quotas_for(config: Config, bus: Bus) -> AbstractAsyncContextManager[Quotas]:
-    """The quotas in force, as the app enters them: shared through Redis when replicas share one
-    (a replicated bus), else this process's own. The one place that asks whether there are replicas."""
-    limits = {name: getattr(config, f"quota_{name}") for name in QUOTAS}
-    if config.redis_url and bus.replicated:
-        return SharedQuotas(limits, config.redis_url, bus.replica_id, cluster=config.redis_cluster)
-    return nullcontext(Quotas(limits))
 
 
 class SharedQuotas(Quotas):

@@ -14,6 +14,7 @@ client names itself (ACP's `initialize`, MCP's `clientInfo`), that name and vers
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from uibus.edge.calls.context import CallContext
@@ -65,4 +66,4 @@ def actor_of(grant: Grant | None, context: Any) -> Actor:
 def admitted(grant: Grant | None, context: Any) -> None:
     """Makes the admitted caller the current actor of this call (the pipeline restores the one before
     when the call ends: an in-process call runs in its caller's task)."""
-    acting(actor_of(grant, context))
+    acting(partial(actor_of, grant, context))  # made only if something records (uibus.infra.actor)

@@ -14,9 +14,13 @@ what tells an MCP client (or any client) where to get a token, when `--oidc-issu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from uibus.edge.transports.asgi import Message, Receive, Scope, Send, header, respond, respond_json
 from uibus.edge.transports.mcp_http import PATH as MCP_PATH
-from uibus.infra.oidc import Oidc
+
+if TYPE_CHECKING:  # the provider's JOSE stack loads only with --oidc-issuer
+    from uibus.infra.oidc import Oidc
 
 METADATA_PATH = "/.well-known/oauth-protected-resource"
 PATHS = (METADATA_PATH, METADATA_PATH + MCP_PATH)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -62,7 +63,6 @@ from uibus.edge.transports.team_http import SESSIONS_PATH as TEAM_PATH
 from uibus.infra.auth import Tokens
 from uibus.infra.errors import PermissionDenied, Unauthenticated
 from uibus.infra.json_input import dump_json
-from uibus.infra.oidc import Oidc
 from uibus.infra.peers import OwnUserOnly
 from uibus.infra.webview import login_html
 
@@ -136,6 +136,9 @@ TABLE: tuple[Route, ...] = (
     Route("/metrics", "metrics", METRICS_READER, methods=GET),  # every tenant's traffic
     Route("/", "not found", PUBLIC, prefix=True, websocket=True),
 )
+
+if TYPE_CHECKING:  # the provider's JOSE stack loads only with --oidc-issuer
+    from uibus.infra.oidc import Oidc
 
 
 class Routes:

@@ -31,10 +31,8 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, quote_plus, urlencode
-
-import aiohttp
 
 from uibus.edge.transports.asgi import (
     BodyTooLarge,
@@ -50,7 +48,11 @@ from uibus.edge.transports.asgi import (
 from uibus.infra.actor import Actor, acting, restore
 from uibus.infra.auth import Grant
 from uibus.infra.errors import Unauthenticated
-from uibus.infra.web_sessions import PageSession, WebSessions
+
+if TYPE_CHECKING:  # the session tokens' JOSE stack loads only when sign-in is configured
+    import aiohttp
+
+    from uibus.infra.web_sessions import PageSession, WebSessions
 
 log = logging.getLogger("uibus.web.signin")
 
@@ -132,6 +134,8 @@ class SignIn:
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> SignIn:
+        import aiohttp  # ~9 MB: loaded only when sign-in is configured (the route table imports this module)
+
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=EXCHANGE_TIMEOUT_S))
         return self
 
@@ -270,6 +274,8 @@ class SignIn:
         if not code:
             raise Unauthenticated("the provider sent no code back")
         assert self._http is not None, "SignIn is used before it was entered"
+        import aiohttp  # already loaded by __aenter__
+
         basic = aiohttp.encode_basic_auth(_form(self.client_id), _form(self.client_secret))  # RFC 6749 2.3.1
         data = {"grant_type": "authorization_code", "code": code, "redirect_uri": flow["redirect_uri"],
                 "code_verifier": flow["verifier"]}
